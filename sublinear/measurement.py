@@ -1,0 +1,144 @@
+"""``sublinear.measure``: the exact peak memory of one step, on CPU, meta or CUDA."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from .tracking import StorageTracker, storages_of
+
+__all__ = ["MemoryReport", "measure"]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Memory of one call of a step function, in bytes.
+
+    ``peak_bytes`` is everything live at the step's peak: parameters, buffers and tensor arguments that existed
+    before the step (``baseline_bytes``), plus what the step allocated and still held at that moment (activations,
+    temporaries, gradients). ``activation_peak_bytes`` is the peak of the step's own allocations other than the
+    parameter gradients; ``gradient_bytes`` are the parameter gradients alive when the step returns.
+    """
+
+    peak_bytes: int
+    baseline_bytes: int
+    parameter_bytes: int
+    buffer_bytes: int
+    input_bytes: int
+    gradient_bytes: int
+    activation_peak_bytes: int
+    device: str
+    method: str
+
+    def __str__(self) -> str:
+        mib = 2**20
+        return (f"peak {self.peak_bytes / mib:.1f} MiB on {self.device} ({self.method}): "
+                f"parameters {self.parameter_bytes / mib:.1f}, buffers {self.buffer_bytes / mib:.1f}, "
+                f"inputs {self.input_bytes / mib:.1f}, gradients {self.gradient_bytes / mib:.1f}, "
+                f"activation peak {self.activation_peak_bytes / mib:.1f} MiB")
+
+
+def measure(step: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
+    """Run ``step(*args, **kwargs)`` once and report its peak memory.
+
+    Modules found among the arguments contribute their parameters and buffers to the baseline, tensors
+    contribute themselves. On CPU and meta every storage returned by an aten op is tracked until released
+    (views and in-place results count once). On CUDA the caching allocator's ``max_memory_allocated`` is read
+    after a reset, so the figure is the allocator's (512-byte rounded) truth.
+    """
+    modules = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, nn.Module)]
+    tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+    params = _unique_storages(p for m in modules for p in m.parameters())
+    buffers = _unique_storages(b for m in modules for b in m.buffers()) - params
+    inputs = _unique_storages(tensors) - params - buffers
+    param_bytes, buffer_bytes, input_bytes = (_bytes(s) for s in (params, buffers, inputs))
+    device = _device_of(modules, tensors)
+
+    if device.type == "cuda":
+        return _measure_cuda(step, args, kwargs, modules, device, param_bytes, buffer_bytes, input_bytes)
+
+    events: list[tuple[str, int, int]] = []
+    serial_of: dict[int, int] = {}
+    counter = iter(range(1 << 62))
+
+    def listener(kind: str, key: int, nbytes: int) -> None:
+        if kind == "alloc":
+            serial_of[key] = next(counter)
+            events.append((kind, serial_of[key], nbytes))
+        elif key in serial_of:  # storages that existed before the step have no serial
+            events.append((kind, serial_of.pop(key), nbytes))
+
+    tracker = StorageTracker()
+    tracker.track(p for m in modules for p in m.parameters())
+    tracker.track(b for m in modules for b in m.buffers())
+    tracker.track(tensors)
+    baseline = tracker.live_bytes
+    tracker.listener = listener
+    with tracker:
+        step(*args, **kwargs)
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    grad_serials = {serial_of[st._cdata] for st in storages_of(grads) if st._cdata in serial_of}
+    return MemoryReport(
+        peak_bytes=tracker.peak_bytes,
+        baseline_bytes=baseline,
+        parameter_bytes=param_bytes,
+        buffer_bytes=buffer_bytes,
+        input_bytes=input_bytes,
+        gradient_bytes=_bytes(storages_of(grads)),
+        activation_peak_bytes=_peak_excluding(events, grad_serials),
+        device=str(device),
+        method="storage-tracking",
+    )
+
+
+def _measure_cuda(step, args, kwargs, modules, device, param_bytes, buffer_bytes, input_bytes) -> MemoryReport:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    step(*args, **kwargs)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    grad_bytes = _bytes(storages_of(grads))
+    return MemoryReport(
+        peak_bytes=peak,
+        baseline_bytes=baseline,
+        parameter_bytes=param_bytes,
+        buffer_bytes=buffer_bytes,
+        input_bytes=input_bytes,
+        gradient_bytes=grad_bytes,
+        activation_peak_bytes=max(0, peak - baseline - grad_bytes),
+        device=str(device),
+        method="cuda-allocator",
+    )
+
+
+def _unique_storages(tensors) -> set:
+    return {(st._cdata, st.nbytes()) for st in storages_of(list(tensors))}
+
+
+def _bytes(storages) -> int:
+    if isinstance(storages, set):
+        return sum(nbytes for _, nbytes in storages)
+    return sum(st.nbytes() for st in storages)
+
+
+def _device_of(modules: list[nn.Module], tensors: list[torch.Tensor]) -> torch.device:
+    for t in [*(p for m in modules for p in m.parameters()), *tensors]:
+        return t.device
+    return torch.device("cpu")
+
+
+def _peak_excluding(events: list[tuple[str, int, int]], excluded: set[int]) -> int:
+    live = peak = 0
+    for kind, serial, nbytes in events:
+        if serial in excluded:
+            continue
+        live += nbytes if kind == "alloc" else -nbytes
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,104 @@
+"""Storage-level memory accounting through a TorchDispatchMode.
+
+Every tensor an aten op returns is resolved to its untyped storage. A storage is counted once, when it is
+first seen, and released when its last reference dies (a weakref finalizer on the storage object, which
+PyTorch keeps unique per storage). Views and in-place results therefore alias their base: memory is per
+storage, never per tensor.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["StorageTracker", "storage_key", "storages_of"]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage behind ``t`` (stable while the storage is alive)."""
+    return t.untyped_storage()._cdata
+
+
+def storages_of(value: Any) -> list[torch.UntypedStorage]:
+    """Distinct untyped storages of the plain tensors in a (nested) value."""
+    seen: dict[int, torch.UntypedStorage] = {}
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and _owns_storage(leaf):
+            st = leaf.untyped_storage()
+            seen.setdefault(st._cdata, st)
+    return list(seen.values())
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    # Wrapper subclasses (DTensor, FakeTensor) dispatch to inner tensors and own no storage themselves.
+    return type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+
+
+EventListener = Callable[[str, int, int], None]
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live and peak bytes of the storages returned by aten ops inside the mode.
+
+    ``live_bytes``/``peak_bytes`` include storages registered with :meth:`track` (pre-existing tensors such as
+    parameters). ``listener(kind, key, nbytes)`` is called with ``kind`` in {"alloc", "free"} for every change.
+    Subclasses may override :meth:`on_op` to inspect each aten call.
+    """
+
+    def __init__(self, listener: EventListener | None = None) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.listener = listener
+        self._finalizers: dict[int, weakref.finalize] = {}
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        """Count storages that already exist (parameters, inputs) as live."""
+        for st in storages_of(list(tensors)):
+            self._register(st)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.on_op(func, args, kwargs, out)
+        for st in storages_of(out):
+            self._register(st)
+        return out
+
+    def on_op(self, func, args, kwargs, out) -> None:
+        """Hook for subclasses; called after each aten op, before its outputs are registered."""
+
+    def _register(self, st: torch.UntypedStorage) -> None:
+        key = st._cdata
+        nbytes = st.nbytes()
+        if key in self.live:
+            return
+        self.live[key] = nbytes
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        self._finalizers[key] = weakref.finalize(st, self._release, key)
+        if self.listener is not None:
+            self.listener("alloc", key, nbytes)
+
+    def _release(self, key: int) -> None:
+        nbytes = self.live.pop(key, None)
+        self._finalizers.pop(key, None)
+        if nbytes is None:
+            return
+        self.live_bytes -= nbytes
+        if self.listener is not None:
+            self.listener("free", key, nbytes)
+
+    def __exit__(self, *exc):
+        # Storages still alive stop being watched: later frees must not call into a finished tracker.
+        for fin in self._finalizers.values():
+            fin.detach()
+        self._finalizers.clear()
+        return super().__exit__(*exc)
