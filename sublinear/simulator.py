@@ -1,0 +1,261 @@
+"""Simulate: predicted peak memory and recompute FLOPs of one training step under a plan.
+
+The one scoring function every planner uses. It needs only a :class:`GraphProfile` (plain numbers) and follows
+the plan semantics in :mod:`sublinear.plan` to the storage: each storage lives from the op that produced it until
+its last holder lets go (the forward values reading it, autograd for retained saves, a block's frame, the
+recompute of its block, the caller for outputs). The gradient side of backward is plan-independent and taken
+from the profiled eager step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import Plan
+from .profiler import GraphProfile
+
+__all__ = ["PlanAnalysis", "Simulation", "analyse", "simulate", "timeline"]
+
+
+@dataclass(frozen=True)
+class Simulation:
+    peak_bytes: int  # everything live at the peak: parameters, buffers, inputs, gradients, activations
+    recompute_flops: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    peak_slot: str  # where the peak happens, for humans
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        return self.peak_bytes
+
+
+@dataclass(frozen=True)
+class PlanAnalysis:
+    """Derived facts of a plan that both the simulator and ``sublinear plan`` report."""
+
+    block_of: np.ndarray
+    recomputed: np.ndarray  # per op: may be recomputed (not kept, not pinned, not in the last block)
+    retained: np.ndarray  # per storage
+    dropped: np.ndarray  # per storage: saved by autograd but not retained (rebuilt in backward)
+    closure: list[list[int]]  # per block: ops re-run in backward, ascending
+    trigger: list[int]  # per block: op whose backward first needs a dropped storage (-1: none)
+    frame_end_op: list[int]  # per block: op after whose backward the block's frame is released (-1: none)
+
+
+def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
+    n = profile.num_ops
+    plan.validate(n)
+    splits = np.asarray(plan.split_points, dtype=np.int64)
+    ops = np.arange(n)
+    block_of = np.searchsorted(splits, ops) if n else np.zeros(0, dtype=np.int64)
+    last_block = len(splits) - 1
+    recomputed = block_of != last_block
+    for o in plan.kept:
+        recomputed[o] = False
+    for op in profile.ops:
+        if op.pinned:
+            recomputed[op.index] = False
+
+    producer = profile.storage_producer
+    last_use = profile.storage_last_use
+    producer_block = block_of[producer] if len(producer) else producer
+    reader_block = np.where(last_use >= n, last_block + 1, block_of[np.minimum(last_use, max(n - 1, 0))]) \
+        if len(producer) else producer
+    retained = (~recomputed[producer]) | (reader_block > producer_block) if len(producer) else producer.astype(bool)
+    for o in np.flatnonzero(~recomputed):  # a kept op's values stay, and so do the storages they view
+        retained[list(profile.op_storages[o])] = True
+    reaches = profile.reaches_output
+    saved = np.array([any(reaches[o] for o in ops_) for ops_ in profile.storage_saved_by], dtype=bool)
+    dropped = saved & ~retained
+
+    num_blocks = len(splits)
+    closure_sets: list[set[int]] = [set() for _ in range(num_blocks)]
+    trigger = [-1] * num_blocks
+    frame_end = [-1] * num_blocks
+    for s in np.flatnonzero(dropped):
+        b = int(producer_block[s])
+        closure_sets[b].add(int(producer[s]))
+        holders = [o for o in profile.storage_saved_by[s] if reaches[o]]
+        trigger[b] = max(trigger[b], max(holders))
+        frame_end[b] = min(holders) if frame_end[b] < 0 else min(frame_end[b], min(holders))
+    closure = []
+    for members in closure_sets:
+        stack = list(members)
+        while stack:
+            j = stack.pop()
+            for p, storages in profile.op_inputs[j]:
+                if p not in members and any(not retained[s] for s in storages):
+                    members.add(p)
+                    stack.append(p)
+        closure.append(sorted(members))
+    return PlanAnalysis(block_of, recomputed, retained, dropped, closure, trigger, frame_end)
+
+
+def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
+    """Predict the step's peak bytes and recompute FLOPs under ``plan``."""
+    n = profile.num_ops
+    if n == 0:
+        base = profile.baseline_bytes + profile.gradient_bytes
+        return Simulation(base, 0, base, base, "empty graph")
+    a = analyse(profile, plan)
+    totals, labels = timeline(profile, plan, a)
+    peak_at = int(np.argmax(totals))
+    recompute_flops = sum(profile.ops[j].flops for members in a.closure for j in members)
+    return Simulation(
+        peak_bytes=int(totals[peak_at]),
+        recompute_flops=int(recompute_flops),
+        forward_peak_bytes=int(totals[:n].max()),
+        backward_peak_bytes=int(totals[n:].max()),
+        peak_slot=labels[peak_at],
+    )
+
+
+def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -> tuple[np.ndarray, list[str]]:
+    """Predicted live bytes at every slot of the step (forward ops, recomputes, backward ops), with labels."""
+    n = profile.num_ops
+    a = a or analyse(profile, plan)
+    ops = profile.ops
+
+    # Timeline: forward slots 0..n-1, then backward: each block's recompute just before its trigger op's backward.
+    backward_slot = np.zeros(n, dtype=np.int64)
+    recompute_slot: dict[int, int] = {}
+    extra: list[int] = [op.forward_extra_bytes for op in ops]
+    labels: list[str] = [f"forward {op.name}" for op in ops]
+    triggers = {t: b for b, t in enumerate(a.trigger) if t >= 0}
+    t = n
+    for o in range(n - 1, -1, -1):
+        b = triggers.get(o)
+        if b is not None:
+            for j in a.closure[b]:
+                recompute_slot[j] = t
+                extra.append(ops[j].forward_extra_bytes + ops[o].grad_start_bytes)
+                labels.append(f"recompute {ops[j].name}")
+                t += 1
+        backward_slot[o] = t
+        extra.append(ops[o].grad_peak_bytes)
+        labels.append(f"backward {ops[o].name}")
+        extra.append(ops[o].grad_after_release_bytes)  # what the op saved is gone; its gradients may grow
+        labels.append(f"backward {ops[o].name}, after release")
+        t += 2
+    end = t
+    extra.append(profile.gradient_bytes)
+    labels.append("end of step")
+    held = np.zeros(end + 2, dtype=np.int64)
+
+    def hold(start: int, stop: int, nbytes: int) -> None:
+        # Allocated during slot `start` (counted there by `extra`), released after slot `stop`.
+        if stop > start:
+            held[start + 1] += nbytes
+            held[stop + 1] -= nbytes
+
+    retained, dropped = a.retained, a.dropped
+    producer, last_use = profile.storage_producer, profile.storage_last_use
+    sizes = profile.storage_bytes
+    frame_stop = [backward_slot[e] if e >= 0 else -1 for e in a.frame_end_op]
+    split_of_block = plan.split_points
+    frame_inputs = _frame_inputs(profile, a)
+    in_forward_frame = _forward_frame_inputs(profile, a)
+    reaches = profile.reaches_output
+    released = _forward_release(profile, end)
+    for s in range(len(sizes)):
+        p = int(producer[s])
+        stop = end if last_use[s] >= n else int(last_use[s])
+        for o in profile.storage_saved_by[s]:
+            if not reaches[o]:
+                stop = max(stop, int(released[o]))  # stored: its node dies in forward, never recomputed
+            elif retained[s]:
+                stop = max(stop, int(backward_slot[o]))
+        for b in in_forward_frame.get(s, ()):
+            stop = max(stop, split_of_block[b])
+        for b in frame_inputs.get(s, ()):
+            stop = max(stop, frame_stop[b])
+        hold(p, stop, int(sizes[s]))
+
+    # Recomputed copies: live from their recompute until the last closure reader or the last dropped-save holder.
+    readers = _closure_readers(profile, a)
+    for b, members in enumerate(a.closure):
+        if not members:
+            continue
+        for s in _storages_of_ops(profile, members):
+            j = int(producer[s])
+            start = recompute_slot[j]
+            stop = start
+            for k in readers.get(s, ()):
+                stop = max(stop, recompute_slot[k])
+            if dropped[s]:
+                stop = max(stop, *(int(backward_slot[o]) for o in profile.storage_saved_by[s] if reaches[o]))
+            hold(start, stop, int(sizes[s]))
+
+    for op in ops:
+        if op.snapshot_bytes and a.recomputed[op.index]:
+            b = int(a.block_of[op.index])
+            stop = frame_stop[b] if op.index in a.closure[b] else split_of_block[b]
+            hold(op.index, max(stop, op.index + 1), op.snapshot_bytes)
+
+    live = np.cumsum(held)[: end + 1]
+    return live + np.asarray(extra, dtype=np.int64) + profile.baseline_bytes, labels
+
+
+def _forward_release(profile: GraphProfile, end: int) -> np.ndarray:
+    """Per op: the forward slot after which its autograd nodes die when its values never reach the outputs.
+
+    A node lives while any tensor downstream of it does, so the release of an op is the latest of its own values'
+    last use and the release of every op that reads them.
+    """
+    n = profile.num_ops
+    release = np.arange(n, dtype=np.int64)
+    last = np.where(profile.storage_last_use >= n, end, profile.storage_last_use)
+    np.maximum.at(release, profile.storage_producer, last)
+    consumers: list[list[int]] = [[] for _ in range(n)]
+    for c, inputs in enumerate(profile.op_inputs):
+        for p, _ in inputs:
+            consumers[p].append(c)
+    for o in range(n - 1, -1, -1):
+        for c in consumers[o]:
+            release[o] = max(release[o], release[c])
+    return release
+
+
+def _storages_of_ops(profile: GraphProfile, members: list[int]) -> np.ndarray:
+    return np.flatnonzero(np.isin(profile.storage_producer, members))
+
+
+def _closure_readers(profile: GraphProfile, a: PlanAnalysis) -> dict[int, list[int]]:
+    """storage -> closure ops that read it from a recomputed producer."""
+    readers: dict[int, list[int]] = {}
+    for members in a.closure:
+        inside = set(members)
+        for j in members:
+            for p, storages in profile.op_inputs[j]:
+                if p in inside:
+                    for s in storages:
+                        readers.setdefault(s, []).append(j)
+    return readers
+
+
+def _frame_inputs(profile: GraphProfile, a: PlanAnalysis) -> dict[int, list[int]]:
+    """storage -> blocks whose frame holds it until the block's backward ends (closure inputs from outside)."""
+    holds: dict[int, list[int]] = {}
+    for b, members in enumerate(a.closure):
+        inside = set(members)
+        for j in members:
+            for p, storages in profile.op_inputs[j]:
+                if p not in inside:
+                    for s in storages:
+                        holds.setdefault(s, []).append(b)
+    return holds
+
+
+def _forward_frame_inputs(profile: GraphProfile, a: PlanAnalysis) -> dict[int, list[int]]:
+    """storage -> blocks whose frame holds it during the block's forward (inputs of recomputable ops)."""
+    holds: dict[int, list[int]] = {}
+    for j in np.flatnonzero(a.recomputed):
+        b = int(a.block_of[j])
+        for p, storages in profile.op_inputs[j]:
+            for s in storages:
+                if a.retained[s]:
+                    holds.setdefault(s, []).append(b)
+    return holds

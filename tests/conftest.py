@@ -1,0 +1,174 @@
+"""Shared fixtures: small models that exercise the traps (in-place ops, views, BatchNorm, dropout, branches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from sublinear.profiler import default_loss
+
+
+class ResidualNet(nn.Module):
+    """Conv/BN/ReLU(inplace) residual blocks, dropout, a multi-output op (max_pool2d with indices)."""
+
+    def __init__(self, width: int = 8, blocks: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList()
+        for _ in range(blocks):
+            self.blocks.append(nn.ModuleDict(dict(
+                c1=nn.Conv2d(width, width, 3, padding=1, bias=False), b1=nn.BatchNorm2d(width),
+                c2=nn.Conv2d(width, width, 3, padding=1, bias=False), b2=nn.BatchNorm2d(width),
+                relu=nn.ReLU(inplace=True))))
+        self.drop = nn.Dropout(0.2)
+        self.fc = nn.Linear(width, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x, _indices = F.max_pool2d(x, 2, return_indices=True)
+        for b in self.blocks:
+            out = b["relu"](b["b1"](b["c1"](x)))
+            out = b["b2"](b["c2"](out))
+            out += x
+            x = b["relu"](out)
+        return self.fc(self.drop(x.mean((2, 3))))
+
+
+class Branchy(nn.Module):
+    """A DAG with chunk/split, views, in-place ops, two inputs, kwargs, a non-tensor argument and two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x, y, *, scale: float = 1.0, bias=None):
+        h1, h2 = self.a(x).chunk(2, dim=-1)
+        h1 = torch.tanh(h1)
+        h2 = (h2 + 1).relu_()
+        z = self.b(h1).view(-1, 4, 4).transpose(1, 2).reshape(x.shape[0], 16)
+        z = self.drop(z) + self.c(y) * scale
+        if bias is not None:
+            z = z + bias
+        parts = torch.split(z, 8, dim=-1)
+        w = torch.cat([parts[1], parts[0]], dim=-1)
+        w.mul_(2)
+        return self.norm(w + h2), h1.sum(-1)
+
+
+class Chain(nn.Module):
+    """The reference system's long chain: ``depth`` Linear+GELU layers."""
+
+    def __init__(self, depth: int = 100, width: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        return x
+
+
+def train_steps(module, inputs, kwargs=None, steps: int = 2, seed: int = 0, lr: float = 0.1):
+    """Run ``steps`` SGD steps under a fixed seed; return losses, final grads, state_dict and the RNG state."""
+    kwargs = kwargs or {}
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr)
+    torch.manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = default_loss(module(*inputs, **kwargs))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+    grads = {k: p.grad.clone() for k, p in module.named_parameters() if p.grad is not None}
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return losses, grads, state, torch.get_rng_state()
+
+
+def assert_same_training(eager, other) -> None:
+    """Bit-for-bit equal losses, gradients, state (BatchNorm statistics included) and RNG state."""
+    losses_a, grads_a, state_a, rng_a = eager
+    losses_b, grads_b, state_b, rng_b = other
+    for a, b in zip(losses_a, losses_b):
+        assert torch.equal(a, b), (a, b)
+    assert grads_a.keys() == grads_b.keys()
+    for k in grads_a:
+        assert torch.equal(grads_a[k], grads_b[k]), k
+    assert state_a.keys() == state_b.keys()
+    for k in state_a:
+        assert torch.equal(state_a[k], state_b[k]), k
+    assert torch.equal(rng_a, rng_b)
+
+
+@pytest.fixture
+def residual_net():
+    torch.manual_seed(0)
+    return ResidualNet().train()
+
+
+class RandomDAG(nn.Module):
+    """A random DAG of width-``w`` features: each node applies one op to one or two earlier nodes.
+
+    The structure is plain Python data, so symbolic_trace unrolls it; ops cover matmul, pointwise, in-place,
+    views, dropout, normalisation with running statistics, multi-output and reductions.
+    """
+
+    OPS = ("linear", "relu_", "gelu", "add", "mul", "dropout", "bn", "ln", "transpose", "chunk_cat", "softmax")
+
+    def __init__(self, seed: int, nodes: int = 12, width: int = 64) -> None:
+        super().__init__()
+        import random
+
+        rng = random.Random(seed)
+        self.structure: list[tuple[str, int, int]] = []
+        self.linears = nn.ModuleList()
+        self.norms = nn.ModuleList()
+        for k in range(nodes):
+            op = rng.choice(self.OPS)
+            a = rng.randrange(k + 1)  # node 0 is the input
+            b = rng.randrange(k + 1)
+            if op == "linear":
+                self.linears.append(nn.Linear(width, width))
+                b = len(self.linears) - 1
+            elif op in ("bn", "ln"):
+                self.norms.append(nn.BatchNorm1d(width) if op == "bn" else nn.LayerNorm(width))
+                b = len(self.norms) - 1
+            self.structure.append((op, a, b))
+        self.inp = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.25)
+        self.width = width
+
+    def forward(self, x):
+        values = [self.inp(x)]
+        for op, a, b in self.structure:
+            u = values[a]
+            if op == "linear":
+                v = self.linears[b](u)
+            elif op == "relu_":
+                v = (u * 1.5).relu_()
+            elif op == "gelu":
+                v = F.gelu(u)
+            elif op == "add":
+                v = u + values[b]
+            elif op == "mul":
+                v = u * values[b]
+            elif op == "dropout":
+                v = self.drop(u)
+            elif op in ("bn", "ln"):
+                v = self.norms[b](u)
+            elif op == "transpose":
+                v = u.view(u.shape[0], 2, self.width // 2).transpose(1, 2).reshape(u.shape[0], self.width)
+            elif op == "chunk_cat":
+                p, q = u.chunk(2, dim=1)
+                v = torch.cat([q, p], dim=1)
+            else:
+                v = torch.softmax(u, dim=1)
+            values.append(v)
+        return values[-1] + values[len(values) // 2]

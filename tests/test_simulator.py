@@ -1,0 +1,92 @@
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import sublinear
+from sublinear.tracer import capture
+from sublinear.grid import grid_search
+from sublinear.models import get_model
+from sublinear.plan import Plan
+from sublinear.profiler import profile, training_step
+from sublinear.rewriter import rewrite
+from sublinear.simulator import simulate
+
+from conftest import RandomDAG, ResidualNet, assert_same_training, train_steps
+
+TOLERANCE = 0.03
+
+
+def _meta_model(name, batch, seq=None):
+    spec = get_model(name)
+    with torch.device("meta"):
+        model = spec.build().train()
+    args, kwargs = spec.example_inputs(batch, device="meta", seq=seq)
+    return model, args, kwargs
+
+
+def _close(predicted, measured):
+    return abs(predicted - measured) / measured <= TOLERANCE
+
+
+@pytest.mark.parametrize("name,batches", [("resnet50", (8, 16)), ("bert-base", (1, 2)), ("gpt", (1, 2))])
+def test_eager_prediction_matches_measured_eager_step(name, batches):
+    for batch in batches:
+        model, args, kwargs = _meta_model(name, batch)
+        p = profile(capture(model, args, kwargs), args, kwargs)
+        predicted = simulate(p, Plan.no_split(p.num_ops)).peak_bytes
+        measured = sublinear.measure(training_step, model, *args, **kwargs).peak_bytes
+        assert _close(predicted, measured), (name, batch, predicted, measured)
+
+
+@pytest.mark.parametrize("name,batch", [("resnet50", 4), ("bert-base", 1), ("gpt", 1), ("tiny-bert", 4)])
+def test_plans_prediction_matches_measured_rewritten_step(name, batch):
+    model, args, kwargs = _meta_model(name, batch)
+    captured = capture(model, args, kwargs)
+    p = profile(captured, args, kwargs)
+    n = p.num_ops
+    rng = random.Random(0)
+    plans = {
+        "grid best": grid_search(p, 4)[0].plan,
+        "random": Plan.of(rng.sample(range(n), max(1, int(n ** 0.5))), n),
+        "one op per block": Plan.every_op(n),
+        "random with kept ops": Plan.of(rng.sample(range(n), 5), n, kept=rng.sample(range(n), n // 4)),
+    }
+    for label, plan in plans.items():
+        predicted = simulate(p, plan).peak_bytes
+        measured = sublinear.measure(training_step, rewrite(captured, p, plan), *args, **kwargs).peak_bytes
+        model.zero_grad(set_to_none=True)
+        assert _close(predicted, measured), (label, predicted, measured)
+
+
+def test_one_block_predicts_no_recompute_and_more_blocks_predict_less_memory():
+    model, args, kwargs = _meta_model("resnet50", 8)
+    p = profile(capture(model, args, kwargs), args, kwargs)
+    eager = simulate(p, Plan.no_split(p.num_ops))
+    best = grid_search(p, 4)[0].simulation
+    assert eager.recompute_flops == 0
+    fixed = p.baseline_bytes + p.gradient_bytes
+    assert best.peak_bytes - fixed < 0.5 * (eager.peak_bytes - fixed)
+    assert 0 < best.recompute_flops <= p.forward_flops
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), plan_seed=st.integers(0, 10_000), batch=st.integers(8, 32))
+def test_random_dags_random_plans_exact_and_predicted(seed, plan_seed, batch):
+    torch.manual_seed(seed)
+    model = RandomDAG(seed).train()
+    x = torch.randn(batch, 64)
+    captured = capture(model, (x,))
+    p = profile(captured, (x,))
+    n = p.num_ops
+    rng = random.Random(plan_seed)
+    plan = Plan.of(rng.sample(range(n), rng.randint(0, n)), n, kept=rng.sample(range(n), rng.randint(0, n // 3)))
+    compiled = rewrite(captured, p, plan)
+    reference = RandomDAG(seed).train()
+    reference.load_state_dict(model.state_dict())
+    assert_same_training(train_steps(reference, (x,), steps=1), train_steps(compiled, (x,), steps=1))
+    model.zero_grad(set_to_none=True)
+    predicted = simulate(p, plan).peak_bytes
+    measured = sublinear.measure(training_step, compiled, x).peak_bytes
+    assert _close(predicted, measured), (plan, predicted, measured)
