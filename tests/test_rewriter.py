@@ -1,0 +1,270 @@
+"""The rewritten module trains exactly like eager: gradients, BatchNorm statistics, dropout masks, RNG stream."""
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sublinear
+from sublinear.models import get_model
+from sublinear.plan import Plan
+from sublinear.profiler import profile, training_step
+from sublinear.rewriter import RecomputeError, rewrite
+from sublinear.tracer import capture
+from sublinear.tracking import StorageTracker
+
+from conftest import Branchy, Chain, ResidualNet, assert_same_training, train_steps
+
+
+def _compile_with(module, plan_for, args, kwargs=None):
+    captured = capture(module, args, kwargs)
+    p = profile(captured, args, kwargs)
+    return rewrite(captured, p, plan_for(p.num_ops)), p
+
+
+PLANS = {
+    "eager": Plan.no_split,
+    "every op": Plan.every_op,
+    "sqrt(n)": lambda n: Plan.of(range(0, n, max(1, int(n ** 0.5))), n),
+    "random + kept": lambda n: Plan.of(random.Random(n).sample(range(n), n // 3), n,
+                                       kept=random.Random(n + 1).sample(range(n), n // 5)),
+}
+
+
+@pytest.mark.parametrize("plan_name", PLANS)
+def test_residual_net_trains_bit_for_bit_like_eager(plan_name):
+    torch.manual_seed(0)
+    base = ResidualNet().train()
+    x = torch.randn(4, 3, 16, 16)
+    eager = train_steps(copy.deepcopy(base), (x,), steps=3)
+    model = copy.deepcopy(base)
+    compiled, _ = _compile_with(model, PLANS[plan_name], (x,))
+    assert_same_training(eager, train_steps(compiled, (x,), steps=3))
+
+
+@pytest.mark.parametrize("plan_name", PLANS)
+def test_branchy_dag_with_views_in_place_kwargs_and_two_outputs(plan_name):
+    torch.manual_seed(0)
+    base = Branchy().train()
+    x, y, bias = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16)
+    kwargs = {"scale": 0.5, "bias": bias}
+    eager = train_steps(copy.deepcopy(base), (x, y), kwargs, steps=2)
+    model = copy.deepcopy(base)
+    compiled, _ = _compile_with(model, PLANS[plan_name], (x, y), kwargs)
+    assert_same_training(eager, train_steps(compiled, (x, y), kwargs, steps=2))
+
+
+@pytest.mark.parametrize("name", ["tiny-resnet", "tiny-bert", "tiny-gpt", "resnet18"])
+def test_zoo_models_match_eager_under_the_grid_plan(name):
+    spec = get_model(name)
+    torch.manual_seed(0)
+    base = spec.build().train()
+    args, kwargs = spec.example_inputs(16, seq=64 if spec.default_seq else None)
+    eager = train_steps(copy.deepcopy(base), args, kwargs, steps=2)
+    model = copy.deepcopy(base)
+    compiled = sublinear.compile(model, args, kwargs)
+    assert compiled.sublinear_plan.num_blocks > 1
+    assert_same_training(eager, train_steps(compiled, args, kwargs, steps=2))
+
+
+def test_batchnorm_statistics_updated_once_where_torch_checkpoint_updates_twice():
+    torch.manual_seed(0)
+    bn_model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8))
+    x = torch.randn(16, 8)
+    compiled, p = _compile_with(copy.deepcopy(bn_model), Plan.every_op, (x,))
+    compiled(x).sum().backward()
+    assert int(compiled.original_module[1].num_batches_tracked) == 1
+    reference = copy.deepcopy(bn_model)
+    reference(x).sum().backward()
+    for a, b in zip(reference.buffers(), compiled.original_module.buffers()):
+        assert torch.equal(a, b)
+    # The trap we avoid (pytorch #96136): checkpoint counts the batch twice.
+    ckpt = copy.deepcopy(bn_model)
+    torch.utils.checkpoint.checkpoint(ckpt, x, use_reentrant=False).sum().backward()
+    assert int(ckpt[1].num_batches_tracked) == 2
+
+
+def test_dropout_masks_replayed_and_rng_stream_unchanged():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5), nn.GELU(), nn.Linear(32, 32), nn.Dropout(0.5))
+    x = torch.randn(8, 32)
+    eager = train_steps(copy.deepcopy(model), (x,), steps=3)
+    compiled, p = _compile_with(copy.deepcopy(model), Plan.every_op, (x,))
+    assert any(op.random for op in p.ops)
+    assert_same_training(eager, train_steps(compiled, (x,), steps=3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dropout_on_cuda_matches_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5), nn.GELU(), nn.Linear(32, 32)).cuda()
+    x = torch.randn(8, 32, device="cuda")
+    eager = train_steps(copy.deepcopy(model), (x,), steps=2)
+    compiled, _ = _compile_with(copy.deepcopy(model), Plan.every_op, (x,))
+    losses_a, grads_a, *_ = eager
+    losses_b, grads_b, *_ = train_steps(compiled, (x,), steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(losses_a, losses_b))
+    assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+
+
+def test_long_chain_of_100_layers():
+    torch.manual_seed(0)
+    base = Chain(100)
+    x = torch.randn(256, 8)
+    eager = train_steps(copy.deepcopy(base), (x,), steps=1)
+    model = copy.deepcopy(base)
+    compiled = sublinear.compile(model, (x,))
+    assert compiled.sublinear_plan.num_blocks > 5
+    assert_same_training(eager, train_steps(compiled, (x,), steps=1))
+
+
+def test_autograd_grad_and_retain_graph():
+    torch.manual_seed(0)
+    model = Chain(10, width=6)
+    x = torch.randn(3, 6, requires_grad=True)
+    compiled, _ = _compile_with(model, Plan.every_op, (x,))
+    out = compiled(x).pow(2).sum()
+    (gx,) = torch.autograd.grad(out, x, retain_graph=True)
+    (gx_again,) = torch.autograd.grad(out, x)  # the blocks are recomputed a second time
+    reference = Chain(10, width=6)
+    reference.load_state_dict(model.state_dict())
+    (expected,) = torch.autograd.grad(reference(x).pow(2).sum(), x)
+    assert torch.equal(gx, expected) and torch.equal(gx_again, expected)
+
+
+def test_shares_parameters_state_dict_and_trains_through_the_original_optimizer():
+    torch.manual_seed(0)
+    model = ResidualNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 3, 8, 8)
+    compiled = sublinear.compile(model, (x,))
+    assert list(compiled.state_dict().keys()) == list(model.state_dict().keys())
+    assert all(a is b for a, b in zip(compiled.parameters(), model.parameters()))
+    before = model.fc.weight.detach().clone()
+    optimizer.zero_grad()
+    training_step(compiled, x)
+    optimizer.step()
+    assert not torch.equal(before, model.fc.weight)
+
+
+def test_no_grad_and_eval_run_plain_forward_without_recompute_or_retention():
+    torch.manual_seed(0)
+    model = ResidualNet().train()
+    x = torch.randn(2, 3, 8, 8)
+    compiled, _ = _compile_with(model, Plan.every_op, (x,))
+    with torch.no_grad():
+        out = compiled(x)
+    assert out.grad_fn is None
+    compiled.eval()
+    assert not model.training and not model.blocks[0]["b1"].training
+    before = model.blocks[0]["b1"].num_batches_tracked.clone()
+    y = compiled(x)
+    assert torch.equal(before, model.blocks[0]["b1"].num_batches_tracked)
+    assert torch.equal(y, model(x))
+    compiled.train()
+    assert model.training
+
+
+def test_other_batch_sizes_and_meta_device():
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = ResidualNet().train()
+    compiled, _ = _compile_with(model, Plan.every_op, (torch.empty(2, 3, 8, 8, device="meta"),))
+    out = compiled(torch.empty(5, 3, 8, 8, device="meta"))
+    assert out.shape == (5, 5) and out.device.type == "meta"
+    out.sum().backward()
+    assert model.fc.weight.grad is not None and model.fc.weight.grad.device.type == "meta"
+
+
+def test_empty_and_one_op_graphs():
+    class Identity(nn.Module):
+        def forward(self, x):
+            return x
+
+    x = torch.randn(3, requires_grad=True)
+    compiled = sublinear.compile(Identity(), (x,))
+    assert compiled.sublinear_plan.num_ops == 0
+    assert compiled(x) is x
+    lin = nn.Linear(3, 2)
+    compiled = sublinear.compile(lin, (x,))
+    assert compiled.sublinear_plan.num_ops == 1
+    compiled(x).sum().backward()
+    assert lin.weight.grad is not None
+
+
+def test_memory_is_actually_saved():
+    torch.manual_seed(0)
+    model = Chain(60, width=64)
+    x = torch.randn(1024, 64)
+    eager = sublinear.measure(training_step, model, x).peak_bytes
+    model.zero_grad(set_to_none=True)
+    compiled = sublinear.compile(model, (x,))
+    planned = sublinear.measure(training_step, compiled, x).peak_bytes
+    assert planned < 0.5 * eager
+    assert abs(planned - compiled.sublinear_plan.predicted_peak_bytes) / planned < 0.03
+
+
+_ARMED = {"fail": False}
+
+
+@torch.fx.wrap
+def _fragile_scale(x):
+    if _ARMED["fail"]:
+        raise ValueError("armed")
+    return x * 2
+
+
+class _Fragile(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(F.gelu(_fragile_scale(self.a(x))))
+
+
+def test_failure_during_recompute_names_block_and_node():
+    model = _Fragile()
+    x = torch.randn(2, 4)
+    compiled, _ = _compile_with(model, lambda n: Plan.of([n - 2], n), (x,))
+    out = compiled(x)
+    _ARMED["fail"] = True
+    try:
+        with pytest.raises(RecomputeError, match=r"recomputing block 0 .*failed at _fragile_scale.*armed"):
+            out.sum().backward()
+    finally:
+        _ARMED["fail"] = False
+
+
+def test_recompute_that_differs_from_forward_is_an_error_not_a_wrong_gradient():
+    model = _Fragile()
+    x = torch.randn(2, 4)
+    compiled, _ = _compile_with(model, lambda n: Plan.of([n - 2], n), (x,))
+    out = compiled(x)
+    with torch.no_grad():
+        model.a.weight.data = torch.randn(6, 4)  # the recomputed block now produces another shape
+        model.a.bias.data = torch.randn(6)
+    with pytest.raises(RecomputeError, match="differs from forward"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("plan_for", [lambda n: Plan.of([n - 2], n), lambda n: Plan.of(range(1, n, 2), n)])
+def test_higher_order_gradients_through_recomputed_blocks(plan_for):
+    torch.manual_seed(0)
+    model = Chain(4, width=4)
+    reference = Chain(4, width=4)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4, requires_grad=True)
+    compiled, _ = _compile_with(model, plan_for, (x,))
+
+    def second_order(m):
+        (g,) = torch.autograd.grad(m(x).pow(2).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.pow(3).sum(), x)
+        return g, gg
+
+    for a, b in zip(second_order(compiled), second_order(reference)):
+        assert torch.equal(a, b)
