@@ -1,0 +1,176 @@
+"""Max batch size under a memory budget, for eager, hand-written checkpointing and sublinear plans.
+
+On ``meta`` every candidate batch is run once under :func:`sublinear.measure` (no RAM is used, any batch size
+works). On ``cuda`` every candidate really runs: the budget is enforced with
+``torch.cuda.set_per_process_memory_fraction`` and a batch fits when the step finishes without an out-of-memory
+error; ``torch.cuda.max_memory_allocated`` gives its peak.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from .api import compile as sublinear_compile
+from .baselines import BASELINES
+from .config import SublinearMemoryConfig
+from .measurement import measure
+from .models import ModelSpec
+from .profiler import training_step
+
+__all__ = ["StrategyResult", "compare", "largest_fitting"]
+
+log = logging.getLogger("sublinear.maxbatch")
+
+
+@dataclass(frozen=True)
+class StrategyResult:
+    strategy: str
+    max_batch: int
+    peak_bytes: int  # measured at max_batch
+    flops_ratio: float  # step FLOPs at max_batch relative to eager's at the same batch
+    planning_seconds: float | None  # sublinear only: capture + profile + plan at max_batch
+    predicted_peak_bytes: int | None  # sublinear only
+    device: str
+
+
+def largest_fitting(fits: Callable[[int], bool], guess: int = 1, limit: int = 1 << 16) -> int:
+    """Largest batch ``b`` in 1..limit with ``fits(b)``, assuming fitting is monotone in ``b``; 0 if none fits."""
+    guess = max(1, min(guess, limit))
+    if fits(guess):
+        lo, step = guess, max(1, guess // 16)
+        hi = lo + step
+        while hi <= limit and fits(hi):
+            lo, step = hi, step * 2
+            hi = lo + step
+        hi = min(hi, limit + 1)
+    else:
+        hi, step = guess, max(1, guess // 16)
+        lo = hi - step
+        while lo >= 1 and not fits(lo):
+            hi, step = lo, step * 2
+            lo = hi - step
+        if lo < 1:
+            lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+Prepare = Callable[[nn.Module, int], nn.Module]  # (model, batch) -> module that runs the step
+
+
+def strategies(genetic_iters: tuple[int, ...], config: SublinearMemoryConfig | None, seq: int | None,
+               spec: ModelSpec, baselines: bool = True) -> list[tuple[str, Prepare, bool]]:
+    """(name, prepare, is_sublinear) for eager, the baselines and each genetic setting."""
+    chosen: list[tuple[str, Prepare, bool]] = [("eager", lambda model, batch: model, False)]
+    if baselines:
+        for name, apply in BASELINES.items():
+            applied: dict[int, nn.Module] = {}
+            chosen.append((name, lambda model, batch, apply=apply, applied=applied:
+                           applied.setdefault(id(model), apply(model)), False))
+    base = config or SublinearMemoryConfig()
+    for iters in genetic_iters:
+        cfg = SublinearMemoryConfig(**{**base.planning_key(), "genetic_nr_iter": iters,
+                                       "num_worker": base.num_worker, "cache_dir": base.cache_dir})
+        compiled: dict[tuple[int, int], nn.Module] = {}
+
+        def prepare(model, batch, cfg=cfg, compiled=compiled):
+            key = (id(model), batch)
+            if key not in compiled:
+                args, kwargs = spec.example_inputs(batch, device="meta", seq=seq)
+                compiled[key] = sublinear_compile(model, args, kwargs, config=cfg)
+            return compiled[key]
+
+        chosen.append(("sublinear grid" if iters == 0 else f"sublinear grid+genetic({iters})", prepare, True))
+    return chosen
+
+
+def compare(spec: ModelSpec, budget: int, genetic_iters: tuple[int, ...] = (0,), device: str = "meta",
+            seq: int | None = None, baselines: bool = True, config: SublinearMemoryConfig | None = None,
+            progress: Callable[[str], None] | None = None) -> list[StrategyResult]:
+    """Max batch at ``budget`` bytes for eager, the hand-written baselines and sublinear with each genetic setting."""
+    say = progress or log.info
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    results = []
+    for name, prepare, is_sublinear in strategies(genetic_iters, config, seq, spec, baselines):
+        say(f"{spec.name}: {name} ...")
+        model = _build(spec, device)
+        checked: dict[int, int | None] = {}
+
+        def peak(batch: int) -> int | None:
+            if batch not in checked:
+                checked[batch] = _step_peak(spec, prepare(model, batch), model, batch, device, seq)
+            return checked[batch]
+
+        def fits(batch: int) -> bool:
+            p = peak(batch)
+            return p is not None and p <= budget
+
+        guess = 8
+        if device == "meta":
+            one, two = peak(1), peak(2)
+            guess = max(1, int((budget - one) // max(1, two - one)) + 1)
+        best = largest_fitting(fits, guess)
+        if best == 0:
+            results.append(StrategyResult(name, 0, 0, float("nan"), None, None, device))
+            continue
+        planning = predicted = None
+        if is_sublinear:
+            plan = prepare(model, best).sublinear_plan
+            planning, predicted = plan.planning_seconds, plan.predicted_peak_bytes
+        results.append(StrategyResult(name, best, peak(best) or 0, _flops_ratio(spec, prepare, best, seq),
+                                      planning, predicted, device))
+        say(f"{spec.name}: {name}: max batch {best}")
+        del model
+        gc.collect()
+    return results
+
+
+def _build(spec: ModelSpec, device: str) -> nn.Module:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return spec.build().train()
+
+
+def _step_peak(spec: ModelSpec, module: nn.Module, model: nn.Module, batch: int, device: str,
+               seq: int | None) -> int | None:
+    """Peak bytes of one training step, or None when it runs out of memory (CUDA)."""
+    args, kwargs = spec.example_inputs(batch, device=device, seq=seq)
+    model.zero_grad(set_to_none=True)
+    try:
+        return measure(training_step, module, *args, **kwargs).peak_bytes
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        model.zero_grad(set_to_none=True)
+        del args, kwargs
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _flops_ratio(spec: ModelSpec, prepare: Prepare, batch: int, seq: int | None) -> float:
+    """Step FLOPs of the strategy over eager's, both counted on meta twins at ``batch``."""
+    counts = []
+    for make in (lambda model, b: model, prepare):
+        model = _build(spec, "meta")
+        args, kwargs = spec.example_inputs(batch, device="meta", seq=seq)
+        module = make(model, batch)
+        with FlopCounterMode(display=False) as counter:
+            training_step(module, *args, **kwargs)
+        counts.append(counter.get_total_flops())
+    return counts[1] / counts[0] if counts[0] else float("nan")

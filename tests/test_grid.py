@@ -1,0 +1,65 @@
+import math
+
+import pytest
+import torch
+
+from sublinear.grid import grid_search, greedy_plan, score
+from sublinear.models import get_model
+from sublinear.plan import Plan
+from sublinear.profiler import profile
+from sublinear.simulator import simulate
+from sublinear.tracer import capture
+
+from conftest import Chain
+
+
+@pytest.fixture(scope="module")
+def resnet_profile():
+    spec = get_model("resnet50")
+    with torch.device("meta"):
+        model = spec.build().train()
+    args, _ = spec.example_inputs(32, device="meta")
+    return profile(capture(model, args), args)
+
+
+@pytest.fixture(scope="module")
+def chain_profile():
+    x = torch.randn(64, 8)
+    return profile(capture(Chain(50), (x,)), (x,))
+
+
+def test_infinite_threshold_is_one_block_and_tiny_threshold_splits_everywhere(chain_profile):
+    n = chain_profile.num_ops
+    for measure in ("rebuild", "live"):
+        assert greedy_plan(chain_profile, math.inf, measure) == Plan.no_split(n)
+        assert greedy_plan(chain_profile, 1, measure).num_blocks > n // 2
+
+
+def test_greedy_plans_are_valid(chain_profile):
+    n = chain_profile.num_ops
+    for threshold in (10, 1e3, 1e4, 1e5, 1e6):
+        plan = greedy_plan(chain_profile, threshold)
+        plan.validate(n)
+        assert list(plan.split_points) == sorted(set(plan.split_points))
+
+
+@pytest.mark.parametrize("tries", [0, 1, 2, 10])
+def test_grid_keeps_every_candidate_sorted_and_handles_small_thresh_nr_try(chain_profile, tries):
+    candidates = grid_search(chain_profile, tries)
+    assert len({c.plan for c in candidates}) == len(candidates) > 1
+    assert [score(c) for c in candidates] == sorted(score(c) for c in candidates)
+    assert any(c.plan == Plan.no_split(chain_profile.num_ops) for c in candidates)
+    for c in candidates:
+        assert c.simulation == simulate(chain_profile, c.plan)
+
+
+def test_more_grid_points_never_hurt(chain_profile):
+    assert score(grid_search(chain_profile, 10)[0]) <= score(grid_search(chain_profile, 1)[0])
+
+
+def test_grid_beats_eager_on_resnet50(resnet_profile):
+    best = grid_search(resnet_profile, 10)[0]
+    eager = simulate(resnet_profile, Plan.no_split(resnet_profile.num_ops))
+    fixed = resnet_profile.baseline_bytes + resnet_profile.gradient_bytes
+    assert best.simulation.peak_bytes - fixed < 0.45 * (eager.peak_bytes - fixed)
+    assert best.simulation.recompute_flops <= resnet_profile.forward_flops
