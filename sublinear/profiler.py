@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import flop_registry
 
 from .tracer import CapturedGraph
@@ -88,9 +89,6 @@ class OpProfile:
     name: str
     flops: int
     forward_extra_bytes: int  # most bytes the op's own allocations hold at once while it runs
-    grad_start_bytes: int  # gradient-side bytes live when the op's backward starts (eager step)
-    grad_peak_bytes: int  # gradient-side bytes at the peak of the op's backward, before it frees what it saved
-    grad_after_release_bytes: int  # gradient-side peak after that release, until the next op's backward
     snapshot_bytes: int  # state it writes, cloned in forward when the op may be recomputed
     random: bool
     mutates_state: bool
@@ -128,6 +126,15 @@ class GraphProfile:
     node_storages: dict[int, tuple[int, ...]] = field(default_factory=dict)  # node -> storage per tensor leaf (-1: none)
     reaches_output: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # per op
     op_storages: list[tuple[int, ...]] = field(default_factory=list)  # per op: storages of the values it outputs
+    held_through_forward: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # autocast's cast cache
+    # Backward runs node by node: operator nodes ("ranks", in program order) with their op, the ranks whose autograd
+    # saves each storage, and per rank the gradient-side bytes at the start of its backward, at the peak before it
+    # frees what it saved, and at the peak after that (plan-independent, from the eager step).
+    storage_saved_at: list[tuple[int, ...]] = field(default_factory=list)
+    node_op: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    grad_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    grad_peak: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    grad_after_release: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_ops(self) -> int:
@@ -151,40 +158,71 @@ class GraphProfile:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Meta twin
+# Twins: copies of the model whose tensors hold no data
+
+
+class _Twin:
+    """Turns real tensors into data-less ones: meta tensors, or fake tensors on ``device`` when autocast must
+    apply (autocast dispatches on the device, and meta tensors have none)."""
+
+    def __init__(self, device: str | None = None) -> None:
+        self.device = device
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True) if device else None
+        if self.mode is not None:
+            self.mode.cache_enabled = False  # its dispatch cache keeps tensors alive past their last use
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        if self.mode is None:
+            empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        else:
+            with self.mode:
+                empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+        if isinstance(t, nn.Parameter):
+            return nn.Parameter(empty, requires_grad=t.requires_grad)
+        return empty.requires_grad_(t.requires_grad) if t.is_leaf and t.is_floating_point() else empty
+
+    def value(self, value: Any) -> Any:
+        return tree_map(lambda v: self.tensor(v) if isinstance(v, torch.Tensor) else v, value)
+
+    def modules(self, module: nn.Module, *extra: Any) -> tuple[nn.Module, ...]:
+        """Deep copies of ``module`` (and of ``extra`` objects sharing its submodules) with data-less tensors.
+
+        No tensor data is copied; submodule sharing between ``module`` and ``extra`` is preserved.
+        """
+        memo: dict[int, Any] = {}
+        for owner in [module, *extra]:
+            for sub in owner.modules():
+                for value in itertools.chain(sub._parameters.values(), sub._buffers.values(),
+                                             (v for v in vars(sub).values() if isinstance(v, torch.Tensor))):
+                    if value is not None and id(value) not in memo:
+                        memo[id(value)] = self.tensor(value)
+        try:
+            return copy.deepcopy((module, *extra), memo)
+        except Exception as exc:  # noqa: BLE001
+            raise RuntimeError(f"sublinear plans on a data-less copy of the model, and copying "
+                               f"{type(module).__name__} failed: {exc}") from exc
+
+    def __enter__(self):
+        if self.mode is not None:
+            self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
 
 
 def meta_twin(module: nn.Module, *extra: Any) -> tuple[nn.Module, ...]:
-    """Deep copies of ``module`` (and of ``extra`` objects sharing its submodules) whose tensors live on meta.
-
-    No tensor data is copied; submodule sharing between ``module`` and ``extra`` is preserved.
-    """
-    memo: dict[int, Any] = {}
-    for owner in [module, *extra]:
-        for sub in owner.modules():
-            for name, value in itertools.chain(sub._parameters.items(), sub._buffers.items(),
-                                               ((k, v) for k, v in vars(sub).items()
-                                                if isinstance(v, torch.Tensor))):
-                if value is None or id(value) in memo:
-                    continue
-                memo[id(value)] = _to_meta(value)
-    try:
-        copies = copy.deepcopy((module, *extra), memo)
-    except Exception as exc:  # noqa: BLE001
-        raise RuntimeError(f"sublinear plans on a meta copy of the model, and copying "
-                           f"{type(module).__name__} failed: {exc}") from exc
-    return copies
+    """Meta-device deep copies of ``module`` (and ``extra``), sharing submodules as the originals do."""
+    return _Twin().modules(module, *extra)
 
 
-def _to_meta(t: torch.Tensor) -> torch.Tensor:
-    meta = t.detach().to("meta")
-    if isinstance(t, nn.Parameter):
-        return nn.Parameter(meta, requires_grad=t.requires_grad)
-    return meta.requires_grad_(t.requires_grad) if t.is_leaf else meta
-
-
-def _meta_value(value: Any) -> Any:
-    return tree_map(lambda v: _to_meta(v) if isinstance(v, torch.Tensor) else v, value)
+def _autocast_device() -> str | None:
+    """The device type whose autocast is on, if any (CUDA first)."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return device
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,6 +243,8 @@ class _StepRecorder(StorageTracker):
         self.comm_nodes: set[int] = set()
         self.writes: dict[int, list[int]] = defaultdict(list)  # node -> serials written in place
         self.flops: dict[int, int] = defaultdict(int)  # node -> forward FLOPs (torch.utils.flop_counter's formulas)
+        self.state_serials: set[int] = set()
+        self.autocast_cached: set[int] = set()  # casts of parameters that autocast's cache holds until forward ends
 
     def serial_of(self, t: torch.Tensor) -> int:
         return self.serial[t.untyped_storage()._cdata]
@@ -227,6 +267,11 @@ class _StepRecorder(StorageTracker):
     def on_op(self, func, args, kwargs, out) -> None:
         if self.backward or self.node is None:
             return
+        if (func is torch.ops.aten._to_copy.default and torch.is_autocast_cache_enabled()
+                and isinstance(args[0], torch.Tensor) and args[0].untyped_storage()._cdata in self.serial
+                and self.serial_of(args[0]) in self.state_serials and args[0].requires_grad):
+            self.autocast_cached.update(self.serial_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                                        and t.untyped_storage()._cdata in self.serial)
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
             self.flops[self.node] += count(*args, **kwargs, out_val=out)
@@ -254,9 +299,10 @@ class _Trace:
 
 
 def _trace_step(captured: CapturedGraph, args, kwargs) -> _Trace:
-    module, gm = meta_twin(captured.module, captured.graph_module)
+    twin = _Twin(_autocast_device())
+    module, gm = twin.modules(captured.module, captured.graph_module)
     program = NodeProgram(gm, root=module)
-    inputs = _meta_value(captured.placeholder_values(args, kwargs))
+    inputs = twin.value(captured.placeholder_values(args, kwargs))
     recorder = _StepRecorder()
     state_serials: dict[int, str] = {}
     recorder.listener = None
@@ -269,6 +315,7 @@ def _trace_step(captured: CapturedGraph, args, kwargs) -> _Trace:
                 recorder.serial[key] = len(recorder.serial_bytes)
                 recorder.serial_bytes.append(recorder.live[key])
                 state_serials[recorder.serial[key]] = kind
+                recorder.state_serials.add(recorder.serial[key])
     recorder.listener = recorder._on_event
 
     module_state = {}
@@ -301,8 +348,9 @@ def _trace_step(captured: CapturedGraph, args, kwargs) -> _Trace:
             node_saved[recorder.node].append(recorder.serial_of(t))
         return t.detach()
 
-    with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with twin, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outputs = program.run(inputs, after=after, before=before)
+        torch.clear_autocast_cache()  # the step's forward ends here, as when `with torch.autocast()` exits
         node_seq.append((torch._C._autograd._get_sequence_nr(), -1))
         output_serials = {recorder.serial_of(t) for t in tree_leaves(outputs)
                           if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in recorder.serial}
@@ -367,9 +415,12 @@ def profile(captured: CapturedGraph, args=(), kwargs=None) -> GraphProfile:
     for s in trace.output_serials:
         last_use[s] = n_ops
     saved_by: dict[int, set[int]] = defaultdict(set)
+    saved_at: dict[int, set[int]] = defaultdict(set)  # serial -> operator ranks (positions) that save it
+    rank = {node: r for r, node in enumerate(operators)}
     for i, serials in trace.node_saved.items():
         for s in serials:
             saved_by[s].add(op_of_node[i])
+            saved_at[s].add(rank[i])
 
     # An op whose values never flow into the outputs has its autograd nodes freed in forward, with its outputs.
     reaches = [False] * len(program.nodes)
@@ -377,12 +428,14 @@ def profile(captured: CapturedGraph, args=(), kwargs=None) -> GraphProfile:
         reaches[i] = any(u == program.output or reaches[u] for u in program.users[i])
     windows = _forward_windows(rec.events, op_of_node, n_ops)
     extra = _forward_extra(rec.events, windows, n_ops)
-    grad_start, grad_peak, grad_after = _backward_gradient_profile(rec.events, trace.node_seq, op_of_node, n_ops)
+    rank_of_node = {node: r for r, node in enumerate(operators)}
+    grad_start, grad_peak, grad_after = _backward_gradient_profile(rec.events, trace.node_seq, rank_of_node,
+                                                                   len(operators))
 
     # Storages that can outlive the op that produced them.
     storages = sorted(s for s, node in producer_node.items()
                       if node in op_of_node and s not in trace.state_serials
-                      and (last_use.get(s, -1) > op_of_node[node] or s in saved_by))
+                      and (last_use.get(s, -1) > op_of_node[node] or s in saved_by or s in rec.autocast_cached))
     sid = {s: k for k, s in enumerate(storages)}
 
     ops = []
@@ -393,8 +446,7 @@ def profile(captured: CapturedGraph, args=(), kwargs=None) -> GraphProfile:
         ops.append(OpProfile(
             index=o, nodes=tuple(group), name=_op_name(program, group),
             flops=sum(trace.node_flops.get(i, 0) for i in group),
-            forward_extra_bytes=extra[o], grad_start_bytes=grad_start[o], grad_peak_bytes=grad_peak[o],
-            grad_after_release_bytes=grad_after[o],
+            forward_extra_bytes=extra[o],
             snapshot_bytes=snapshot,
             random=any(f.random for f in node_facts),
             mutates_state=any(f.state_attrs or f.state_args for f in node_facts),
@@ -424,6 +476,12 @@ def profile(captured: CapturedGraph, args=(), kwargs=None) -> GraphProfile:
         reaches_output=np.array([any(reaches[i] for i in group) for group in groups], dtype=bool),
         op_storages=[tuple(sorted({sid[s] for i in group for s in trace.node_out.get(i, []) if s in sid}))
                      for group in groups],
+        held_through_forward=np.array([s in rec.autocast_cached for s in storages], dtype=bool),
+        storage_saved_at=[tuple(sorted(saved_at.get(s, ()))) for s in storages],
+        node_op=np.array([op_of_node[i] for i in operators], dtype=np.int64),
+        grad_start=np.array(grad_start, dtype=np.int64),
+        grad_peak=np.array(grad_peak, dtype=np.int64),
+        grad_after_release=np.array(grad_after, dtype=np.int64),
     )
 
 
@@ -539,28 +597,28 @@ def _forward_extra(events, windows, n_ops) -> list[int]:
     return extra
 
 
-def _backward_gradient_profile(events, node_seq, op_of_node, n_ops):
-    """Per op: gradient-side bytes (storages allocated in backward) at the start of its backward, at their peak
-    before the op frees the activations it saved, and at their peak after that.
+def _backward_gradient_profile(events, node_seq, rank_of_node, n_ranks):
+    """Per operator node (rank): gradient-side bytes (storages allocated in backward) at the start of its
+    backward, at their peak before it frees the activations it saved, and at their peak after that.
 
-    Autograd runs nodes in decreasing sequence number, so each op's backward is one contiguous window; the first
-    free of a forward storage inside it marks the release of what the op saved. An op with no backward work sees
-    the gradient side as the previous window left it.
+    Autograd runs its nodes in decreasing sequence number, so each fx node's backward is one contiguous window;
+    the first free of a forward storage inside it marks the release of what it saved. A node with no backward work
+    sees the gradient side as the previous window left it.
     """
     starts = [s for s, _ in node_seq]
     nodes = [n for _, n in node_seq]
 
     def op_for(seq: int) -> int | None:
         k = bisect.bisect_right(starts, seq) - 1
-        return None if k < 0 or seq >= 2**62 else op_of_node.get(nodes[k])
+        return None if k < 0 or seq >= 2**62 else rank_of_node.get(nodes[k])
 
     grad_live = 0
     born_in_backward: set[int] = set()
-    start: list[int | None] = [None] * n_ops
-    before = [0] * n_ops
-    after = [0] * n_ops
-    released = [False] * n_ops
-    left = [0] * n_ops  # gradient side when the op's window closed
+    start: list[int | None] = [None] * n_ranks
+    before = [0] * n_ranks
+    after = [0] * n_ranks
+    released = [False] * n_ranks
+    left = [0] * n_ranks  # gradient side when the op's window closed
     current: int | None = None
     for backward, ctx, kind, serial, nbytes in events:
         if not backward:
@@ -586,7 +644,7 @@ def _backward_gradient_profile(events, node_seq, op_of_node, n_ops):
                 before[current] = max(before[current], grad_live)
                 after[current] = grad_live
     carried = 0
-    for o in range(n_ops - 1, -1, -1):
+    for o in range(n_ranks - 1, -1, -1):
         if start[o] is None:
             start[o] = before[o] = after[o] = carried
         else:

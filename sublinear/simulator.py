@@ -41,8 +41,8 @@ class PlanAnalysis:
     retained: np.ndarray  # per storage
     dropped: np.ndarray  # per storage: saved by autograd but not retained (rebuilt in backward)
     closure: list[list[int]]  # per block: ops re-run in backward, ascending
-    trigger: list[int]  # per block: op whose backward first needs a dropped storage (-1: none)
-    frame_end_op: list[int]  # per block: op after whose backward the block's frame is released (-1: none)
+    trigger: list[int]  # per block: operator node (rank) whose backward first needs a dropped storage (-1: none)
+    frame_end: list[int]  # per block: rank after whose backward the block's frame is released (-1: none)
 
 
 def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
@@ -75,10 +75,11 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
     closure_sets: list[set[int]] = [set() for _ in range(num_blocks)]
     trigger = [-1] * num_blocks
     frame_end = [-1] * num_blocks
+    node_op = profile.node_op
     for s in np.flatnonzero(dropped):
         b = int(producer_block[s])
         closure_sets[b].add(int(producer[s]))
-        holders = [o for o in profile.storage_saved_by[s] if reaches[o]]
+        holders = [r for r in profile.storage_saved_at[s] if reaches[node_op[r]]]
         trigger[b] = max(trigger[b], max(holders))
         frame_end[b] = min(holders) if frame_end[b] < 0 else min(frame_end[b], min(holders))
     closure = []
@@ -119,26 +120,27 @@ def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -
     a = a or analyse(profile, plan)
     ops = profile.ops
 
-    # Timeline: forward slots 0..n-1, then backward: each block's recompute just before its trigger op's backward.
-    backward_slot = np.zeros(n, dtype=np.int64)
+    # Timeline: forward slots 0..n-1, then backward node by node (two slots each: before and after it frees what
+    # it saved), with each block's recompute just before the backward of the node that first needs it.
+    node_op = profile.node_op
+    backward_slot = np.zeros(len(node_op), dtype=np.int64)
     recompute_slot: dict[int, int] = {}
     extra: list[int] = [op.forward_extra_bytes for op in ops]
     labels: list[str] = [f"forward {op.name}" for op in ops]
-    triggers = {t: b for b, t in enumerate(a.trigger) if t >= 0}
+    triggers = {r: b for b, r in enumerate(a.trigger) if r >= 0}
     t = n
-    for o in range(n - 1, -1, -1):
-        b = triggers.get(o)
+    for r in range(len(node_op) - 1, -1, -1):
+        name = ops[node_op[r]].name
+        b = triggers.get(r)
         if b is not None:
             for j in a.closure[b]:
                 recompute_slot[j] = t
-                extra.append(ops[j].forward_extra_bytes + ops[o].grad_start_bytes)
+                extra.append(ops[j].forward_extra_bytes + int(profile.grad_start[r]))
                 labels.append(f"recompute {ops[j].name}")
                 t += 1
-        backward_slot[o] = t
-        extra.append(ops[o].grad_peak_bytes)
-        labels.append(f"backward {ops[o].name}")
-        extra.append(ops[o].grad_after_release_bytes)  # what the op saved is gone; its gradients may grow
-        labels.append(f"backward {ops[o].name}, after release")
+        backward_slot[r] = t
+        extra.extend((int(profile.grad_peak[r]), int(profile.grad_after_release[r])))
+        labels.extend((f"backward {name}", f"backward {name}, after release"))
         t += 2
     end = t
     extra.append(profile.gradient_bytes)
@@ -154,20 +156,24 @@ def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -
     retained, dropped = a.retained, a.dropped
     producer, last_use = profile.storage_producer, profile.storage_last_use
     sizes = profile.storage_bytes
-    frame_stop = [backward_slot[e] if e >= 0 else -1 for e in a.frame_end_op]
+    frame_stop = [backward_slot[e] if e >= 0 else -1 for e in a.frame_end]
     split_of_block = plan.split_points
     frame_inputs = _frame_inputs(profile, a)
     in_forward_frame = _forward_frame_inputs(profile, a)
     reaches = profile.reaches_output
     released = _forward_release(profile, end)
+    cached = profile.held_through_forward
     for s in range(len(sizes)):
         p = int(producer[s])
         stop = end if last_use[s] >= n else int(last_use[s])
-        for o in profile.storage_saved_by[s]:
+        if len(cached) and cached[s]:
+            stop = max(stop, n - 1)
+        for r in profile.storage_saved_at[s]:
+            o = node_op[r]
             if not reaches[o]:
                 stop = max(stop, int(released[o]))  # stored: its node dies in forward, never recomputed
             elif retained[s]:
-                stop = max(stop, int(backward_slot[o]))
+                stop = max(stop, int(backward_slot[r]))
         for b in in_forward_frame.get(s, ()):
             stop = max(stop, split_of_block[b])
         for b in frame_inputs.get(s, ()):
@@ -186,7 +192,8 @@ def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -
             for k in readers.get(s, ()):
                 stop = max(stop, recompute_slot[k])
             if dropped[s]:
-                stop = max(stop, *(int(backward_slot[o]) for o in profile.storage_saved_by[s] if reaches[o]))
+                stop = max(stop, *(int(backward_slot[r]) for r in profile.storage_saved_at[s]
+                                   if reaches[node_op[r]]))
             hold(start, stop, int(sizes[s]))
 
     for op in ops:

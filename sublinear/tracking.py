@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["StorageTracker", "storage_key", "storages_of"]
@@ -25,18 +26,27 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def storages_of(value: Any) -> list[torch.UntypedStorage]:
-    """Distinct untyped storages of the plain tensors in a (nested) value."""
+    """Distinct untyped storages behind the tensors in a (nested) value.
+
+    Plain and fake tensors own their storage; traceable wrapper subclasses (DTensor) are searched through their
+    inner tensors.
+    """
     seen: dict[int, torch.UntypedStorage] = {}
-    for leaf in tree_leaves(value):
-        if isinstance(leaf, torch.Tensor) and _owns_storage(leaf):
-            st = leaf.untyped_storage()
+    pending = [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    while pending:
+        t = pending.pop()
+        if is_traceable_wrapper_subclass(t):
+            pending.extend(getattr(t, name) for name in t.__tensor_flatten__()[0]
+                           if isinstance(getattr(t, name), torch.Tensor))
+        elif _owns_storage(t):
+            st = t.untyped_storage()
             seen.setdefault(st._cdata, st)
     return list(seen.values())
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
-    # Wrapper subclasses (DTensor, FakeTensor) dispatch to inner tensors and own no storage themselves.
-    return type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+    dispatch = type(t).__torch_dispatch__
+    return dispatch is torch.Tensor.__torch_dispatch__ or isinstance(t, FakeTensor)
 
 
 EventListener = Callable[[str, int, int], None]
@@ -66,13 +76,13 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.on_op(func, args, kwargs, out)
         for st in storages_of(out):
             self._register(st)
+        self.on_op(func, args, kwargs, out)
         return out
 
     def on_op(self, func, args, kwargs, out) -> None:
-        """Hook for subclasses; called after each aten op, before its outputs are registered."""
+        """Hook for subclasses; called after each aten op, once its outputs are registered."""
 
     def _register(self, st: torch.UntypedStorage) -> None:
         key = st._cdata
