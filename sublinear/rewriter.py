@@ -356,10 +356,11 @@ def _view_of(value: Any, leaf: int, view: tuple, where: str, block: int) -> torc
 
 @contextlib.contextmanager
 def _autocast(state: dict[str, tuple[bool, torch.dtype, bool]]):
-    """Re-enter the autocast state of the forward pass."""
+    """Re-enter the autocast state of the forward pass, without its cast cache: the recompute's inputs are
+    detached leaves, which the cache would keep (as if they were weights) until the outermost autocast exits."""
     with contextlib.ExitStack() as stack:
-        for device_type, (enabled, dtype, cache) in state.items():
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        for device_type, (enabled, dtype, _cache) in state.items():
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False))
         yield
 
 

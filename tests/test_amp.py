@@ -1,0 +1,83 @@
+"""Mixed precision: plans are made at the dtypes autocast produces, and recompute runs under the same autocast."""
+
+import copy
+
+import pytest
+import torch
+
+import sublinear
+from sublinear.models import get_model
+from sublinear.profiler import default_loss
+
+from conftest import assert_same_training
+
+
+def amp_step(module, *args):
+    """The standard recipe: forward under autocast, backward after it."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module(*args)
+    default_loss(out).backward()
+    return out
+
+
+def amp_training(module, args, steps=2):
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = default_loss(module(*args))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return (losses, {k: p.grad.clone() for k, p in module.named_parameters()},
+            {k: v.clone() for k, v in module.state_dict().items()}, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("name", ["tiny-resnet", "tiny-bert", "tiny-gpt"])
+def test_bf16_autocast_training_is_bit_for_bit_eager_and_predicted(name):
+    spec = get_model(name)
+    torch.manual_seed(0)
+    base = spec.build().train()
+    args, _ = spec.example_inputs(16, seq=64 if spec.default_seq else None)
+    eager = amp_training(copy.deepcopy(base), args)
+    model = copy.deepcopy(base)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled = sublinear.compile(model, args)
+    plan = compiled.sublinear_plan
+    assert plan.num_blocks > 1
+    assert_same_training(eager, amp_training(compiled, args))
+    model.zero_grad(set_to_none=True)
+    measured = sublinear.measure(amp_step, compiled, *args).peak_bytes
+    assert abs(plan.predicted_peak_bytes - measured) / measured < 0.03
+
+
+def test_plan_counts_half_precision_activations_at_two_bytes():
+    spec = get_model("tiny-resnet")
+    model = spec.build().train()
+    args, _ = spec.example_inputs(16)
+    fp32 = sublinear.compile(model, args).sublinear_plan.baseline_peak_bytes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = sublinear.compile(model, args).sublinear_plan.baseline_peak_bytes
+    fixed = sum(p.numel() * 4 * 2 for p in model.parameters())  # parameters and their fp32 gradients
+    assert bf16 - fixed < 0.7 * (fp32 - fixed)
+
+
+def test_grad_scaler_works_unchanged():
+    spec = get_model("tiny-bert")
+    torch.manual_seed(0)
+    model = spec.build().train()
+    args, _ = spec.example_inputs(8, seq=32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled = sublinear.compile(model, args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    before = model.classifier.weight.detach().clone()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = default_loss(compiled(*args))
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert not torch.equal(before, model.classifier.weight)
+    assert torch.isfinite(model.classifier.weight).all()
