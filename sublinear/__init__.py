@@ -3,7 +3,7 @@
 Pipeline: capture → profile → simulate → plan (grid, genetic) → rewrite. ``compile`` runs all of it.
 """
 
-from .api import SublinearPlan, compile
+from .api import SublinearModule, SublinearPlan, compile, trace
 from .tracer import CaptureError, capture
 from .config import SublinearMemoryConfig
 from .measurement import MemoryReport, measure
@@ -14,6 +14,7 @@ from .simulator import Simulation, simulate
 
 __all__ = [
     "CaptureError", "GraphProfile", "MemoryReport", "Plan", "PlanError", "RecomputeError", "Simulation",
-    "SublinearMemoryConfig", "SublinearPlan", "capture", "compile", "measure", "profile", "rewrite", "simulate",
+    "SublinearMemoryConfig", "SublinearModule", "SublinearPlan", "capture", "compile", "measure", "profile", "rewrite",
+    "simulate", "trace",
 ]
 __version__ = "0.1.0"

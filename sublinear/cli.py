@@ -95,8 +95,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     compiled = sublinear_compile(model, example, kwargs, config=config)
     plan, profile = compiled.sublinear_plan, compiled.sublinear_profile
     print(f"{spec.name} batch {args.batch}{f' seq {seq}' if seq else ''}: {plan}")
-    a = analyse(profile, _plan_of(plan))
-    for b, ops in enumerate(_plan_of(plan).blocks()):
+    a = analyse(profile, plan.to_plan())
+    for b, ops in enumerate(plan.to_plan().blocks()):
         first, last = profile.ops[ops[0]].name, profile.ops[ops[-1]].name
         kept = int(profile.storage_bytes[[s for s in range(len(profile.storage_bytes))
                                           if a.retained[s] and a.block_of[profile.storage_producer[s]] == b]].sum())
@@ -106,12 +106,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"predicted peak {_mib(plan.predicted_peak_bytes)} vs eager {_mib(plan.baseline_peak_bytes)}; "
           f"recompute {plan.recompute_flops / 1e9:.2f} GFLOP (step FLOPs x{plan.flops_ratio:.3f})")
     return 0
-
-
-def _plan_of(plan):
-    from .plan import Plan
-
-    return Plan(plan.split_points, frozenset(plan.kept_ops))
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:

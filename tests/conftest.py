@@ -172,3 +172,9 @@ class RandomDAG(nn.Module):
                 v = torch.softmax(u, dim=1)
             values.append(v)
         return values[-1] + values[len(values) // 2]
+
+
+@pytest.fixture(autouse=True)
+def _private_plan_cache(tmp_path, monkeypatch):
+    """Each test plans with its own empty plan cache."""
+    monkeypatch.setenv("SUBLINEAR_CACHE_DIR", str(tmp_path / "plan-cache"))

@@ -1,0 +1,88 @@
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sublinear
+from sublinear.cache import cache_dir
+
+from conftest import Chain
+
+
+def _compile(config=None):
+    return sublinear.compile(Chain(30, width=16), torch.randn(256, 16), config=config)
+
+
+def test_miss_then_hit_skips_the_search(caplog, tmp_path):
+    config = sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path / "c"))
+    first = _compile(config).sublinear_plan
+    assert not first.from_cache
+    assert len(list((tmp_path / "c").glob("*.json"))) == 1
+    with caplog.at_level(logging.INFO, logger="sublinear"):
+        second = _compile(config).sublinear_plan
+    assert second.from_cache and "plan cache hit" in caplog.text
+    assert second.split_points == first.split_points
+    assert second.predicted_peak_bytes == first.predicted_peak_bytes
+
+
+def test_another_config_or_shape_misses(tmp_path):
+    config = sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path))
+    _compile(config)
+    assert not _compile(sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path), thresh_nr_try=3)) \
+        .sublinear_plan.from_cache
+    other = sublinear.compile(Chain(30, width=16), torch.randn(64, 16), config=config)
+    assert not other.sublinear_plan.from_cache
+
+
+@pytest.mark.parametrize("damage", ["garbage", "wrong plan", "other graph"])
+def test_corrupt_or_stale_entries_are_ignored_with_a_warning(tmp_path, damage):
+    config = sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path))
+    good = _compile(config).sublinear_plan
+    (entry,) = tmp_path.glob("*.json")
+    data = json.loads(entry.read_text())
+    if damage == "garbage":
+        entry.write_text("{not json")
+    elif damage == "wrong plan":
+        data["split_points"] = [5, 3]
+        entry.write_text(json.dumps(data))
+    else:
+        data["num_ops"] += 1
+        entry.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="ignoring unusable plan cache entry"):
+        replanned = _compile(config).sublinear_plan
+    assert not replanned.from_cache and replanned.split_points == good.split_points
+    assert json.loads(entry.read_text())["split_points"] == list(good.split_points)  # repaired
+
+
+def test_second_process_skips_the_search(tmp_path):
+    code = ("import torch, sublinear, sys; sys.path.insert(0, 'tests'); from conftest import Chain; "
+            "print(sublinear.compile(Chain(30, width=16), torch.randn(256, 16)).sublinear_plan.from_cache)")
+    env = {"SUBLINEAR_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+            .stdout.strip() for _ in range(2)]
+    assert runs == ["False", "True"]
+
+
+def test_where_the_cache_lives(monkeypatch, tmp_path):
+    monkeypatch.setenv("SUBLINEAR_CACHE_DIR", str(tmp_path / "env"))
+    assert cache_dir(None) == tmp_path / "env"
+    assert cache_dir(str(tmp_path / "cfg")) == tmp_path / "cfg"
+    assert cache_dir("") is None
+    monkeypatch.delenv("SUBLINEAR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir(None) == tmp_path / "xdg" / "sublinear"
+
+
+def test_interrupted_write_leaves_no_entry(tmp_path, monkeypatch):
+    import sublinear.cache as cache_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache_module.json, "dump", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _compile(sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path)))
+    assert list(tmp_path.iterdir()) == []
