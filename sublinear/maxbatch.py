@@ -126,13 +126,18 @@ def compare(spec: ModelSpec, budget: int, genetic_iters: tuple[int, ...] = (0,),
             return checked[batch]
 
         def fits(batch: int) -> bool:
-            p = peak(batch)
+            try:
+                p = peak(batch)
+            except ValueError:
+                if batch > 1:
+                    raise
+                return False  # e.g. BatchNorm refuses one sample of 1x1 maps in training
             return p is not None and p <= budget
 
         guess = 8
         if device == "meta":
-            one, two = peak(1), peak(2)
-            guess = max(1, int((budget - one) // max(1, two - one)) + 1)
+            two, four = peak(2), peak(4)
+            guess = max(1, 2 + int((budget - two) // max(1, (four - two) // 2)))
         best = largest_fitting(fits, guess)
         if best == 0:
             results.append(StrategyResult(name, 0, 0, float("nan"), None, None, device))
