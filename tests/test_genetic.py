@@ -1,0 +1,264 @@
+import logging
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+import sublinear.genetic as genetic
+from sublinear.config import SublinearMemoryConfig
+from sublinear.genetic import crossover, genetic_search, merge_blocks, move_boundary, split_block, toggle_kept
+from sublinear.grid import Candidate, grid_search, score
+from sublinear.plan import Plan
+from sublinear.planner import budget_score, make_plan
+from sublinear.profiler import profile
+from sublinear.simulator import simulate
+from sublinear.tracer import capture
+
+from conftest import Chain
+
+
+def _profile(module, batch=16, width=8):
+    x = torch.randn(batch, width)
+    return profile(capture(module, (x,)), (x,))
+
+
+@pytest.fixture(scope="module")
+def chain_profile():
+    torch.manual_seed(0)
+    return _profile(Chain(30), batch=512)  # activations outweigh parameters: plans matter
+
+
+def _config(**kwargs):
+    return SublinearMemoryConfig(**{"genetic_nr_iter": 6, "genetic_pool_size": 8, "num_worker": 1, **kwargs})
+
+
+def _last_start(plan: Plan) -> int:
+    return plan.split_points[-2] + 1 if plan.num_blocks > 1 else 0
+
+
+@st.composite
+def plans(draw, max_ops: int = 40):
+    """(num_ops, a valid plan whose kept ops lie outside the last block, pinned ops)."""
+    n = draw(st.integers(1, max_ops))
+    inner = draw(st.sets(st.integers(0, n - 2), max_size=n - 1)) if n > 1 else set()
+    plan = Plan.of(inner, n)
+    kept = draw(st.sets(st.integers(0, _last_start(plan) - 1), max_size=8)) if _last_start(plan) else set()
+    pinned = draw(st.sets(st.integers(0, n - 1), max_size=8))
+    return n, Plan(plan.split_points, frozenset(kept)), frozenset(pinned)
+
+
+def _assert_valid(plan: Plan, n: int) -> None:
+    plan.validate(n)
+    assert list(plan.split_points) == sorted(set(plan.split_points))
+    assert plan.split_points[-1] == n - 1
+    assert all(k < _last_start(plan) for k in plan.kept)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans(), st.randoms(use_true_random=False))
+def test_split_block_inserts_one_point_inside_a_block(case, rng):
+    n, plan, _ = case
+    child = split_block(plan, rng)
+    _assert_valid(child, n)
+    if all(len(b) == 1 for b in plan.blocks()):
+        assert child == plan
+    else:
+        assert child.num_blocks == plan.num_blocks + 1
+        assert set(plan.split_points) < set(child.split_points)
+        assert child.kept == plan.kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans(), st.randoms(use_true_random=False))
+def test_merge_blocks_removes_one_point_never_the_last(case, rng):
+    n, plan, _ = case
+    child = merge_blocks(plan, rng)
+    _assert_valid(child, n)
+    if plan.num_blocks == 1:
+        assert child == plan
+    else:
+        assert child.num_blocks == plan.num_blocks - 1
+        assert set(child.split_points) < set(plan.split_points)
+        assert child.kept <= plan.kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans(), st.randoms(use_true_random=False))
+def test_move_boundary_stays_between_its_neighbours(case, rng):
+    n, plan, _ = case
+    child = move_boundary(plan, rng)
+    _assert_valid(child, n)
+    old, new = plan.split_points, child.split_points
+    assert len(new) == len(old) and new[-1] == old[-1]
+    moved = [i for i in range(len(old)) if old[i] != new[i]]
+    gaps = [old[i + 1] - (old[i - 1] if i else -1) for i in range(len(old) - 1)]
+    if all(g <= 2 for g in gaps):
+        assert child == plan
+    else:
+        (i,) = moved
+        assert (old[i - 1] if i else -1) < new[i] < old[i + 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans(), st.randoms(use_true_random=False))
+def test_toggle_kept_flips_one_eligible_op(case, rng):
+    n, plan, pinned = case
+    child = toggle_kept(plan, rng, pinned)
+    _assert_valid(child, n)
+    assert child.split_points == plan.split_points
+    flipped = plan.kept ^ child.kept
+    if set(range(_last_start(plan))) <= pinned:
+        assert child == plan
+    else:
+        (op,) = flipped
+        assert op not in pinned and op < _last_start(plan)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans(), st.data(), st.randoms(use_true_random=False))
+def test_crossover_keeps_a_valid_plan_made_of_its_parents(case, data, rng):
+    n, a, _ = case
+    inner = data.draw(st.sets(st.integers(0, n - 2), max_size=n - 1)) if n > 1 else set()
+    b = Plan.of(inner, n)
+    child = crossover(a, b, rng)
+    _assert_valid(child, n)
+    assert set(child.split_points) <= set(a.split_points) | set(b.split_points)
+    assert child.kept <= a.kept
+    cut_low = max([p for p in child.split_points if p not in b.split_points], default=-1)
+    assert all(p in b.split_points for p in child.split_points if p > cut_low)
+    assert all(p in a.split_points for p in child.split_points if p <= cut_low)
+
+
+def test_operators_change_plans():
+    """The operators above are not the identity (the properties would also hold for it)."""
+    n = 20
+    plan = Plan.of([4, 9, 14], n)
+    rng = random.Random(0)
+    for op in (split_block, merge_blocks, move_boundary, toggle_kept):
+        assert op(plan, rng) != plan, op.__name__
+    assert crossover(plan, Plan.of([1, 2, 3], n), random.Random(1)) not in (plan, Plan.of([1, 2, 3], n))
+
+
+def test_uniform_plans_are_valid_and_distinct(chain_profile):
+    n = chain_profile.num_ops
+    uniform = genetic.uniform_plans(chain_profile)
+    assert len(set(uniform)) > 10
+    for plan in uniform:
+        _assert_valid(plan, n)
+    assert Plan.of(range(n // 2 - 1, n, n // 2), n) in uniform  # two equal blocks of ops
+
+
+def test_never_worse_than_the_best_seed(chain_profile):
+    seeds = [c.plan for c in grid_search(chain_profile)]
+    found = genetic_search(chain_profile, seeds, _config())
+    best_seed = min((Candidate(p, simulate(chain_profile, p), 0.0) for p in seeds), key=score)
+    assert score(found.best) <= score(best_seed)
+    assert found.best.simulation == simulate(chain_profile, found.best.plan)
+    found.best.plan.validate(chain_profile.num_ops)
+
+
+def test_budget_objective_finds_less_recompute_within_the_budget(chain_profile):
+    seeds = [c.plan for c in grid_search(chain_profile)]
+    lowest = genetic_search(chain_profile, seeds, _config()).best.simulation
+    eager = simulate(chain_profile, Plan.no_split(chain_profile.num_ops))
+    budget = (lowest.peak_bytes + eager.peak_bytes) // 2
+    objective = budget_score(budget)
+    found = genetic_search(chain_profile, seeds, _config(), objective)
+    best_seed = min((Candidate(p, simulate(chain_profile, p), 0.0) for p in seeds), key=objective)
+    assert found.best.simulation.peak_bytes <= budget
+    assert objective(found.best) <= objective(best_seed)
+    assert found.best.simulation.recompute_flops < lowest.recompute_flops
+
+
+def test_improves_on_every_plan_it_starts_from(chain_profile):
+    seeds = [c.plan for c in grid_search(chain_profile)]
+    start = [*seeds, Plan.no_split(chain_profile.num_ops), *genetic.uniform_plans(chain_profile)]
+    found = genetic_search(chain_profile, seeds, _config())
+    assert found.best.simulation.peak_bytes < min(simulate(chain_profile, p).peak_bytes for p in start)
+
+
+def test_history_is_one_non_increasing_entry_per_generation(chain_profile):
+    seeds = [c.plan for c in grid_search(chain_profile)]
+    found = genetic_search(chain_profile, seeds, _config(genetic_nr_iter=7))
+    assert len(found.history) == 7
+    assert list(found.history) == sorted(found.history, reverse=True)
+    assert found.history[-1] == found.best.simulation.peak_bytes
+    assert [record["gen"] for record in found.logbook] == list(range(8))  # 0: the initial population
+    assert found.logbook[0]["best"] >= found.history[0]
+
+
+def test_deterministic_for_a_seed_and_leaves_the_global_random_state_alone(chain_profile):
+    seeds = [c.plan for c in grid_search(chain_profile)]
+    random.seed(1234)
+    state = random.getstate()
+    runs = [genetic_search(chain_profile, seeds, _config(seed=s)) for s in (0, 0, 1, 2, 3)]
+    assert random.getstate() == state
+    assert (runs[0].best.plan, runs[0].history) == (runs[1].best.plan, runs[1].history)
+    assert len({(r.best.plan, r.history, r.evaluations) for r in runs}) > 1
+
+
+def test_two_workers_give_the_same_result(chain_profile):
+    seeds = [c.plan for c in grid_search(chain_profile)]
+    one = genetic_search(chain_profile, seeds, _config(num_worker=1, seed=3))
+    two = genetic_search(chain_profile, seeds, _config(num_worker=2, seed=3))
+    assert (one.best, one.history, one.evaluations) == (two.best, two.history, two.evaluations)
+
+
+def test_every_plan_is_simulated_once(chain_profile, monkeypatch):
+    simulated = []
+
+    def counting(profile_, plan):
+        simulated.append(plan)
+        return simulate(profile_, plan)
+
+    monkeypatch.setattr(genetic, "simulate", counting)
+    found = genetic_search(chain_profile, [c.plan for c in grid_search(chain_profile)], _config())
+    assert len(simulated) == len(set(simulated)) == found.evaluations
+    assert found.evaluations > 8 * 6  # children were scored, not only seeds
+
+
+def test_one_op_graph():
+    p = _profile(nn.Linear(8, 8))
+    assert p.num_ops == 1
+    found = genetic_search(p, [Plan.no_split(1)], _config())
+    assert found.best.plan == Plan.no_split(1)
+    assert len(found.history) == 6
+
+
+def test_debug_log_has_one_line_per_generation(chain_profile, caplog):
+    with caplog.at_level(logging.DEBUG, logger="sublinear.genetic"):
+        genetic_search(chain_profile, [c.plan for c in grid_search(chain_profile)], _config(genetic_nr_iter=4))
+    lines = [r.getMessage() for r in caplog.records if r.name == "sublinear.genetic"]
+    assert len(lines) == 4
+    assert all("best peak" in line and "median" in line and "evaluations" in line for line in lines)
+
+
+def test_planner_runs_the_genetic_search_only_when_asked(chain_profile, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("genetic search called")
+
+    monkeypatch.setattr(genetic, "genetic_search", refuse)
+    result = make_plan(chain_profile, SublinearMemoryConfig(genetic_nr_iter=0, cache_dir=""))
+    assert len(result.history) == 1
+    with pytest.raises(AssertionError, match="genetic search called"):
+        make_plan(chain_profile, SublinearMemoryConfig(genetic_nr_iter=1, cache_dir=""))
+
+
+def test_planner_uses_the_genetic_result(chain_profile):
+    grid = make_plan(chain_profile, SublinearMemoryConfig(cache_dir=""))
+    refined = make_plan(chain_profile, _config(cache_dir=""))
+    assert len(refined.history) == 1 + 6
+    assert refined.history[0] == grid.simulation.peak_bytes
+    assert refined.simulation.peak_bytes == min(refined.history)
+    assert refined.simulation.peak_bytes <= grid.simulation.peak_bytes
+
+
+def test_spawned_workers_give_the_same_result(chain_profile, monkeypatch):
+    """Where fork is unavailable the workers are spawned and receive the profile pickled."""
+    monkeypatch.setattr(genetic.multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    seeds = [c.plan for c in grid_search(chain_profile)]
+    spawned = genetic_search(chain_profile, seeds, _config(genetic_nr_iter=2, seed=5, num_worker=2))
+    serial = genetic_search(chain_profile, seeds, _config(genetic_nr_iter=2, seed=5))
+    assert (spawned.best, spawned.history) == (serial.best, serial.history)
