@@ -3,9 +3,10 @@
 Pipeline: capture → profile → simulate → plan (grid, genetic) → rewrite. ``compile`` runs all of it.
 """
 
-from .api import SublinearModule, SublinearPlan, compile, trace
+from .api import ParetoPoint, SublinearModule, SublinearPlan, compile, pareto, trace
+from .planner import BudgetError
 from .tracer import CaptureError, capture
-from .config import SublinearMemoryConfig
+from .config import SublinearMemoryConfig, parse_size
 from .measurement import MemoryReport, measure
 from .plan import Plan, PlanError
 from .profiler import GraphProfile, profile
@@ -13,8 +14,8 @@ from .rewriter import RecomputeError, rewrite
 from .simulator import Simulation, simulate
 
 __all__ = [
-    "CaptureError", "GraphProfile", "MemoryReport", "Plan", "PlanError", "RecomputeError", "Simulation",
-    "SublinearMemoryConfig", "SublinearModule", "SublinearPlan", "capture", "compile", "measure", "profile", "rewrite",
+    "BudgetError", "CaptureError", "ParetoPoint", "pareto", "GraphProfile", "MemoryReport", "Plan", "PlanError", "RecomputeError", "Simulation",
+    "SublinearMemoryConfig", "SublinearModule", "SublinearPlan", "capture", "compile", "measure", "parse_size", "profile", "rewrite",
     "simulate", "trace",
 ]
 __version__ = "0.1.0"

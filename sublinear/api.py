@@ -7,6 +7,7 @@ and hand back a :class:`SublinearModule`, which shares the user's parameters, bu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -22,14 +23,15 @@ from torch.utils._pytree import tree_map
 
 from .cache import PlanCache, cache_dir
 from .config import SublinearMemoryConfig
+from .grid import Candidate
 from .plan import Plan
-from .planner import PlanningResult, make_plan
+from .planner import BudgetError, PlanningResult, make_plan, pareto_front
 from .profiler import GraphProfile, profile
 from .rewriter import CheckpointedModule, rewrite
 from .simulator import simulate
 from .tracer import CapturedGraph, capture, input_signature
 
-__all__ = ["SublinearModule", "SublinearPlan", "compile", "trace"]
+__all__ = ["ParetoPoint", "SublinearModule", "SublinearPlan", "compile", "pareto", "trace"]
 
 log = logging.getLogger("sublinear")
 
@@ -45,6 +47,7 @@ class SublinearPlan:
     baseline_peak_bytes: int
     recompute_flops: int
     forward_flops: int
+    step_flops: int  # eager forward + backward
     history: tuple[int, ...]
     planning_seconds: float  # capture + profile + search
     search_seconds: float  # grid (+ genetic) search alone; 0 when the plan came from the cache
@@ -57,8 +60,8 @@ class SublinearPlan:
 
     @property
     def flops_ratio(self) -> float:
-        """Step FLOPs relative to eager, taking backward as twice forward."""
-        return 1 + self.recompute_flops / (3 * self.forward_flops) if self.forward_flops else 1.0
+        """Step FLOPs (forward, recompute, backward) relative to eager's."""
+        return 1 + self.recompute_flops / self.step_flops if self.step_flops else 1.0
 
     def to_plan(self) -> Plan:
         return Plan(self.split_points, frozenset(self.kept_ops))
@@ -84,7 +87,7 @@ def plan_module(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] |
         split_points=result.plan.split_points, kept_ops=tuple(sorted(result.plan.kept)),
         num_ops=graph_profile.num_ops, predicted_peak_bytes=result.simulation.peak_bytes,
         baseline_peak_bytes=result.baseline.peak_bytes, recompute_flops=result.simulation.recompute_flops,
-        forward_flops=graph_profile.forward_flops, history=result.history,
+        forward_flops=graph_profile.forward_flops, step_flops=graph_profile.step_flops, history=result.history,
         planning_seconds=time.perf_counter() - started, search_seconds=result.seconds,
         capture_method=captured.method, from_cache=from_cache)
     compiled.sublinear_profile = graph_profile
@@ -267,3 +270,40 @@ def trace(fn: Callable | None = None, *, sublinear_memory_config: SublinearMemor
 
     wrapper.sublinear_modules = compiled
     return wrapper
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    plan: Plan
+    peak_bytes: int
+    recompute_flops: int
+    flops_ratio: float  # step FLOPs relative to eager
+
+
+def pareto(module: nn.Module, example_inputs: Sequence[Any] | Any = (), example_kwargs: dict[str, Any] | None = None,
+           config: SublinearMemoryConfig | None = None, budgets: int = 8) -> list[ParetoPoint]:
+    """The non-dominated (predicted peak, recompute FLOPs) plans found for ``module`` at the example inputs.
+
+    Candidates: every grid plan and its keep variants, plus the least-recompute plan for ``budgets`` memory
+    budgets spread between the lowest peak found and eager (each refined by the genetic search when
+    ``config.genetic_nr_iter`` > 0). Sorted by increasing peak, hence decreasing recompute.
+    """
+    config = config or SublinearMemoryConfig()
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,)
+    with _training(module):
+        captured = capture(module, example_inputs, example_kwargs)
+        graph_profile = profile(captured, example_inputs, example_kwargs)
+    first = make_plan(graph_profile, config)
+    found = list(first.candidates) + [Candidate(first.plan, first.simulation, float("nan"))]
+    low, high = first.simulation.peak_bytes, first.baseline.peak_bytes
+    for k in range(1, budgets + 1):
+        budget = int(low + (high - low) * k / (budgets + 1))
+        try:
+            result = make_plan(graph_profile, dataclasses.replace(config, memory_budget=budget))
+        except BudgetError:
+            continue
+        found.append(Candidate(result.plan, result.simulation, float("nan")))
+    step = graph_profile.step_flops or 1
+    return [ParetoPoint(c.plan, c.simulation.peak_bytes, c.simulation.recompute_flops,
+                        1 + c.simulation.recompute_flops / step) for c in pareto_front(found)]
+

@@ -1,36 +1,21 @@
-"""Command line: ``sublinear maxbatch | plan | profile`` (also ``python -m sublinear``)."""
+"""Command line: ``sublinear maxbatch | tune | plan | profile`` (also ``python -m sublinear``)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import logging
-import math
-import re
 import sys
 from collections.abc import Sequence
 
 import torch
 
-from .config import SublinearMemoryConfig
+from .config import SublinearMemoryConfig, parse_size
 from .models import MODELS, ModelSpec, get_model
 
-__all__ = ["main", "parse_size"]
+__all__ = ["main"]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``11GiB``, ``500MB``, ``1.5 GiB`` or a raw integer."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 11GiB, 500MB or a number of bytes)")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if value < 1 or not math.isfinite(value):
-        raise ValueError(f"size must be at least 1 byte: {text!r}")
-    return int(value)
-
+log = logging.getLogger("sublinear.cli")
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
@@ -54,31 +39,97 @@ _USER_INPUT: dict = {}
 
 def _user_inputs(batch: int, *, device: str = "cpu", seq: int | None = None):
     shape, dtype = _USER_INPUT.get("shape"), _USER_INPUT.get("dtype", torch.float32)
+    if seq is not None:
+        shape = (seq,)
     if shape is None:
         raise ValueError("a user model needs --input-shape (per sample, e.g. 3,224,224) or --seq")
-    if dtype in (torch.int64, torch.int32):
-        return (torch.zeros((batch, *shape), dtype=dtype, device=device),), {}
     return (torch.zeros((batch, *shape), dtype=dtype, device=device),), {}
+
+
+class _Progress:
+    """``progress(done, total, message)`` for long runs: a bar redrawn in place on a terminal, log lines
+    otherwise."""
+
+    WIDTH = 24
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.bar = self.stream.isatty()
+
+    def __call__(self, done: int, total: int, message: str) -> None:
+        if not self.bar:
+            log.info(message)
+            return
+        filled = self.WIDTH * done // max(1, total)
+        line = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{total} {message}"
+        self.stream.write(f"\r\033[K{line[:120]}")
+        if done == total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+_AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _write(path: str | None, text: str) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"wrote {path}", file=sys.stderr)
 
 
 def _cmd_maxbatch(args: argparse.Namespace) -> int:
     from .maxbatch import compare
+    from .report import machine, maxbatch_markdown, maxbatch_text
 
-    iters = tuple(int(v) for v in args.genetic_iters.split(",") if v != "")
-    config = SublinearMemoryConfig(thresh_nr_try=args.thresh_nr_try, seed=args.seed)
+    iters = _int_list(args.genetic_iters, "--genetic-iters")
+    limits = tuple(_float(v, "--flops-limits") for v in args.flops_limits.split(",") if v)
+    config = SublinearMemoryConfig(thresh_nr_try=args.thresh_nr_try, seed=args.seed, num_worker=args.workers)
+    autocast = _AUTOCAST[args.autocast]
+    results = {}
     for name in args.model.split(","):
         spec = _model(name)
         seq = args.seq if args.seq is not None else spec.default_seq
         rows = compare(spec, args.budget, iters, device=args.device, seq=seq, config=config,
-                       baselines=not args.no_baselines, progress=lambda m: print(f"  {m}", file=sys.stderr))
-        eager = next((r.max_batch for r in rows if r.strategy == "eager"), 0) or 1
-        where = "meta device (simulated storages)" if args.device == "meta" else torch.cuda.get_device_name(0)
-        print(f"\n{spec.name}{f' seq {seq}' if seq else ''}: max batch at {_mib(args.budget)} on {where}")
-        print(f"{'strategy':34s} {'max batch':>9s} {'x eager':>8s} {'FLOPs':>7s} {'planning':>9s}")
-        for r in rows:
-            planning = f"{r.planning_seconds:8.2f}s" if r.planning_seconds is not None else f"{'-':>9s}"
-            print(f"{r.strategy:34s} {r.max_batch:9d} {r.max_batch / eager:8.2f} {r.flops_ratio:7.3f} {planning}")
+                       baselines=not args.no_baselines, progress=_Progress(), autocast=autocast,
+                       flops_limits=limits)
+        label = f"{spec.name}{f' seq {seq}' if seq else ''}{f' autocast {args.autocast}' if autocast else ''}"
+        results[label] = rows
+        print(f"\n{maxbatch_text(f'{label}: max batch at {_mib(args.budget)} on {machine(args.device)}', rows)}")
+    _write(args.out, maxbatch_markdown(results, args.budget, machine(args.device), args.command_line))
     return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from .maxbatch import tune
+    from .report import plot_convergence, tuning_markdown
+
+    iters = _int_list(args.genetic_iters, "--genetic-iters")
+    config = SublinearMemoryConfig(thresh_nr_try=args.thresh_nr_try, seed=args.seed, num_worker=args.workers)
+    tunings = {}
+    for name in args.model.split(","):
+        spec = _model(name)
+        tunings[spec.name] = tune(spec, iters, args.budget, config, progress=_Progress())
+    text = tuning_markdown(tunings, args.budget, args.seed, args.command_line)
+    print(text)
+    _write(args.out, text)
+    if args.plot:
+        plot_convergence(tunings, args.plot)
+    return 0
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    values = tuple(int(_float(v, flag)) for v in text.split(",") if v.strip())
+    if not values or any(v < 0 or v != int(v) for v in values):
+        raise ValueError(f"{flag} takes comma separated integers >= 0, e.g. 0,20; got {text!r}")
+    return values
+
+
+def _float(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{flag}: not a number: {text!r}") from None
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -139,14 +190,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="float32", help="input dtype for a user model")
         p.add_argument("--thresh-nr-try", type=int, default=10)
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--workers", type=int, default=1, help="processes scoring genetic candidates")
 
     p = sub.add_parser("maxbatch", help="max batch at a budget: eager, hand-written checkpointing, sublinear")
     common(p, "resnet50,bert-base")
     p.add_argument("--budget", type=parse_size, default=parse_size("11GiB"))
-    p.add_argument("--genetic-iters", default="0", help="comma separated genetic_nr_iter values")
+    p.add_argument("--genetic-iters", default="0,20", help="comma separated genetic_nr_iter values")
+    p.add_argument("--flops-limits", default="",
+                   help="comma separated step-FLOPs ratios: add the budget-driven planner limited to each")
+    p.add_argument("--autocast", choices=tuple(_AUTOCAST), default="none", help="run every step under autocast")
     p.add_argument("--device", choices=("meta", "cuda"), default="meta")
     p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--out", default=None, help="also write the table as markdown to this file")
     p.set_defaults(run=_cmd_maxbatch)
+
+    p = sub.add_parser("tune", help="genetic-iteration sweep: best peak, max batch and planning time per value")
+    common(p, "resnet50")
+    p.add_argument("--budget", type=parse_size, default=parse_size("11GiB"))
+    p.add_argument("--genetic-iters", default="0,1,2,5,10,20")
+    p.add_argument("--out", default=None, help="also write the table as markdown to this file")
+    p.add_argument("--plot", default=None, help="write the convergence plot (PNG; needs matplotlib)")
+    p.set_defaults(run=_cmd_tune)
 
     p = sub.add_parser("plan", help="print the plan for one model and batch")
     common(p, "resnet50")
@@ -167,12 +231,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed a one-line error
         return int(exc.code or 0)
+    args.command_line = "sublinear " + " ".join(sys.argv[1:] if argv is None else argv)  # for the markdown
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.input_shape:
-        _USER_INPUT["shape"] = tuple(int(v) for v in args.input_shape.split(","))
-    _USER_INPUT["dtype"] = getattr(torch, args.dtype)
+    log.setLevel(min(logging.INFO, logging.getLogger().level))  # progress lines even without -v
     try:
+        if args.input_shape:
+            _USER_INPUT["shape"] = _int_list(args.input_shape, "--input-shape")
+        _USER_INPUT["dtype"] = getattr(torch, args.dtype, None)
+        if not isinstance(_USER_INPUT["dtype"], torch.dtype):
+            raise ValueError(f"--dtype: not a torch dtype: {args.dtype!r} (e.g. float32, bfloat16, int64)")
         return args.run(args)
     except ValueError as exc:
         print(f"sublinear: error: {exc}", file=sys.stderr)

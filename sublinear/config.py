@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass, fields
 
-__all__ = ["SublinearMemoryConfig"]
+__all__ = ["SublinearMemoryConfig", "parse_size"]
 
 
 @dataclass(frozen=True)
 class SublinearMemoryConfig:
-    """Planner settings. Sizes are bytes.
+    """Planner settings. Sizes are bytes (``lb_memory`` and ``memory_budget`` also take ``"11GiB"``-style text).
 
     thresh_nr_try: grid points per phase of the threshold grid search (>= 0).
     genetic_nr_iter: generations of the genetic refinement; 0 turns it off.
@@ -32,6 +34,12 @@ class SublinearMemoryConfig:
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("lb_memory", "memory_budget"):
+            if isinstance(getattr(self, name), str):
+                try:
+                    object.__setattr__(self, name, parse_size(getattr(self, name)))
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
         _int_at_least("thresh_nr_try", self.thresh_nr_try, 0)
         _int_at_least("genetic_nr_iter", self.genetic_nr_iter, 0)
         _int_at_least("genetic_pool_size", self.genetic_pool_size, 1)
@@ -63,3 +71,18 @@ def _int_at_least(name: str, value: object, low: int, extra: str = "") -> None:
                          f"got {value!r} ({type(value).__name__})")
     if value < low:
         raise ValueError(f"{name} must be >= {low}{' ' + extra if extra else ''}; got {value}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``11GiB``, ``500MB``, ``1.5 GiB`` or a raw integer."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 11GiB, 500MB or a number of bytes)")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value < 1 or not math.isfinite(value):
+        raise ValueError(f"size must be at least 1 byte: {text!r}")
+    return int(value)

@@ -10,6 +10,7 @@ Two greedy measures are walked for every threshold, and every resulting plan is 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,9 @@ class Candidate:
     plan: Plan
     simulation: Simulation
     threshold: float  # the greedy threshold that produced it (inf: one block; nan: not from the grid)
+
+
+Objective = Callable[[Candidate], tuple[int, int, int]]  # lower is better; every planner ranks plans with one
 
 
 def score(candidate: Candidate) -> tuple[int, int, int]:

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import flop_registry
 
 from .tracer import CapturedGraph
-from .interpret import OPERATOR_KINDS, NodeProgram
+from .interpret import NodeProgram
 from .tracking import StorageTracker
 
 __all__ = ["GraphProfile", "NodeFacts", "OpProfile", "profile", "default_loss", "meta_twin", "training_step"]
@@ -121,6 +121,7 @@ class GraphProfile:
     input_bytes: int
     gradient_bytes: int
     measured_peak_bytes: int
+    backward_flops: int
     node_facts: dict[int, NodeFacts] = field(default_factory=dict)
     op_of_node: dict[int, int] = field(default_factory=dict)
     node_storages: dict[int, tuple[int, ...]] = field(default_factory=dict)  # node -> storage per tensor leaf (-1: none)
@@ -143,6 +144,11 @@ class GraphProfile:
     @property
     def forward_flops(self) -> int:
         return sum(op.flops for op in self.ops)
+
+    @property
+    def step_flops(self) -> int:
+        """FLOPs of one eager training step (forward and backward)."""
+        return self.forward_flops + self.backward_flops
 
     def summary(self, top: int = 5) -> str:
         mib = 2**20
@@ -244,6 +250,7 @@ class _StepRecorder(StorageTracker):
         self.writes: dict[int, list[int]] = defaultdict(list)  # node -> serials written in place
         self.flops: dict[int, int] = defaultdict(int)  # node -> forward FLOPs (torch.utils.flop_counter's formulas)
         self.state_serials: set[int] = set()
+        self.backward_flops = 0
         self.autocast_cached: set[int] = set()  # casts of parameters that autocast's cache holds until forward ends
 
     def serial_of(self, t: torch.Tensor) -> int:
@@ -265,7 +272,12 @@ class _StepRecorder(StorageTracker):
         self.events.append((self.backward, self._context(), kind, serial, nbytes))
 
     def on_op(self, func, args, kwargs, out) -> None:
-        if self.backward or self.node is None:
+        if self.backward:
+            count = flop_registry.get(func._overloadpacket)
+            if count is not None:
+                self.backward_flops += count(*args, **kwargs, out_val=out)
+            return
+        if self.node is None:
             return
         if (func is torch.ops.aten._to_copy.default and torch.is_autocast_cache_enabled()
                 and isinstance(args[0], torch.Tensor) and args[0].untyped_storage()._cdata in self.serial
@@ -470,6 +482,7 @@ def profile(captured: CapturedGraph, args=(), kwargs=None) -> GraphProfile:
         input_bytes=kind_bytes("input"),
         gradient_bytes=trace.gradient_bytes,
         measured_peak_bytes=rec.peak_bytes,
+        backward_flops=rec.backward_flops,
         node_facts=facts,
         op_of_node=op_of_node,
         node_storages={i: tuple(sid.get(s, -1) for s in trace.node_out.get(i, [])) for i in operators},

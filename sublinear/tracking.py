@@ -17,12 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["StorageTracker", "storage_key", "storages_of"]
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of the storage behind ``t`` (stable while the storage is alive)."""
-    return t.untyped_storage()._cdata
+__all__ = ["StorageTracker", "storages_of"]
 
 
 def storages_of(value: Any) -> list[torch.UntypedStorage]:

@@ -2,7 +2,6 @@
 
 import copy
 import logging
-import os
 
 import pytest
 import torch

@@ -3,19 +3,7 @@ import sys
 
 import pytest
 
-from sublinear.cli import main, parse_size
-
-
-@pytest.mark.parametrize("text,expected", [("11GiB", 11 * 2**30), ("500MB", 500 * 10**6), ("1.5 KiB", 1536),
-                                           ("4096", 4096), ("2gb", 2 * 10**9)])
-def test_sizes(text, expected):
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "11XB", "-3GiB", "GiB", "0"])
-def test_bad_sizes(text):
-    with pytest.raises(ValueError, match="size"):
-        parse_size(text)
+from sublinear.cli import main
 
 
 def test_bad_arguments_exit_2_with_one_line(capsys):
@@ -52,3 +40,57 @@ def test_python_dash_m():
     result = subprocess.run([sys.executable, "-m", "sublinear", "plan", "--model", "tiny-resnet", "--batch", "2"],
                             capture_output=True, text=True)
     assert result.returncode == 0 and "predicted peak" in result.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["maxbatch", "--genetic-iters", "0,x"], "--genetic-iters"),
+    (["maxbatch", "--flops-limits", "fast"], "--flops-limits"),
+    (["plan", "--model", "torch.nn:Identity", "--input-shape", "3,a"], "--input-shape"),
+    (["plan", "--dtype", "float33"], "--dtype"),
+])
+def test_bad_values_name_the_option(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_maxbatch_writes_markdown_with_its_command(tmp_path, capsys):
+    out = tmp_path / "table.md"
+    argv = ["maxbatch", "--model", "tiny-resnet", "--budget", "64MiB", "--genetic-iters", "0",
+            "--flops-limits", "1.3", "--no-baselines", "--out", str(out)]
+    assert main(argv) == 0
+    text = out.read_text()
+    assert f"`sublinear {' '.join(argv)}`" in text
+    rows = [line for line in text.splitlines() if line.startswith("| tiny-resnet")]
+    assert [r.split(" | ")[1] for r in rows] == ["eager", "sublinear grid", "sublinear budget, FLOPs <= 1.3"]
+    budget_row = rows[-1].split(" | ")
+    assert int(budget_row[2]) > int(rows[0].split(" | ")[2]) and float(budget_row[4]) <= 1.3
+
+
+def test_tune_sweeps_generations(tmp_path, capsys):
+    out = tmp_path / "tune.md"
+    assert main(["tune", "--model", "tiny-resnet", "--budget", "64MiB", "--genetic-iters", "0,2",
+                 "--out", str(out)]) == 0
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| tiny-resnet")]
+    assert [int(r[1]) for r in rows] == [0, 2]
+    assert float(rows[1][3].replace(",", "")) <= float(rows[0][3].replace(",", ""))  # never worse than the grid
+    assert int(rows[1][6]) >= int(rows[0][6])
+
+
+def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise(caplog):
+    import io
+
+    from sublinear.cli import _Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    bar = _Progress(terminal)
+    bar(0, 2, "first ...")
+    bar(2, 2, "done")
+    assert "\r" in terminal.getvalue() and "[" + "#" * _Progress.WIDTH + "] 2/2 done" in terminal.getvalue()
+    with caplog.at_level("INFO", logger="sublinear.cli"):
+        _Progress(io.StringIO())(1, 2, "halfway")
+    assert [r.getMessage() for r in caplog.records] == ["halfway"]

@@ -14,7 +14,6 @@ from sublinear.plan import Plan
 from sublinear.profiler import profile, training_step
 from sublinear.rewriter import RecomputeError, rewrite
 from sublinear.tracer import capture
-from sublinear.tracking import StorageTracker
 
 from conftest import Branchy, Chain, ResidualNet, assert_same_training, train_steps
 

@@ -13,7 +13,7 @@ from sublinear.profiler import profile, training_step
 from sublinear.rewriter import rewrite
 from sublinear.simulator import simulate
 
-from conftest import RandomDAG, ResidualNet, assert_same_training, train_steps
+from conftest import RandomDAG, assert_same_training, train_steps
 
 TOLERANCE = 0.03
 

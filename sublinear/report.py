@@ -1,0 +1,131 @@
+"""Tables and plots of benchmark results, for the terminal and for docs/ (matplotlib is an optional extra)."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .maxbatch import StrategyResult, Tuning
+
+__all__ = ["ParetoSeries", "machine", "maxbatch_markdown", "maxbatch_text", "plot_convergence", "plot_pareto",
+           "tuning_markdown"]
+
+
+def machine(device: str) -> str:
+    """Where figures were taken, for the line above every table."""
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"meta device (storage tracking) on {platform.machine()} CPU"
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
+def maxbatch_text(model: str, rows: Sequence[StrategyResult]) -> str:
+    eager = rows[0].max_batch or 1
+    lines = [f"{'strategy':34s} {'max batch':>9s} {'x eager':>8s} {'FLOPs':>7s} {'planning s':>10s}"]
+    lines += [f"{r.strategy:34s} {r.max_batch:9d} {r.max_batch / eager:8.2f} {r.flops_ratio:7.3f} "
+              f"{_seconds(r.planning_seconds):>10s}" for r in rows]
+    return f"{model}:\n" + "\n".join(lines)
+
+
+def maxbatch_markdown(results: dict[str, Sequence[StrategyResult]], budget: int, where: str, command: str) -> str:
+    lines = [f"Budget {budget / 2**30:g} GiB on {where}; torch {torch.__version__}. Command: `{command}`", "",
+             "| model | strategy | max batch | × eager | FLOPs ratio | planning s | peak at max (MiB) |",
+             "|---|---|---|---|---|---|---|"]
+    for model, rows in results.items():
+        eager = rows[0].max_batch or 1
+        lines += [f"| {model} | {r.strategy} | {r.max_batch} | {r.max_batch / eager:.2f} | {r.flops_ratio:.3f} | "
+                  f"{_seconds(r.planning_seconds)} | {r.peak_bytes / 2**20:,.0f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def tuning_markdown(tunings: dict[str, Tuning], budget: int, seed: int, command: str) -> str:
+    lines = [f"Budget {budget / 2**30:g} GiB, fp32, {machine('meta')}, torch {torch.__version__}, seed {seed}. "
+             f"Command: `{command}`", "",
+             "| model | genetic_nr_iter | reference batch | best peak (MiB) | vs grid | search s | max batch | "
+             "× grid | planning s at max batch |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for model, t in tunings.items():
+        grid = next((r for r in t.rows if r.genetic_nr_iter == 0), None)
+        for r in t.rows:
+            times = f"{r.max_batch / grid.max_batch:.3f}" if grid and grid.max_batch else "-"
+            lines.append(f"| {model} | {r.genetic_nr_iter} | {t.batch} | {r.peak_bytes / 2**20:,.1f} | "
+                         f"{r.peak_bytes / t.history[0]:.3f} | {r.search_seconds:.2f} | {r.max_batch} | {times} | "
+                         f"{_seconds(r.planning_seconds)} |")
+        notes.append(f"{model}: best peak per generation at batch {t.batch} (MiB, generation 0 = grid): "
+                     f"{', '.join(f'{h / 2**20:,.0f}' for h in t.history)}; best of the initial population "
+                     f"{t.initial_best / 2**20:,.0f}; within 1 % of the final value from generation "
+                     f"{t.converged_at}.")
+    return "\n".join([*lines, "", *notes]) + "\n"
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install 'sublinear[plot]'): no plot written", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_convergence(tunings: dict[str, Tuning], path: str) -> None:
+    """Best predicted peak per generation, relative to the grid's, for each model."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for model, t in tunings.items():
+        relative = [100 * h / t.history[0] for h in t.history]
+        line, = ax.plot(range(len(relative)), relative, marker=".", label=f"{model} (batch {t.batch})")
+        ax.axhline(100 * t.initial_best / t.history[0], color=line.get_color(), linestyle="--", linewidth=1,
+                   label=f"{model}: best of the initial population")
+        g = t.converged_at
+        ax.axvline(g, color=line.get_color(), linestyle=":", linewidth=1)
+        ax.annotate(f"converged: generation {g}", (g, relative[g]), textcoords="offset points", xytext=(6, 8),
+                    color=line.get_color(), fontsize=8)
+    ax.set_xlabel("generation (0: grid search)")
+    ax.set_ylabel("best predicted peak, % of the grid's")
+    ax.set_title("Genetic refinement: best plan per generation")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@dataclass(frozen=True)
+class ParetoSeries:
+    """One model's points: (label, peak bytes, FLOPs ratio); sublinear's Pareto plans and the reference points."""
+    title: str
+    front: Sequence[tuple[float, float]]  # (peak bytes, FLOPs ratio) of each Pareto plan
+    references: Sequence[tuple[str, float, float]]  # eager and the hand-written strategies
+
+
+def plot_pareto(series: Sequence[ParetoSeries], path: str) -> None:
+    plt = _pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4), squeeze=False)
+    for ax, s in zip(axes[0], series):
+        peaks = [p / 2**30 for p, _ in s.front]
+        ax.plot(peaks, [r for _, r in s.front], marker="o", label="sublinear Pareto front")
+        for label, peak, ratio in s.references:
+            ax.scatter([peak / 2**30], [ratio], marker="s", zorder=3)
+            ax.annotate(label, (peak / 2**30, ratio), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel("predicted peak of one step (GiB)")
+        ax.set_ylabel("step FLOPs relative to eager")
+        ax.set_title(s.title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
