@@ -84,7 +84,7 @@ def _cmd_maxbatch(args: argparse.Namespace) -> int:
 
     iters = _int_list(args.genetic_iters, "--genetic-iters")
     limits = tuple(_float(v, "--flops-limits") for v in args.flops_limits.split(",") if v)
-    config = SublinearMemoryConfig(thresh_nr_try=args.thresh_nr_try, seed=args.seed, num_worker=args.workers)
+    config = _measuring_config(args)
     autocast = _AUTOCAST[args.autocast]
     results = {}
     for name in args.model.split(","):
@@ -105,7 +105,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from .report import plot_convergence, tuning_markdown
 
     iters = _int_list(args.genetic_iters, "--genetic-iters")
-    config = SublinearMemoryConfig(thresh_nr_try=args.thresh_nr_try, seed=args.seed, num_worker=args.workers)
+    config = _measuring_config(args)
     tunings = {}
     for name in args.model.split(","):
         spec = _model(name)
@@ -116,6 +116,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.plot:
         plot_convergence(tunings, args.plot)
     return 0
+
+
+def _measuring_config(args: argparse.Namespace) -> SublinearMemoryConfig:
+    """Planning time is one of the results: plans are searched afresh, never read from the plan cache."""
+    return SublinearMemoryConfig(thresh_nr_try=args.thresh_nr_try, seed=args.seed, num_worker=args.workers,
+                                 cache_dir="")
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:

@@ -178,3 +178,17 @@ class RandomDAG(nn.Module):
 def _private_plan_cache(tmp_path, monkeypatch):
     """Each test plans with its own empty plan cache."""
     monkeypatch.setenv("SUBLINEAR_CACHE_DIR", str(tmp_path / "plan-cache"))
+
+
+@pytest.fixture(scope="session")
+def meta_resnet50():
+    """ResNet-50 at batch 32 on the meta device: (model, example args, profile)."""
+    from sublinear.models import get_model
+    from sublinear.profiler import profile
+    from sublinear.tracer import capture
+
+    spec = get_model("resnet50")
+    with torch.device("meta"):
+        model = spec.build().train()
+    args, _ = spec.example_inputs(32, device="meta")
+    return model, args, profile(capture(model, args), args)

@@ -54,7 +54,7 @@ def test_bad_values_name_the_option(argv, message, capsys):
     assert len(err) == 1 and message in err[0]
 
 
-def test_maxbatch_writes_markdown_with_its_command(tmp_path, capsys):
+def test_maxbatch_writes_markdown_with_its_command_and_plans_afresh(tmp_path, capsys):
     out = tmp_path / "table.md"
     argv = ["maxbatch", "--model", "tiny-resnet", "--budget", "64MiB", "--genetic-iters", "0",
             "--flops-limits", "1.3", "--no-baselines", "--out", str(out)]
@@ -65,6 +65,7 @@ def test_maxbatch_writes_markdown_with_its_command(tmp_path, capsys):
     assert [r.split(" | ")[1] for r in rows] == ["eager", "sublinear grid", "sublinear budget, FLOPs <= 1.3"]
     budget_row = rows[-1].split(" | ")
     assert int(budget_row[2]) > int(rows[0].split(" | ")[2]) and float(budget_row[4]) <= 1.3
+    assert not (tmp_path / "plan-cache").exists()  # planning time is reported: no plan from (or to) the cache
 
 
 def test_tune_sweeps_generations(tmp_path, capsys):

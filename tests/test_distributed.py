@@ -5,6 +5,8 @@ own (per-rank) batch. The models avoid BatchNorm and dropout, whose batch statis
 rank by design.
 """
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,36 +31,42 @@ def _data():
 def _worker(rank, store, mode, result_path):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
-        import sublinear
-
-        x = _data()[rank * PER_RANK:(rank + 1) * PER_RANK]
-        model = _model()
-        if mode == "ddp":
-            compiled = sublinear.compile(model, x)
-            net = nn.parallel.DistributedDataParallel(compiled)
-            net(x).sum().backward()
-            blocks = compiled.sublinear_plan.num_blocks
-        elif mode == "ddp-decorator":
-            net = nn.parallel.DistributedDataParallel(model)
-
-            @sublinear.trace
-            def step(net, x):
-                net(x).sum().backward()
-                return net.module.sublinear_plan.num_blocks
-
-            blocks = step(net, x)
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            compiled = sublinear.compile(model, x)
-            fully_shard(compiled)
-            compiled(x).sum().backward()
-            blocks = compiled.sublinear_plan.num_blocks
-        grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
-        if rank == 0:
-            torch.save((blocks, [g * WORLD for g in grads]), result_path)  # DDP and FSDP average over ranks
+        _train(rank, mode, result_path)
+        gc.collect()  # DDP/FSDP objects hold the process group: free them before it is destroyed, not at exit
+        dist.barrier()  # no rank tears its gloo connections down while the other still uses them
     finally:
         dist.destroy_process_group()
+
+
+def _train(rank, mode, result_path):
+    import sublinear
+
+    x = _data()[rank * PER_RANK:(rank + 1) * PER_RANK]
+    model = _model()
+    if mode == "ddp":
+        compiled = sublinear.compile(model, x)
+        net = nn.parallel.DistributedDataParallel(compiled)
+        net(x).sum().backward()
+        blocks = compiled.sublinear_plan.num_blocks
+    elif mode == "ddp-decorator":
+        net = nn.parallel.DistributedDataParallel(model)
+
+        @sublinear.trace
+        def step(net, x):
+            net(x).sum().backward()
+            return net.module.sublinear_plan.num_blocks
+
+        blocks = step(net, x)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        compiled = sublinear.compile(model, x)
+        fully_shard(compiled)
+        compiled(x).sum().backward()
+        blocks = compiled.sublinear_plan.num_blocks
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+    if rank == 0:
+        torch.save((blocks, [g * WORLD for g in grads]), result_path)  # DDP and FSDP average over ranks
 
 
 @pytest.mark.parametrize("mode", ["ddp", "ddp-decorator", "fsdp2"])

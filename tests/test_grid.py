@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from sublinear.grid import grid_search, greedy_plan, score
-from sublinear.models import get_model
 from sublinear.plan import Plan
 from sublinear.profiler import profile
 from sublinear.simulator import simulate
@@ -14,12 +13,8 @@ from conftest import Chain
 
 
 @pytest.fixture(scope="module")
-def resnet_profile():
-    spec = get_model("resnet50")
-    with torch.device("meta"):
-        model = spec.build().train()
-    args, _ = spec.example_inputs(32, device="meta")
-    return profile(capture(model, args), args)
+def resnet_profile(meta_resnet50):
+    return meta_resnet50[2]
 
 
 @pytest.fixture(scope="module")

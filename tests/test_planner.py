@@ -12,12 +12,8 @@ from sublinear.tracer import capture
 
 
 @pytest.fixture(scope="module")
-def resnet():
-    spec = get_model("resnet50")
-    with torch.device("meta"):
-        model = spec.build().train()
-    args, _ = spec.example_inputs(32, device="meta")
-    return model, args, profile(capture(model, args), args)
+def resnet(meta_resnet50):
+    return meta_resnet50
 
 
 def test_budget_below_anything_reachable_names_the_minimum(resnet):
