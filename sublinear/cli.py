@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
@@ -17,11 +18,14 @@ __all__ = ["main"]
 
 log = logging.getLogger("sublinear.cli")
 
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def _model(name: str) -> ModelSpec:
+def _model(name: str, args: argparse.Namespace) -> ModelSpec:
+    """A built-in model, or ``package.module:callable`` with inputs from ``--input-shape``/``--seq`` and
+    ``--dtype``."""
     if name in MODELS:
         return get_model(name)
     if ":" in name:
@@ -30,15 +34,21 @@ def _model(name: str) -> ModelSpec:
             factory = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"cannot import model factory {name!r}: {exc}") from None
-        return ModelSpec(name, f"user model {name}", factory, _user_inputs, None)
+        shape = _int_list(args.input_shape, "--input-shape") if args.input_shape else None
+        return ModelSpec(name, f"user model {name}", factory,
+                         functools.partial(_user_inputs, shape, _dtype(args.dtype)), None)
     raise ValueError(f"unknown model {name!r}; built-in: {', '.join(MODELS)}, or package.module:callable")
 
 
-_USER_INPUT: dict = {}
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtype: not a torch dtype: {name!r} (e.g. float32, bfloat16, int64)")
+    return dtype
 
 
-def _user_inputs(batch: int, *, device: str = "cpu", seq: int | None = None):
-    shape, dtype = _USER_INPUT.get("shape"), _USER_INPUT.get("dtype", torch.float32)
+def _user_inputs(shape: tuple[int, ...] | None, dtype: torch.dtype, batch: int, *, device: str = "cpu",
+                 seq: int | None = None):
     if seq is not None:
         shape = (seq,)
     if shape is None:
@@ -88,7 +98,7 @@ def _cmd_maxbatch(args: argparse.Namespace) -> int:
     autocast = _AUTOCAST[args.autocast]
     results = {}
     for name in args.model.split(","):
-        spec = _model(name)
+        spec = _model(name, args)
         seq = args.seq if args.seq is not None else spec.default_seq
         rows = compare(spec, args.budget, iters, device=args.device, seq=seq, config=config,
                        baselines=not args.no_baselines, progress=_Progress(), autocast=autocast,
@@ -108,7 +118,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     config = _measuring_config(args)
     tunings = {}
     for name in args.model.split(","):
-        spec = _model(name)
+        spec = _model(name, args)
         tunings[spec.name] = tune(spec, iters, args.budget, config, progress=_Progress())
     text = tuning_markdown(tunings, args.budget, args.seed, args.command_line)
     print(text)
@@ -142,7 +152,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .api import compile as sublinear_compile
     from .simulator import analyse
 
-    spec = _model(args.model)
+    spec = _model(args.model, args)
     seq = args.seq if args.seq is not None else spec.default_seq
     with torch.device("meta"):
         model = spec.build().train()
@@ -170,7 +180,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from .tracer import capture
 
     for name in args.model.split(","):
-        spec = _model(name)
+        spec = _model(name, args)
         seq = args.seq if args.seq is not None else spec.default_seq
         with torch.device("meta"):
             model = spec.build().train()
@@ -242,11 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     log.setLevel(min(logging.INFO, logging.getLogger().level))  # progress lines even without -v
     try:
-        if args.input_shape:
-            _USER_INPUT["shape"] = _int_list(args.input_shape, "--input-shape")
-        _USER_INPUT["dtype"] = getattr(torch, args.dtype, None)
-        if not isinstance(_USER_INPUT["dtype"], torch.dtype):
-            raise ValueError(f"--dtype: not a torch dtype: {args.dtype!r} (e.g. float32, bfloat16, int64)")
+        _dtype(args.dtype)
         return args.run(args)
     except ValueError as exc:
         print(f"sublinear: error: {exc}", file=sys.stderr)
