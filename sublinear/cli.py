@@ -150,6 +150,7 @@ def _float(text: str, flag: str) -> float:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .api import compile as sublinear_compile
+    from .planner import BudgetError
     from .simulator import analyse
 
     spec = _model(args.model, args)
@@ -158,8 +159,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         model = spec.build().train()
     example, kwargs = spec.example_inputs(args.batch, device="meta", seq=seq)
     config = SublinearMemoryConfig(thresh_nr_try=args.thresh_nr_try, genetic_nr_iter=args.genetic_iters,
-                                   seed=args.seed)
-    compiled = sublinear_compile(model, example, kwargs, config=config)
+                                   seed=args.seed, num_worker=args.workers, memory_budget=args.memory_budget,
+                                   lb_memory=args.lb_memory)
+    try:
+        compiled = sublinear_compile(model, example, kwargs, config=config)
+    except BudgetError as exc:
+        raise ValueError(str(exc)) from None
     plan, profile = compiled.sublinear_plan, compiled.sublinear_profile
     print(f"{spec.name} batch {args.batch}{f' seq {seq}' if seq else ''}: {plan}")
     a = analyse(profile, plan.to_plan())
@@ -168,8 +173,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         kept = int(profile.storage_bytes[[s for s in range(len(profile.storage_bytes))
                                           if a.retained[s] and a.block_of[profile.storage_producer[s]] == b]].sum())
         recompute = sum(profile.ops[o].flops for o in a.closure[b])
+        kept_ops = [profile.ops[o].name for o in ops if o in plan.kept_ops]
         print(f"  block {b:3d}: ops {ops[0]:4d}-{ops[-1]:4d} ({first} .. {last}); kept {_mib(kept)}, "
-              f"recompute {recompute / 1e9:.2f} GFLOP")
+              f"recompute {recompute / 1e9:.2f} GFLOP" + (f"; kept ops: {', '.join(kept_ops)}" if kept_ops else ""))
     print(f"predicted peak {_mib(plan.predicted_peak_bytes)} vs eager {_mib(plan.baseline_peak_bytes)}; "
           f"recompute {plan.recompute_flops / 1e9:.2f} GFLOP (step FLOPs x{plan.flops_ratio:.3f})")
     return 0
@@ -232,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(p, "resnet50")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--genetic-iters", type=int, default=0)
+    p.add_argument("--memory-budget", type=parse_size, default=None,
+                   help="least recompute whose predicted peak fits this size")
+    p.add_argument("--lb-memory", type=parse_size, default=0, help="hand memory below this floor back for speed")
     p.set_defaults(run=_cmd_plan)
 
     p = sub.add_parser("profile", help="profile summary: eager memory per sample and the largest tensors")

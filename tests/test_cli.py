@@ -47,6 +47,7 @@ def test_python_dash_m():
     (["maxbatch", "--flops-limits", "fast"], "--flops-limits"),
     (["plan", "--model", "torch.nn:Identity", "--input-shape", "3,a"], "--input-shape"),
     (["plan", "--dtype", "float33"], "--dtype"),
+    (["plan", "--model", "tiny-resnet", "--batch", "4", "--memory-budget", "1KiB"], "smallest predicted peak"),
 ])
 def test_bad_values_name_the_option(argv, message, capsys):
     assert main(argv) == 2
