@@ -27,7 +27,7 @@ from .grid import Candidate
 from .plan import Plan
 from .planner import BudgetError, PlanningResult, make_plan, pareto_front
 from .profiler import GraphProfile, profile
-from .rewriter import CheckpointedModule, rewrite
+from .rewriter import CheckpointedModule, rewrite, share_module_state
 from .simulator import simulate
 from .tracer import CapturedGraph, capture, input_signature
 
@@ -149,12 +149,7 @@ class SublinearModule(nn.Module):
 
     def __init__(self, module: nn.Module, config: SublinearMemoryConfig, replan: bool) -> None:
         super().__init__()
-        self._parameters = module._parameters
-        self._buffers = module._buffers
-        self._non_persistent_buffers_set = module._non_persistent_buffers_set
-        self._modules = module._modules
-        self.training = module.training
-        object.__setattr__(self, "original_module", module)
+        share_module_state(self, module)
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "replan", replan)
         object.__setattr__(self, "_variants", {})

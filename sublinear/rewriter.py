@@ -31,7 +31,7 @@ from .plan import Plan
 from .profiler import GraphProfile, NodeFacts
 from .simulator import analyse
 
-__all__ = ["CheckpointedModule", "RecomputeError", "rewrite"]
+__all__ = ["CheckpointedModule", "RecomputeError", "rewrite", "share_module_state"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -108,6 +108,17 @@ class _Schedule:
         self.num_blocks = plan.num_blocks
 
 
+def share_module_state(wrapper: nn.Module, original: nn.Module) -> None:
+    """``wrapper`` holds ``original``'s own parameter, buffer and submodule dicts (so the same tensors, state_dict
+    keys and optimizer targets) and follows its training flag; ``wrapper.original_module`` is ``original``."""
+    wrapper._parameters = original._parameters
+    wrapper._buffers = original._buffers
+    wrapper._non_persistent_buffers_set = original._non_persistent_buffers_set
+    wrapper._modules = original._modules
+    wrapper.training = original.training
+    object.__setattr__(wrapper, "original_module", original)
+
+
 class CheckpointedModule(nn.Module):
     """The rewritten module.
 
@@ -118,13 +129,7 @@ class CheckpointedModule(nn.Module):
 
     def __init__(self, captured: CapturedGraph, schedule: _Schedule) -> None:
         super().__init__()
-        original = captured.module
-        self._parameters = original._parameters
-        self._buffers = original._buffers
-        self._non_persistent_buffers_set = original._non_persistent_buffers_set
-        self._modules = original._modules
-        self.training = original.training
-        object.__setattr__(self, "original_module", original)
+        share_module_state(self, captured.module)
         object.__setattr__(self, "_captured", captured)
         object.__setattr__(self, "_schedule", schedule)
 
