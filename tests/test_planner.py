@@ -1,5 +1,7 @@
 """Planner objectives: lowest peak, least recompute under a memory budget, lb_memory, the Pareto front."""
 
+import copy
+
 import pytest
 import torch
 
@@ -9,6 +11,8 @@ from sublinear.models import get_model
 from sublinear.planner import BudgetError, make_plan, pareto_front
 from sublinear.profiler import profile
 from sublinear.tracer import capture
+
+from conftest import assert_same_training, train_steps
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +79,11 @@ def test_compile_with_a_budget_runs_exactly_and_within_it():
     args, _ = spec.example_inputs(32, seq=64)
     eager = make_plan(profile(capture(model, args), args))
     budget = (eager.simulation.peak_bytes + eager.baseline.peak_bytes) // 2
+    reference = copy.deepcopy(model)
     compiled = sublinear.compile(model, args, config=SublinearMemoryConfig(memory_budget=budget))
+    assert compiled.sublinear_plan.kept_ops  # the budget leaves room to keep expensive ops
     measured = sublinear.measure(sublinear.profiler.training_step, compiled, *args).peak_bytes
     assert compiled.sublinear_plan.predicted_peak_bytes <= budget
     assert abs(measured - compiled.sublinear_plan.predicted_peak_bytes) / measured < 0.03
+    model.zero_grad(set_to_none=True)
+    assert_same_training(train_steps(reference, args), train_steps(compiled, args))  # dropout replayed exactly
