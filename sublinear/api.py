@@ -42,6 +42,7 @@ class SublinearPlan:
 
     split_points: tuple[int, ...]
     kept_ops: tuple[int, ...]
+    soft_points: tuple[int, ...]  # split points whose boundary is rebuilt (nested blocks)
     num_ops: int
     predicted_peak_bytes: int
     baseline_peak_bytes: int
@@ -64,11 +65,12 @@ class SublinearPlan:
         return 1 + self.recompute_flops / self.step_flops if self.step_flops else 1.0
 
     def to_plan(self) -> Plan:
-        return Plan(self.split_points, frozenset(self.kept_ops))
+        return Plan(self.split_points, frozenset(self.kept_ops), frozenset(self.soft_points))
 
     def __str__(self) -> str:
         mib = 2**20
-        return (f"{self.num_blocks} blocks over {self.num_ops} ops: predicted peak "
+        nested = f" ({len(self.soft_points)} nested)" if self.soft_points else ""
+        return (f"{self.num_blocks} blocks{nested} over {self.num_ops} ops: predicted peak "
                 f"{self.predicted_peak_bytes / mib:.1f} MiB vs eager {self.baseline_peak_bytes / mib:.1f} MiB, "
                 f"recompute {self.recompute_flops / 1e9:.2f} GFLOP (step FLOPs x{self.flops_ratio:.3f})")
 
@@ -85,7 +87,7 @@ def plan_module(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] |
     compiled = rewrite(captured, graph_profile, result.plan)
     compiled.sublinear_plan = SublinearPlan(
         split_points=result.plan.split_points, kept_ops=tuple(sorted(result.plan.kept)),
-        num_ops=graph_profile.num_ops, predicted_peak_bytes=result.simulation.peak_bytes,
+        soft_points=tuple(sorted(result.plan.soft)), num_ops=graph_profile.num_ops, predicted_peak_bytes=result.simulation.peak_bytes,
         baseline_peak_bytes=result.baseline.peak_bytes, recompute_flops=result.simulation.recompute_flops,
         forward_flops=graph_profile.forward_flops, step_flops=graph_profile.step_flops, history=result.history,
         planning_seconds=time.perf_counter() - started, search_seconds=result.seconds,
@@ -103,14 +105,13 @@ def _search(captured: CapturedGraph, graph_profile: GraphProfile, args, kwargs,
                         config.planning_key(), graph_profile.num_ops)
     entry = cache.load(key, graph_profile.num_ops)
     if entry is not None:
-        plan = Plan(tuple(entry["split_points"]), frozenset(entry["kept"]))
+        plan = Plan.from_dict(entry)
         log.info("plan cache hit (%s): search skipped", key[:12])
         return PlanningResult(plan, simulate(graph_profile, plan),
                               simulate(graph_profile, Plan.no_split(graph_profile.num_ops)), (),
                               tuple(entry["history"]), 0.0), True
     result = make_plan(graph_profile, config)
-    cache.store(key, {"num_ops": graph_profile.num_ops, "split_points": list(result.plan.split_points),
-                      "kept": sorted(result.plan.kept), "history": list(result.history)})
+    cache.store(key, {"num_ops": graph_profile.num_ops, **result.plan.as_dict(), "history": list(result.history)})
     return result, False
 
 

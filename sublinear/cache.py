@@ -23,7 +23,7 @@ from .plan import Plan, PlanError
 __all__ = ["PlanCache", "cache_dir"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 1
+_FORMAT = 2
 
 
 def cache_dir(configured: str | os.PathLike | None) -> Path | None:
@@ -61,7 +61,7 @@ class PlanCache:
             entry = json.loads(path.read_text())
             if entry.get("format") != _FORMAT or entry.get("key") != key or entry.get("num_ops") != num_ops:
                 raise ValueError("entry does not belong to this graph")
-            Plan(tuple(entry["split_points"]), frozenset(entry["kept"])).validate(num_ops)
+            Plan.from_dict(entry).validate(num_ops)
         except (OSError, ValueError, KeyError, TypeError, PlanError) as exc:
             warnings.warn(f"sublinear: ignoring unusable plan cache entry {path}: {exc}", stacklevel=3)
             return None

@@ -168,6 +168,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan, profile = compiled.sublinear_plan, compiled.sublinear_profile
     print(f"{spec.name} batch {args.batch}{f' seq {seq}' if seq else ''}: {plan}")
     a = analyse(profile, plan.to_plan())
+    nested = "; soft end: what crosses it is rebuilt, not kept"
     for b, ops in enumerate(plan.to_plan().blocks()):
         first, last = profile.ops[ops[0]].name, profile.ops[ops[-1]].name
         kept = int(profile.storage_bytes[[s for s in range(len(profile.storage_bytes))
@@ -175,7 +176,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         recompute = sum(profile.ops[o].flops for o in a.closure[b])
         kept_ops = [profile.ops[o].name for o in ops if o in plan.kept_ops]
         print(f"  block {b:3d}: ops {ops[0]:4d}-{ops[-1]:4d} ({first} .. {last}); kept {_mib(kept)}, "
-              f"recompute {recompute / 1e9:.2f} GFLOP" + (f"; kept ops: {', '.join(kept_ops)}" if kept_ops else ""))
+              f"recompute {recompute / 1e9:.2f} GFLOP" + (f"; kept ops: {', '.join(kept_ops)}" if kept_ops else "")
+              + (nested if ops[-1] in plan.soft_points else ""))
     print(f"predicted peak {_mib(plan.predicted_peak_bytes)} vs eager {_mib(plan.baseline_peak_bytes)}; "
           f"recompute {plan.recompute_flops / 1e9:.2f} GFLOP (step FLOPs x{plan.flops_ratio:.3f})")
     return 0

@@ -43,7 +43,7 @@ from .profiler import GraphProfile
 from .simulator import Simulation, simulate
 
 __all__ = ["GeneticResult", "crossover", "genetic_search", "merge_blocks", "move_boundary", "split_block",
-           "toggle_kept", "uniform_plans"]
+           "toggle_kept", "toggle_soft", "uniform_plans"]
 
 log = logging.getLogger("sublinear.genetic")
 
@@ -53,7 +53,7 @@ MUTATIONS_PER_CHILD = 2
 if not hasattr(creator, "SublinearFitness"):
     creator.create("SublinearFitness", base.Fitness, weights=(-1.0, -1.0, -1.0))  # minimise a 3-key objective
 if not hasattr(creator, "SublinearIndividual"):
-    creator.create("SublinearIndividual", list, fitness=creator.SublinearFitness, kept=frozenset)
+    creator.create("SublinearIndividual", list, fitness=creator.SublinearFitness, kept=frozenset, soft=frozenset)
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,11 @@ class GeneticResult:
 # Operators: valid Plan(s) -> valid Plan over the same ops. One that cannot apply returns the plan unchanged.
 
 
-def _plan(points: Sequence[int], kept: frozenset[int]) -> Plan:
+def _plan(points: Sequence[int], kept: frozenset[int], soft: frozenset[int] = frozenset()) -> Plan:
     """A plan from sorted unique points ending at the last op; kept ops in the last block (never recomputed
-    anyway) are dropped so that equivalent plans compare equal."""
+    anyway) and soft points that cannot be soft are dropped, so that equivalent plans compare equal."""
     last_start = points[-2] + 1 if len(points) > 1 else 0
-    return Plan(tuple(points), frozenset(k for k in kept if k < last_start))
+    return Plan(tuple(points), frozenset(k for k in kept if k < last_start), soft & frozenset(points[:-2]))
 
 
 def split_block(plan: Plan, rng: random.Random) -> Plan:
@@ -82,7 +82,7 @@ def split_block(plan: Plan, rng: random.Random) -> Plan:
         return plan
     block = rng.choice(blocks)
     point = rng.randrange(block.start, block.stop - 1)
-    return _plan(sorted((*plan.split_points, point)), plan.kept)
+    return _plan(sorted((*plan.split_points, point)), plan.kept, plan.soft)
 
 
 def merge_blocks(plan: Plan, rng: random.Random) -> Plan:
@@ -91,7 +91,7 @@ def merge_blocks(plan: Plan, rng: random.Random) -> Plan:
     if len(points) < 2:
         return plan
     del points[rng.randrange(len(points) - 1)]
-    return _plan(points, plan.kept)
+    return _plan(points, plan.kept, plan.soft)
 
 
 def move_boundary(plan: Plan, rng: random.Random) -> Plan:
@@ -103,8 +103,9 @@ def move_boundary(plan: Plan, rng: random.Random) -> Plan:
     i = rng.choice(movable)
     low = points[i - 1] + 1 if i else 0
     target = rng.randrange(low, points[i + 1] - 1)  # one slot fewer than the range: skip the current position
-    points[i] = target if target < points[i] else target + 1
-    return _plan(points, plan.kept)
+    old, points[i] = points[i], target if target < points[i] else target + 1
+    soft = plan.soft - {old} | ({points[i]} if old in plan.soft else set())
+    return _plan(points, plan.kept, frozenset(soft))
 
 
 def toggle_kept(plan: Plan, rng: random.Random, pinned: frozenset[int] = frozenset()) -> Plan:
@@ -113,7 +114,16 @@ def toggle_kept(plan: Plan, rng: random.Random, pinned: frozenset[int] = frozens
     eligible = [o for o in range(last_start) if o not in pinned]
     if not eligible:
         return plan
-    return _plan(plan.split_points, plan.kept ^ {rng.choice(eligible)})
+    return _plan(plan.split_points, plan.kept ^ {rng.choice(eligible)}, plan.soft)
+
+
+def toggle_soft(plan: Plan, rng: random.Random) -> Plan:
+    """Make a random split point soft (its boundary rebuilt, nesting the next block) or hard again; never the
+    last block's boundary or the last op."""
+    eligible = plan.split_points[:-2]
+    if not eligible:
+        return plan
+    return _plan(plan.split_points, plan.kept, plan.soft ^ {rng.choice(eligible)})
 
 
 def crossover(a: Plan, b: Plan, rng: random.Random) -> Plan:
@@ -124,19 +134,25 @@ def crossover(a: Plan, b: Plan, rng: random.Random) -> Plan:
     cut = rng.randrange(a.split_points[-1] + 1)
     points = [p for p in a.split_points if p < cut] + [p for p in b.split_points if p >= cut]
     kept = {k for k in a.kept if k < cut} | {k for k in b.kept if k >= cut}
-    return _plan(points, frozenset(kept))
+    soft = {p for p in a.soft if p < cut} | {p for p in b.soft if p >= cut}
+    return _plan(points, frozenset(kept), frozenset(soft))
+
+
+def _rebuild_bytes(profile: GraphProfile) -> np.ndarray:
+    """Per op: bytes of the saved storages it produces (what recomputing it rebuilds, Chen's measure)."""
+    rebuild = np.zeros(profile.num_ops)
+    saved = np.array([bool(ops) for ops in profile.storage_saved_by], dtype=bool)
+    np.add.at(rebuild, profile.storage_producer, profile.storage_bytes * saved)
+    return rebuild
 
 
 def uniform_plans(profile: GraphProfile) -> list[Plan]:
     """Plans of k blocks of equal size, for k = 2..2*sqrt(num_ops), sizes measured three ways: ops, bytes the
-    block's recompute rebuilds (saved storages it produces, Chen's measure) and forward FLOPs. Seeds that the
-    threshold grid misses on graphs of repeated layers."""
+    block's recompute rebuilds and forward FLOPs. Seeds that the threshold grid misses on graphs of repeated
+    layers."""
     n = profile.num_ops
-    rebuild = np.zeros(n)
-    saved = np.array([bool(ops) for ops in profile.storage_saved_by], dtype=bool)
-    np.add.at(rebuild, profile.storage_producer, profile.storage_bytes * saved)
     plans = []
-    for weight in (np.ones(n), rebuild, np.array([op.flops for op in profile.ops], dtype=float)):
+    for weight in (np.ones(n), _rebuild_bytes(profile), np.array([op.flops for op in profile.ops], dtype=float)):
         cumulative = np.cumsum(weight)
         if not n or cumulative[-1] <= 0:
             continue
@@ -144,6 +160,25 @@ def uniform_plans(profile: GraphProfile) -> list[Plan]:
             points = np.searchsorted(cumulative, cumulative[-1] * np.arange(1, k) / k)
             plans.append(Plan.of(points.tolist(), n))
     return plans
+
+
+def nested_plans(profile: GraphProfile, plans: Sequence[Plan], parts: Sequence[int] = (2, 3, 4)) -> list[Plan]:
+    """Each plan with every block but the last cut into m pieces of equal rebuild bytes by soft split points:
+    the same kept boundaries, a smaller block to rebuild at a time (Chen's recursive plan, two levels)."""
+    n = profile.num_ops
+    cumulative = np.cumsum(_rebuild_bytes(profile))
+    nested = []
+    for plan in plans:
+        for m in parts:
+            points, soft = set(plan.split_points), set()
+            for block in plan.blocks()[:-1]:
+                low = cumulative[block.start - 1] if block.start else 0.0
+                inner = np.searchsorted(cumulative, low + (cumulative[block.stop - 1] - low) * np.arange(1, m) / m)
+                inner = {int(p) for p in inner if block.start <= p < block.stop - 1}
+                points |= inner
+                soft |= inner
+            nested.append(Plan.of(points, n, plan.kept, soft))
+    return nested
 
 
 def _unchanged(plan: Plan) -> Plan:
@@ -175,12 +210,12 @@ def _simulate_in_worker(plan: Plan) -> Simulation:
 def _individual(plan: Plan):
     """DEAP's view of a plan: the split points as the list, the kept ops as an attribute."""
     ind = creator.SublinearIndividual(plan.split_points)
-    ind.kept = plan.kept
+    ind.kept, ind.soft = plan.kept, plan.soft
     return ind
 
 
 def _plan_of(ind) -> Plan:
-    return Plan(tuple(ind), ind.kept)
+    return Plan(tuple(ind), ind.kept, ind.soft)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,7 +251,9 @@ def _search(profile: GraphProfile, seeds: list[Plan], config: SublinearMemoryCon
     toolbox.register("merge_blocks", merge_blocks, rng=random)
     toolbox.register("move_boundary", move_boundary, rng=random)
     toolbox.register("toggle_kept", toggle_kept, rng=random, pinned=pinned)
-    mutations = (toolbox.split_block, toolbox.merge_blocks, toolbox.move_boundary, toolbox.toggle_kept, _unchanged)
+    toolbox.register("toggle_soft", toggle_soft, rng=random)
+    mutations = (toolbox.split_block, toolbox.merge_blocks, toolbox.move_boundary, toolbox.toggle_kept,
+                 toolbox.toggle_soft, _unchanged)
     toolbox.register("mutate", _mutate, mutations=mutations, times=MUTATIONS_PER_CHILD, rng=random)
     toolbox.register("mate", crossover, rng=random)
 
@@ -241,7 +278,9 @@ def _search(profile: GraphProfile, seeds: list[Plan], config: SublinearMemoryCon
         others = [ind for ind in population if id(ind) not in chosen]
         return elite + (tools.selRandom(others, pool_size - len(elite)) if others else [])
 
-    starts = list(dict.fromkeys([*seeds, Plan.no_split(profile.num_ops), *uniform_plans(profile)]))
+    uniform = uniform_plans(profile)
+    flat = [p for p in dict.fromkeys([*seeds, *uniform]) if not p.soft]
+    starts = list(dict.fromkeys([*seeds, Plan.no_split(profile.num_ops), *uniform, *nested_plans(profile, flat)]))
     plans = dict.fromkeys(starts)
     for attempt in range(10 * pool_size):  # bounded: a tiny graph may have fewer distinct plans than the pool
         if len(plans) >= pool_size:

@@ -7,8 +7,12 @@ Semantics shared by the simulator and the rewriter (see docs/algorithm.md):
   stores retained storages as usual; every other storage it saves is dropped in forward and rebuilt in backward.
 - The last block, pinned ops and ``kept`` ops are never recomputed. With the single split point ``n - 1`` nothing
   is recomputed: that plan is eager execution.
-- When backward first needs a dropped storage of block ``b``, the ops of ``b`` that produce dropped storages are
-  re-run (the *recompute closure*), from the retained values the block's frame holds.
+- When backward first needs a dropped storage that block ``b`` saved, the ops producing ``b``'s dropped storages
+  are re-run (the *recompute closure*), from the retained values the block's frame holds.
+- ``soft`` split points end a block without keeping what crosses them: blocks joined by soft points form one
+  *group*, and "a later block" above means a later group. A block's closure may then reach back into earlier
+  blocks of its group and re-run them from the group's retained inputs (Chen's recursive checkpointing, flattened:
+  less memory than keeping the boundary, more recompute). The boundary of the last block is never soft.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class PlanError(ValueError):
 class Plan:
     split_points: tuple[int, ...]
     kept: frozenset[int] = field(default_factory=frozenset)
+    soft: frozenset[int] = field(default_factory=frozenset)  # split points whose crossing values are rebuilt
 
     @staticmethod
     def no_split(num_ops: int) -> Plan:
@@ -39,10 +44,19 @@ class Plan:
         return Plan(tuple(range(num_ops)))
 
     @staticmethod
-    def of(split_points: Iterable[int], num_ops: int, kept: Iterable[int] = ()) -> Plan:
-        """A valid plan from any split points: sorted, deduplicated, last op added."""
+    def of(split_points: Iterable[int], num_ops: int, kept: Iterable[int] = (), soft: Iterable[int] = ()) -> Plan:
+        """A valid plan from any split points: sorted, deduplicated, last op added; soft points that cannot be
+        soft (not split points, or the last block's boundary) are dropped."""
         points = sorted({int(p) for p in split_points if 0 <= int(p) < num_ops} | ({num_ops - 1} if num_ops else set()))
-        return Plan(tuple(points), frozenset(int(k) for k in kept))
+        return Plan(tuple(points), frozenset(int(k) for k in kept), frozenset(int(p) for p in soft) & set(points[:-2]))
+
+    def as_dict(self) -> dict[str, list[int]]:
+        """JSON-ready form (plan cache)."""
+        return {"split_points": list(self.split_points), "kept": sorted(self.kept), "soft": sorted(self.soft)}
+
+    @staticmethod
+    def from_dict(entry: dict) -> Plan:
+        return Plan(tuple(entry["split_points"]), frozenset(entry["kept"]), frozenset(entry["soft"]))
 
     def validate(self, num_ops: int) -> None:
         points = self.split_points
@@ -57,6 +71,9 @@ class Plan:
         bad = sorted(k for k in self.kept if not 0 <= k < num_ops)
         if bad:
             raise PlanError(f"kept ops {bad} are outside 0..{num_ops - 1}")
+        bad = sorted(self.soft - set(points[:-2]))
+        if bad:
+            raise PlanError(f"soft points {bad} must be split points other than the last two {list(points[-2:])}")
 
     @property
     def num_blocks(self) -> int:
@@ -65,6 +82,15 @@ class Plan:
     def blocks(self) -> list[range]:
         starts = (0, *(p + 1 for p in self.split_points[:-1]))
         return [range(a, b + 1) for a, b in zip(starts, self.split_points)]
+
+    def group_of_blocks(self) -> list[int]:
+        """Per block, its group: consecutive blocks joined by soft split points."""
+        groups, g = [], 0
+        for b, point in enumerate(self.split_points):
+            groups.append(g)
+            if point not in self.soft:
+                g += 1
+        return groups
 
     def block_of(self, num_ops: int) -> list[int]:
         owner = [0] * num_ops

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -68,7 +68,7 @@ def keep_variants(profile: GraphProfile, plan: Plan) -> list[Plan]:
     out_bytes = np.zeros(profile.num_ops, dtype=np.int64)
     np.add.at(out_bytes, profile.storage_producer, profile.storage_bytes)
     density = sorted(candidates, key=lambda o: -profile.ops[o].flops / max(1, out_bytes[o]))
-    return [Plan(plan.split_points, plan.kept | frozenset(int(o) for o in chosen))
+    return [replace(plan, kept=plan.kept | frozenset(int(o) for o in chosen))
             for chosen in (candidates, density[: max(1, len(density) // 2)])]
 
 
@@ -81,7 +81,7 @@ def hand_back(profile: GraphProfile, candidate: Candidate, floor: int) -> Candid
     for o in recomputed:
         if profile.ops[o].flops == 0:
             break
-        trial = Plan(best.plan.split_points, best.plan.kept | {int(o)})
+        trial = replace(best.plan, kept=best.plan.kept | {int(o)})
         sim = simulate(profile, trial)
         if sim.peak_bytes <= floor and sim.recompute_flops < best.simulation.recompute_flops:
             best = Candidate(trial, sim, float("nan"))

@@ -57,13 +57,16 @@ class _Schedule:
             raise ValueError("profile and graph disagree on the operators; profile the same captured graph")
         n_nodes = len(program.nodes)
         block_of_op = plan.block_of(profile.num_ops)
+        group_of_block = self.group_of_block = plan.group_of_blocks()
         last_block = plan.num_blocks - 1
         self.op_of_node = [-1] * n_nodes
         self.block_of_node = [-1] * n_nodes
+        self.group_of_node = [-1] * n_nodes
         for op in profile.ops:
             for i in op.nodes:
                 self.op_of_node[i] = op.index
                 self.block_of_node[i] = block_of_op[op.index]
+                self.group_of_node[i] = group_of_block[block_of_op[op.index]]
         kept_ops = set(plan.kept) | {op.index for op in profile.ops if op.pinned}
         # recomputable[i]: node i belongs to an op that may be re-run in backward.
         self.recomputable = [self.op_of_node[i] >= 0 and self.block_of_node[i] != last_block
@@ -71,6 +74,8 @@ class _Schedule:
         self.in_frame_block = [self.op_of_node[i] >= 0 and self.block_of_node[i] != last_block
                                for i in range(n_nodes)]
         self.block_end = {profile.ops[ops[-1]].nodes[-1] for ops in plan.blocks()}
+        self.group_end = {profile.ops[ops[-1]].nodes[-1] for b, ops in enumerate(plan.blocks())
+                          if b == last_block or group_of_block[b + 1] != group_of_block[b]}
         self.nodes_of_op = [op.nodes for op in profile.ops]
         self.op_names = [op.name for op in profile.ops]
         # Inputs of each op read from outside it: (node, producer op or -1 for state/inputs).
@@ -92,9 +97,9 @@ class _Schedule:
         self.leaf_retained: dict[int, tuple[bool | None, ...]] = {
             i: tuple(bool(retained_storage[sid]) if sid >= 0 else None for sid in sids)
             for i, sids in profile.node_storages.items()}
-        # retained[i]: node i's value survives its block, so a recompute reads it from the frame instead of
+        # retained[i]: node i's value survives its group, so a recompute reads it from the frame instead of
         # re-running node i. Placeholders and get_attr (inputs, state) always; otherwise every storage of the value
-        # is retained; for storages the profile did not see, the value is read by a later block or kept.
+        # is retained; for storages the profile did not see, the value is read by a later group or kept.
         self.retained = [True] * n_nodes
         for i in range(n_nodes):
             if self.op_of_node[i] < 0:
@@ -104,7 +109,7 @@ class _Schedule:
                 self.retained[i] = all(static)
             else:
                 self.retained[i] = (not self.recomputable[i]) or any(
-                    u == program.output or self.block_of_node[u] > self.block_of_node[i] for u in program.users[i])
+                    u == program.output or self.group_of_node[u] > self.group_of_node[i] for u in program.users[i])
         self.num_blocks = plan.num_blocks
 
 
@@ -195,28 +200,48 @@ def _unpack(saved: _Saved) -> torch.Tensor:
     return t
 
 
-class _Frame:
-    """One block of one forward call: what its recompute needs, and the handles it fills."""
+class _Group:
+    """Blocks of one forward call joined by soft split points: the retained inputs, RNG states and state snapshots
+    that recomputing any of them needs."""
 
-    def __init__(self, call: _ForwardCall, block: int) -> None:
-        self.schedule = call.schedule
-        self.block = block
+    def __init__(self, call: _ForwardCall) -> None:
         self.inputs: dict[int, Any] = {}
         self.rng: dict[int, tuple] = {}
         self.snapshots: dict[int, dict[Any, torch.Tensor]] = {}
+        self.autocast = call.autocast
+        self.frames: list[_Frame] = []
+
+    def close(self) -> None:
+        """Keep only what the closures of the group's used frames read."""
+        used = [f for f in self.frames if f.closure]
+        wanted = set().union(*(f.wanted for f in used))
+        nodes = set().union(*(f.nodes for f in used))
+        self.inputs = {j: v for j, v in self.inputs.items() if j in wanted}
+        self.rng = {i: v for i, v in self.rng.items() if i in nodes}
+        self.snapshots = {i: v for i, v in self.snapshots.items() if i in nodes}
+        self.frames = []
+
+
+class _Frame:
+    """One block of one forward call: the handles it fills and the closure that rebuilds them."""
+
+    def __init__(self, call: _ForwardCall, block: int, group: _Group) -> None:
+        self.schedule = call.schedule
+        self.block = block
+        self.group = group
+        group.frames.append(self)
         self.handles: list[weakref.ref] = []
         self.closure: list[int] = []
-        self.autocast = call.autocast
+        self.nodes: set[int] = set()
+        self.wanted: set[int] = set()
 
-    def close(self) -> bool:
-        """Fix the recompute closure from the handles made; drop what it does not need. False: frame unused."""
+    def close(self) -> None:
+        """Fix the recompute closure from the handles made: the ops producing them and, through values the group
+        does not retain, their producers (possibly in earlier blocks of the group)."""
         s = self.schedule
         live = [h for h in (r() for r in self.handles) if h is not None]
         if not live:
-            self.inputs.clear()
-            self.rng.clear()
-            self.snapshots.clear()
-            return False
+            return
         needed = {s.op_of_node[h.node] for h in live}
         stack = list(needed)
         while stack:
@@ -226,12 +251,8 @@ class _Frame:
                     needed.add(p)
                     stack.append(p)
         self.closure = sorted(needed)
-        nodes = {i for o in self.closure for i in s.nodes_of_op[o]}
-        wanted = {j for o in self.closure for j, _ in s.op_inputs[o] if j not in nodes}
-        self.inputs = {j: v for j, v in self.inputs.items() if j in wanted}
-        self.rng = {i: v for i, v in self.rng.items() if i in nodes}
-        self.snapshots = {i: v for i, v in self.snapshots.items() if i in nodes}
-        return True
+        self.nodes = {i for o in self.closure for i in s.nodes_of_op[o]}
+        self.wanted = {j for o in self.closure for j, _ in s.op_inputs[o] if j not in self.nodes}
 
     def recompute(self) -> None:
         s = self.schedule
@@ -242,7 +263,7 @@ class _Frame:
         for h in handles:
             if h.order < 0:
                 by_node.setdefault(h.node, []).append(h)
-        env: dict[int, Any] = {j: _detached(v) for j, v in self.inputs.items()}  # fresh leaves per recompute
+        env: dict[int, Any] = {j: _detached(self.group.inputs[j]) for j in self.wanted}  # fresh leaves per recompute
         current = [-1, 0]
 
         def harvest(t: torch.Tensor) -> None:
@@ -263,7 +284,7 @@ class _Frame:
         env_list: list[Any] = [None] * len(program.nodes)
         for j, v in env.items():
             env_list[j] = v
-        with torch.enable_grad(), _autocast(self.autocast), \
+        with torch.enable_grad(), _autocast(self.group.autocast), \
                 torch.autograd.graph.saved_tensors_hooks(harvest, never_unpacked):
             for i in nodes:
                 current[0], current[1] = i, 0
@@ -289,7 +310,7 @@ class _Frame:
         s = self.schedule
         program = s.program
         facts = s.facts.get(i)
-        snapshot = self.snapshots.get(i)
+        snapshot = self.group.snapshots.get(i)
         if snapshot is not None:
             node = program.nodes[i]
             if facts.state_attrs:
@@ -300,7 +321,7 @@ class _Frame:
                 fresh = {name: t.clone() for name, t in snapshot.items()}
                 return torch.func.functional_call(module, fresh, args, kwargs, strict=False)
             return _call_with_args(program, i, env, {slot: t.clone() for slot, t in snapshot.items()})
-        rng = self.rng.get(i)
+        rng = self.group.rng.get(i)
         if rng is not None:
             cpu_state, cuda_states = rng
             with torch.random.fork_rng(devices=list(cuda_states), device_type="cuda"):
@@ -385,6 +406,7 @@ class _ForwardCall:
         self.owner: dict[int, tuple[int, int, weakref.ref]] = {}  # storage key -> (node, leaf, storage ref)
         self.retained: set[int] = set()
         self.frames: dict[int, _Frame] = {}
+        self.groups: dict[int, _Group] = {}
         self.node = -1
         self.packs = 0  # tensors saved so far by the running node
         self.pending: list[tuple[_Saved, torch.Tensor, int]] = []
@@ -434,6 +456,8 @@ class _ForwardCall:
                 if frame is not None and i in s.block_end:
                     del self.frames[s.block_of_node[i]]
                     frame.close()
+                    if i in s.group_end:
+                        self.groups.pop(s.group_of_node[i]).close()
         raise AssertionError("graph has no output node")
 
     def _frame_for(self, i: int) -> _Frame | None:
@@ -443,7 +467,10 @@ class _ForwardCall:
         b = s.block_of_node[i]
         frame = self.frames.get(b)
         if frame is None:
-            frame = self.frames[b] = _Frame(self, b)
+            group = self.groups.get(s.group_of_node[i])
+            if group is None:
+                group = self.groups[s.group_of_node[i]] = _Group(self)
+            frame = self.frames[b] = _Frame(self, b, group)
         return frame
 
     def _prepare(self, frame: _Frame, i: int, env: list[Any]) -> None:
@@ -452,24 +479,24 @@ class _ForwardCall:
         program = s.program
         op = s.op_of_node[i]
         for j in program.inputs[i]:
-            if s.op_of_node[j] != op and s.retained[j] and j not in frame.inputs:
-                frame.inputs[j] = _detached(env[j])  # data and requires_grad only: no autograd history kept
+            if s.op_of_node[j] != op and s.retained[j] and j not in frame.group.inputs:
+                frame.group.inputs[j] = _detached(env[j])  # data and requires_grad only: no autograd history kept
         facts = s.facts.get(i)
         if facts is None:
             return
         if facts.random:
             devices = sorted({t.device.index or 0 for t in tree_leaves([env[j] for j in program.inputs[i]])
                               if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
-            frame.rng[i] = (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices})
+            frame.group.rng[i] = (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices})
         if facts.state_attrs:
             module = getattr(*program._resolve(program.nodes[i].target))
             state = dict(module.named_parameters()) | dict(module.named_buffers())
-            frame.snapshots[i] = {name: state[name].detach().clone() for name in facts.state_attrs}
+            frame.group.snapshots[i] = {name: state[name].detach().clone() for name in facts.state_attrs}
         elif facts.state_args:
             node = program.nodes[i]
             args = program._fetcher(node.args)(env)
             kwargs = program._fetcher(node.kwargs)(env) if node.kwargs else {}
-            frame.snapshots[i] = {slot: (args[slot] if isinstance(slot, int) else kwargs[slot]).detach().clone()
+            frame.group.snapshots[i] = {slot: (args[slot] if isinstance(slot, int) else kwargs[slot]).detach().clone()
                                   for slot in facts.state_args}
 
     def pack(self, t: torch.Tensor) -> _Saved:
@@ -481,9 +508,10 @@ class _ForwardCall:
         self.pending.append((saved, t, order))  # decided when the node returns and its outputs are known
         return saved
 
-    def _as_view_handle(self, saved: _Saved, node: int, leaf: int, t: torch.Tensor) -> None:
-        frame = self.frames.get(self.schedule.block_of_node[node])
-        if frame is None:  # not a storage of an open block: nothing can rebuild it
+    def _as_view_handle(self, saved: _Saved, node: int, leaf: int, t: torch.Tensor, frame: _Frame) -> None:
+        """The saving node's block rebuilds the storage by re-running its producer ``node`` (same group)."""
+        s = self.schedule
+        if node < 0 or s.group_of_node[node] != s.group_of_block[frame.block]:  # produced outside the group
             saved.keep(t)
             return
         saved.frame, saved.node, saved.leaf = frame, node, leaf
@@ -503,7 +531,7 @@ class _ForwardCall:
             if (owned and st._cdata in self.retained) or (not owned and not s.recomputable[i]):
                 saved.keep(t)
             elif owned:
-                self._as_view_handle(saved, entry[0], entry[1], t)
+                self._as_view_handle(saved, entry[0], entry[1], t, frame)
             else:
                 saved.frame, saved.node, saved.order = frame, i, order
                 saved.view = (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype,

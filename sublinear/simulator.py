@@ -37,12 +37,14 @@ class PlanAnalysis:
     """Derived facts of a plan that both the simulator and ``sublinear plan`` report."""
 
     block_of: np.ndarray
+    group_of: np.ndarray  # per block: its group (blocks joined by soft split points share retained inputs)
     recomputed: np.ndarray  # per op: may be recomputed (not kept, not pinned, not in the last block)
     retained: np.ndarray  # per storage
     dropped: np.ndarray  # per storage: saved by autograd but not retained (rebuilt in backward)
-    closure: list[list[int]]  # per block: ops re-run in backward, ascending
+    closure: list[list[int]]  # per block: ops re-run in backward, ascending (may reach into earlier blocks of its group)
     trigger: list[int]  # per block: operator node (rank) whose backward first needs a dropped storage (-1: none)
-    frame_end: list[int]  # per block: rank after whose backward the block's frame is released (-1: none)
+    frame_end: list[int]  # per block: rank after whose backward its group's frame is released (-1: none)
+    group_end: list[int]  # per block: the last op of its group
 
 
 def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
@@ -59,12 +61,15 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
         if op.pinned:
             recomputed[op.index] = False
 
+    group_of = np.asarray(plan.group_of_blocks(), dtype=np.int64)
+    group_of_op = group_of[block_of] if n else block_of
+    last_group = int(group_of[-1]) if len(group_of) else 0
     producer = profile.storage_producer
     last_use = profile.storage_last_use
-    producer_block = block_of[producer] if len(producer) else producer
-    reader_block = np.where(last_use >= n, last_block + 1, block_of[np.minimum(last_use, max(n - 1, 0))]) \
+    producer_group = group_of_op[producer] if len(producer) else producer
+    reader_group = np.where(last_use >= n, last_group + 1, group_of_op[np.minimum(last_use, max(n - 1, 0))]) \
         if len(producer) else producer
-    retained = (~recomputed[producer]) | (reader_block > producer_block) if len(producer) else producer.astype(bool)
+    retained = (~recomputed[producer]) | (reader_group > producer_group) if len(producer) else producer.astype(bool)
     for o in np.flatnonzero(~recomputed):  # a kept op's values stay, and so do the storages they view
         retained[list(profile.op_storages[o])] = True
     reaches = profile.reaches_output
@@ -74,14 +79,20 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
     num_blocks = len(splits)
     closure_sets: list[set[int]] = [set() for _ in range(num_blocks)]
     trigger = [-1] * num_blocks
-    frame_end = [-1] * num_blocks
+    group_frame_end: dict[int, int] = {}
     node_op = profile.node_op
     for s in np.flatnonzero(dropped):
-        b = int(producer_block[s])
-        closure_sets[b].add(int(producer[s]))
-        holders = [r for r in profile.storage_saved_at[s] if reaches[node_op[r]]]
-        trigger[b] = max(trigger[b], max(holders))
-        frame_end[b] = min(holders) if frame_end[b] < 0 else min(frame_end[b], min(holders))
+        for r in profile.storage_saved_at[s]:  # each saving block rebuilds its own copy
+            if not reaches[node_op[r]]:
+                continue
+            b = int(block_of[node_op[r]])
+            closure_sets[b].add(int(producer[s]))
+            trigger[b] = max(trigger[b], r)
+            g = int(group_of[b])
+            group_frame_end[g] = min(group_frame_end.get(g, r), r)
+    frame_end = [group_frame_end.get(int(g), -1) for g in group_of]
+    group_last = {int(g): splits[b] for b, g in enumerate(group_of)}
+    group_end = [int(group_last[int(g)]) for g in group_of]
     closure = []
     for members in closure_sets:
         stack = list(members)
@@ -92,7 +103,7 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
                     members.add(p)
                     stack.append(p)
         closure.append(sorted(members))
-    return PlanAnalysis(block_of, recomputed, retained, dropped, closure, trigger, frame_end)
+    return PlanAnalysis(block_of, group_of, recomputed, retained, dropped, closure, trigger, frame_end, group_end)
 
 
 def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
@@ -124,7 +135,7 @@ def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -
     # it saved), with each block's recompute just before the backward of the node that first needs it.
     node_op = profile.node_op
     backward_slot = np.zeros(len(node_op), dtype=np.int64)
-    recompute_slot: dict[int, int] = {}
+    recompute_slot: dict[tuple[int, int], int] = {}  # (block, op) -> slot: an op may be re-run by several blocks
     extra: list[int] = [op.forward_extra_bytes for op in ops]
     labels: list[str] = [f"forward {op.name}" for op in ops]
     triggers = {r: b for b, r in enumerate(a.trigger) if r >= 0}
@@ -134,7 +145,7 @@ def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -
         b = triggers.get(r)
         if b is not None:
             for j in a.closure[b]:
-                recompute_slot[j] = t
+                recompute_slot[b, j] = t
                 extra.append(ops[j].forward_extra_bytes + int(profile.grad_start[r]))
                 labels.append(f"recompute {ops[j].name}")
                 t += 1
@@ -157,7 +168,6 @@ def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -
     producer, last_use = profile.storage_producer, profile.storage_last_use
     sizes = profile.storage_bytes
     frame_stop = [backward_slot[e] if e >= 0 else -1 for e in a.frame_end]
-    split_of_block = plan.split_points
     frame_inputs = _frame_inputs(profile, a)
     in_forward_frame = _forward_frame_inputs(profile, a)
     reaches = profile.reaches_output
@@ -175,31 +185,32 @@ def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -
             elif retained[s]:
                 stop = max(stop, int(backward_slot[r]))
         for b in in_forward_frame.get(s, ()):
-            stop = max(stop, split_of_block[b])
+            stop = max(stop, a.group_end[b])
         for b in frame_inputs.get(s, ()):
             stop = max(stop, frame_stop[b])
         hold(p, stop, int(sizes[s]))
 
     # Recomputed copies: live from their recompute until the last closure reader or the last dropped-save holder.
-    readers = _closure_readers(profile, a)
     for b, members in enumerate(a.closure):
         if not members:
             continue
+        readers = _closure_readers(profile, members)
         for s in _storages_of_ops(profile, members):
             j = int(producer[s])
-            start = recompute_slot[j]
+            start = recompute_slot[b, j]
             stop = start
             for k in readers.get(s, ()):
-                stop = max(stop, recompute_slot[k])
-            if dropped[s]:
+                stop = max(stop, recompute_slot[b, k])
+            if dropped[s]:  # this block's copy serves the block's own savers
                 stop = max(stop, *(int(backward_slot[r]) for r in profile.storage_saved_at[s]
-                                   if reaches[node_op[r]]))
+                                   if reaches[node_op[r]] and a.block_of[node_op[r]] == b), 0)
             hold(start, stop, int(sizes[s]))
 
+    in_closure = {j for members in a.closure for j in members}
     for op in ops:
         if op.snapshot_bytes and a.recomputed[op.index]:
             b = int(a.block_of[op.index])
-            stop = frame_stop[b] if op.index in a.closure[b] else split_of_block[b]
+            stop = frame_stop[b] if op.index in in_closure else a.group_end[b]
             hold(op.index, max(stop, op.index + 1), op.snapshot_bytes)
 
     live = np.cumsum(held)[: end + 1]
@@ -230,16 +241,15 @@ def _storages_of_ops(profile: GraphProfile, members: list[int]) -> np.ndarray:
     return np.flatnonzero(np.isin(profile.storage_producer, members))
 
 
-def _closure_readers(profile: GraphProfile, a: PlanAnalysis) -> dict[int, list[int]]:
-    """storage -> closure ops that read it from a recomputed producer."""
+def _closure_readers(profile: GraphProfile, members: list[int]) -> dict[int, list[int]]:
+    """storage -> ops of one closure that read it from a producer in the same closure."""
     readers: dict[int, list[int]] = {}
-    for members in a.closure:
-        inside = set(members)
-        for j in members:
-            for p, storages in profile.op_inputs[j]:
-                if p in inside:
-                    for s in storages:
-                        readers.setdefault(s, []).append(j)
+    inside = set(members)
+    for j in members:
+        for p, storages in profile.op_inputs[j]:
+            if p in inside:
+                for s in storages:
+                    readers.setdefault(s, []).append(j)
     return readers
 
 

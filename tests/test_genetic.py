@@ -8,7 +8,8 @@ from torch import nn
 
 import sublinear.genetic as genetic
 from sublinear.config import SublinearMemoryConfig
-from sublinear.genetic import crossover, genetic_search, merge_blocks, move_boundary, split_block, toggle_kept
+from sublinear.genetic import (crossover, genetic_search, merge_blocks, move_boundary, split_block, toggle_kept,
+                               toggle_soft)
 from sublinear.grid import Candidate, grid_search, score
 from sublinear.plan import Plan
 from sublinear.planner import budget_score, make_plan
@@ -40,13 +41,14 @@ def _last_start(plan: Plan) -> int:
 
 @st.composite
 def plans(draw, max_ops: int = 40):
-    """(num_ops, a valid plan whose kept ops lie outside the last block, pinned ops)."""
+    """(num_ops, a valid plan whose kept ops lie outside the last block, with soft points, pinned ops)."""
     n = draw(st.integers(1, max_ops))
     inner = draw(st.sets(st.integers(0, n - 2), max_size=n - 1)) if n > 1 else set()
     plan = Plan.of(inner, n)
     kept = draw(st.sets(st.integers(0, _last_start(plan) - 1), max_size=8)) if _last_start(plan) else set()
+    soft = draw(st.sets(st.sampled_from(plan.split_points[:-2]))) if plan.num_blocks > 2 else set()
     pinned = draw(st.sets(st.integers(0, n - 1), max_size=8))
-    return n, Plan(plan.split_points, frozenset(kept)), frozenset(pinned)
+    return n, Plan(plan.split_points, frozenset(kept), frozenset(soft)), frozenset(pinned)
 
 
 def _assert_valid(plan: Plan, n: int) -> None:
@@ -54,6 +56,7 @@ def _assert_valid(plan: Plan, n: int) -> None:
     assert list(plan.split_points) == sorted(set(plan.split_points))
     assert plan.split_points[-1] == n - 1
     assert all(k < _last_start(plan) for k in plan.kept)
+    assert plan.soft <= set(plan.split_points[:-2])
 
 
 @settings(max_examples=300, deadline=None)
@@ -131,12 +134,37 @@ def test_crossover_keeps_a_valid_plan_made_of_its_parents(case, data, rng):
     assert all(p in a.split_points for p in child.split_points if p <= cut_low)
 
 
+@settings(max_examples=300, deadline=None)
+@given(plans(), st.randoms(use_true_random=False))
+def test_toggle_soft_flips_one_point_never_the_last_two(case, rng):
+    n, plan, _ = case
+    child = toggle_soft(plan, rng)
+    _assert_valid(child, n)
+    assert (child.split_points, child.kept) == (plan.split_points, plan.kept)
+    if plan.num_blocks <= 2:
+        assert child == plan
+    else:
+        (point,) = plan.soft ^ child.soft
+        assert point in plan.split_points[:-2]
+
+
+def test_nested_plans_cut_blocks_with_soft_points(chain_profile):
+    n = chain_profile.num_ops
+    base = Plan.of([9, 19], n)
+    nested = genetic.nested_plans(chain_profile, [base], parts=(2,))
+    (plan,) = nested
+    _assert_valid(plan, n)
+    assert set(base.split_points) < set(plan.split_points)
+    assert plan.soft == set(plan.split_points) - set(base.split_points)  # only the new points are soft
+    assert len(plan.split_points) == len(base.split_points) + 2  # each block but the last cut in two
+
+
 def test_operators_change_plans():
     """The operators above are not the identity (the properties would also hold for it)."""
     n = 20
     plan = Plan.of([4, 9, 14], n)
     rng = random.Random(0)
-    for op in (split_block, merge_blocks, move_boundary, toggle_kept):
+    for op in (split_block, merge_blocks, move_boundary, toggle_kept, toggle_soft):
         assert op(plan, rng) != plan, op.__name__
     assert crossover(plan, Plan.of([1, 2, 3], n), random.Random(1)) not in (plan, Plan.of([1, 2, 3], n))
 

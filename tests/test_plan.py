@@ -28,3 +28,14 @@ def test_kept_ops_must_exist():
 def test_empty_graph():
     Plan.no_split(0).validate(0)
     assert Plan.no_split(0).blocks() == []
+
+
+def test_soft_points_and_groups():
+    plan = Plan.of([2, 5, 8], 12, soft=[2, 5, 8, 11, 7])  # 8 ends the block before the last: cannot be soft
+    assert plan.soft == {2, 5}
+    assert plan.group_of_blocks() == [0, 0, 0, 1]
+    assert Plan.from_dict(plan.as_dict()) == plan
+    with pytest.raises(PlanError, match="soft points"):
+        Plan((2, 5, 8, 11), soft=frozenset({8})).validate(12)
+    with pytest.raises(PlanError, match="soft points"):
+        Plan((2, 5, 8, 11), soft=frozenset({3})).validate(12)

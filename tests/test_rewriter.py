@@ -30,7 +30,14 @@ PLANS = {
     "sqrt(n)": lambda n: Plan.of(range(0, n, max(1, int(n ** 0.5))), n),
     "random + kept": lambda n: Plan.of(random.Random(n).sample(range(n), n // 3), n,
                                        kept=random.Random(n + 1).sample(range(n), n // 5)),
+    "every op, all soft": lambda n: Plan.of(range(n), n, soft=range(n)),
+    "random + kept + soft": lambda n: _random_soft_plan(random.Random(n + 2), n),
 }
+
+
+def _random_soft_plan(rng: random.Random, n: int) -> Plan:
+    points = rng.sample(range(n), n // 2)
+    return Plan.of(points, n, kept=rng.sample(range(n), n // 6), soft=rng.sample(points, len(points) // 2))
 
 
 @pytest.mark.parametrize("plan_name", PLANS)
