@@ -1,11 +1,12 @@
 """Genetic refinement of checkpoint plans (MegEngine's search, REFERENCE §1), written with DEAP.
 
-A genome is a plan: the sorted split points (the last op always ends a block) plus the ``kept`` ops. The
-population starts from every seed plan (the grid's candidates), the eager plan and plans of k equal blocks
-(:func:`uniform_plans`), padded to the pool size with mutated copies when fewer. Each generation keeps
+A genome is a plan: the sorted split points (the last op always ends a block), the ``kept`` ops and the ``soft``
+split points (nested blocks). The population starts from every seed plan (the grid's candidates), the eager plan,
+plans of k equal blocks (:func:`uniform_plans`) and the best 16 of those cut into nested pieces
+(:func:`nested_plans`), padded to the pool size with mutated copies when fewer. Each generation keeps
 ``genetic_pool_size`` survivors (80 % the best, the rest drawn at random from the others) and each survivor makes
-two children: one by two random mutations (split a block, merge two blocks, move a boundary, toggle a kept op, or
-nothing, equally likely), one by one-point crossover with a random survivor. Every operator returns a valid plan.
+two children: one by two random mutations (split a block, merge two blocks, move a boundary, toggle a kept op,
+toggle a soft point, or nothing, equally likely), one by one-point crossover with a random survivor. Every operator returns a valid plan.
 
 Fitness is an objective over the simulated candidate, by default :func:`sublinear.grid.score` (simulated peak
 bytes, then recompute FLOPs, then fewer blocks); the planner passes its budget objective instead. There are
@@ -15,12 +16,13 @@ ever seen is kept apart in a hall of fame, so the result is never worse than the
 
 The uniform seeds are our addition to MegEngine's search: on graphs of repeated layers (BERT) the threshold grid's
 plans straddle layer boundaries, and mutations that move one boundary at a time rarely fix that within 20
-generations, while k equal blocks start close to a per-layer split.
+generations, while k equal blocks start close to a per-layer split. The nested seeds are the other addition:
+one soft point at a time rarely pays, a block cut evenly into nested pieces does.
 
 Deterministic: DEAP's tools draw from Python's global ``random``, which is seeded from ``config.seed`` for the
 search and restored afterwards. Scoring runs in ``config.workers`` processes (identical results), and every plan
-is simulated once. Cost: the seeds plus at most two children per survivor and generation, about 700 simulations
-for 20 generations of 20 (ResNet-50: ~1 ms each, BERT-base: ~2 ms on one core).
+is simulated once. Cost: the seeds plus at most two children per survivor and generation, about 1000 simulations
+for 20 generations of 20 (ResNet-50: ~1 ms each, BERT-base: ~3 ms on one core).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ log = logging.getLogger("sublinear.genetic")
 
 ELITE_FRACTION = 0.8  # of the survivors, the best; the rest are drawn at random from the others
 MUTATIONS_PER_CHILD = 2
+NESTED_SEEDS = 16  # the best flat starting plans also start the search nested (nested_plans)
 
 if not hasattr(creator, "SublinearFitness"):
     creator.create("SublinearFitness", base.Fitness, weights=(-1.0, -1.0, -1.0))  # minimise a 3-key objective
@@ -278,9 +281,9 @@ def _search(profile: GraphProfile, seeds: list[Plan], config: SublinearMemoryCon
         others = [ind for ind in population if id(ind) not in chosen]
         return elite + (tools.selRandom(others, pool_size - len(elite)) if others else [])
 
-    uniform = uniform_plans(profile)
-    flat = [p for p in dict.fromkeys([*seeds, *uniform]) if not p.soft]
-    starts = list(dict.fromkeys([*seeds, Plan.no_split(profile.num_ops), *uniform, *nested_plans(profile, flat)]))
+    starts = evaluated(list(dict.fromkeys([*seeds, Plan.no_split(profile.num_ops), *uniform_plans(profile)])))
+    best_flat = [_plan_of(ind) for ind in tools.selBest([i for i in starts if not i.soft], NESTED_SEEDS)]
+    starts = [*map(_plan_of, starts), *nested_plans(profile, best_flat)]
     plans = dict.fromkeys(starts)
     for attempt in range(10 * pool_size):  # bounded: a tiny graph may have fewer distinct plans than the pool
         if len(plans) >= pool_size:
