@@ -12,9 +12,11 @@ import time
 import torch
 
 import sublinear
+from sublinear.config import SublinearMemoryConfig
 from sublinear.grid import grid_search
 from sublinear.models import get_model
 from sublinear.plan import Plan
+from sublinear.planner import make_plan
 from sublinear.profiler import profile, training_step
 from sublinear.rewriter import rewrite
 from sublinear.simulator import simulate
@@ -38,9 +40,13 @@ def rows():
             fixed = p.parameter_bytes + p.buffer_bytes + p.gradient_bytes
             yield name, batch, "eager module", simulate(p, Plan.no_split(n)).peak_bytes, eager, \
                 (eager - fixed) / batch
+            rng = random.Random(batch)
+            points = rng.sample(range(n), int(n ** 0.5))
             plans = {"grid best": grid_search(p)[0].plan,
-                     "random split": Plan.of(random.Random(batch).sample(range(n), int(n ** 0.5)), n),
-                     "one op per block": Plan.every_op(n)}
+                     "random split": Plan.of(points, n),
+                     "one op per block": Plan.every_op(n),
+                     "random nested (half the splits soft)": Plan.of(points, n, soft=points[::2]),
+                     "grid + genetic(20), nested": make_plan(p, SublinearMemoryConfig(genetic_nr_iter=20)).plan}
             for label, plan in plans.items():
                 measured = sublinear.measure(training_step, rewrite(captured, p, plan), *args, **kwargs).peak_bytes
                 model.zero_grad(set_to_none=True)
