@@ -135,10 +135,10 @@ def _measuring_config(args: argparse.Namespace) -> SublinearMemoryConfig:
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
-    values = tuple(int(_float(v, flag)) for v in text.split(",") if v.strip())
-    if not values or any(v < 0 or v != int(v) for v in values):
+    numbers = [_float(v, flag) for v in text.split(",") if v.strip()]
+    if not numbers or any(v < 0 or v != int(v) for v in numbers):
         raise ValueError(f"{flag} takes comma separated integers >= 0, e.g. 0,20; got {text!r}")
-    return values
+    return tuple(int(v) for v in numbers)
 
 
 def _float(text: str, flag: str) -> float:

@@ -44,6 +44,7 @@ def test_python_dash_m():
 
 @pytest.mark.parametrize("argv,message", [
     (["maxbatch", "--genetic-iters", "0,x"], "--genetic-iters"),
+    (["maxbatch", "--genetic-iters", "0,2.5"], "--genetic-iters"),
     (["maxbatch", "--flops-limits", "fast"], "--flops-limits"),
     (["plan", "--model", "torch.nn:Identity", "--input-shape", "3,a"], "--input-shape"),
     (["plan", "--dtype", "float33"], "--dtype"),
