@@ -27,6 +27,7 @@ from sublinear.models import (
     GPTConfig,
     ModelSpec,
     ResNet,
+    TINY_BERT_CONFIG,
     get_model,
     resnet18,
     resnet50,
@@ -36,14 +37,6 @@ from sublinear.models.gpt import CausalSelfAttention
 
 TINY = ["tiny-resnet", "tiny-bert", "tiny-gpt"]
 
-TINY_BERT = BertConfig(
-    vocab_size=1000,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=128,
-    max_position_embeddings=128,
-)
 
 # Expected output shape at batch 2 and the spec's default inputs.
 EXPECTED_SHAPES = {
@@ -213,7 +206,7 @@ def test_forward_on_meta(name):
 
 def test_bert_model_outputs():
     torch.manual_seed(0)
-    model = BertModel(TINY_BERT).eval()
+    model = BertModel(TINY_BERT_CONFIG).eval()
     (ids,), _ = MODELS["tiny-bert"].example_inputs(2, seq=10)
     seq_out, pooled = model(ids)
     assert seq_out.shape == (2, 10, 64)
@@ -221,7 +214,7 @@ def test_bert_model_outputs():
     # The pooler is tanh(dense(first token)).
     expected = torch.tanh(model.pooler.dense(seq_out[:, 0]))
     torch.testing.assert_close(pooled, expected)
-    _, no_pool = BertModel(TINY_BERT, add_pooling_layer=False)(ids)
+    _, no_pool = BertModel(TINY_BERT_CONFIG, add_pooling_layer=False)(ids)
     assert no_pool is None
 
 
@@ -294,7 +287,7 @@ def test_symbolic_trace_matches_eager(name):
 
 def test_symbolic_trace_bert_mlm():
     torch.manual_seed(0)
-    model = BertForMaskedLM(TINY_BERT).eval()
+    model = BertForMaskedLM(TINY_BERT_CONFIG).eval()
     gm = symbolic_trace(model, concrete_args={"attention_mask": None, "token_type_ids": None})
     (ids,), _ = MODELS["tiny-bert"].example_inputs(2)
     with torch.no_grad():
@@ -325,7 +318,7 @@ def test_symbolic_trace_bert_with_mask_and_token_types():
         assert torch.equal(gm_masked(ids, mask), model(ids, mask))
         assert torch.equal(gm_full(ids, mask, types), model(ids, mask, types))
     # Without a mask no mask is built or added: one add per layer fewer.
-    assert _count_adds(gm_masked) - _count_adds(gm_plain) == TINY_BERT.num_hidden_layers
+    assert _count_adds(gm_masked) - _count_adds(gm_plain) == TINY_BERT_CONFIG.num_hidden_layers
 
 
 # --------------------------------------------------------------------------- semantics
@@ -362,7 +355,7 @@ def test_bert_token_types():
 
 def test_bert_attention_matches_sdpa():
     torch.manual_seed(0)
-    attn = BertSelfAttention(TINY_BERT).eval()
+    attn = BertSelfAttention(TINY_BERT_CONFIG).eval()
     x = torch.randn(2, 9, 64)
     keep = torch.ones(2, 9)
     keep[1, 5:] = 0
@@ -457,7 +450,7 @@ def test_bert_matches_functional_reference():
             logits = model(ids, mask)
             ref_logits = ref_pooled @ model.classifier.weight.T + model.classifier.bias
             torch.testing.assert_close(logits, ref_logits)
-    mlm = BertForMaskedLM(TINY_BERT).eval()
+    mlm = BertForMaskedLM(TINY_BERT_CONFIG).eval()
     with torch.no_grad():
         seq, _ = mlm.bert(ids)
         head = mlm.cls.predictions
@@ -519,7 +512,7 @@ def test_dropout_placement():
     bert = build_tiny("tiny-bert").train()
     (ids,), _ = MODELS["tiny-bert"].example_inputs(2)
     expected = ["bert.embeddings.dropout"]
-    for i in range(TINY_BERT.num_hidden_layers):
+    for i in range(TINY_BERT_CONFIG.num_hidden_layers):
         p = f"bert.encoder.layer.{i}."
         for suffix in ("attention.self.dropout", "attention.output.dropout", "output.dropout"):
             expected.append(p + suffix)
@@ -549,7 +542,7 @@ def test_example_inputs_use_generator_seeded_zero():
 
 
 def test_weight_tying():
-    mlm = BertForMaskedLM(TINY_BERT)
+    mlm = BertForMaskedLM(TINY_BERT_CONFIG)
     assert mlm.cls.predictions.decoder.weight is mlm.bert.embeddings.word_embeddings.weight
     assert mlm.bert.pooler is None
     gpt = build_tiny("tiny-gpt")
@@ -557,7 +550,7 @@ def test_weight_tying():
 
 
 def test_non_persistent_buffers():
-    bert_sd = BertForSequenceClassification(TINY_BERT).state_dict()
+    bert_sd = BertForSequenceClassification(TINY_BERT_CONFIG).state_dict()
     assert not any("position_ids" in k for k in bert_sd)
     gpt = build_tiny("tiny-gpt")
     assert not any("tril" in k or "position_ids" in k for k in gpt.state_dict())
@@ -568,7 +561,7 @@ def test_non_persistent_buffers():
 
 
 def test_hf_and_torchvision_names():
-    bert_keys = set(BertForSequenceClassification(TINY_BERT).state_dict())
+    bert_keys = set(BertForSequenceClassification(TINY_BERT_CONFIG).state_dict())
     for key in [
         "bert.embeddings.word_embeddings.weight",
         "bert.embeddings.position_embeddings.weight",
@@ -586,7 +579,7 @@ def test_hf_and_torchvision_names():
         "classifier.weight",
     ]:
         assert key in bert_keys, key
-    mlm_keys = set(BertForMaskedLM(TINY_BERT).state_dict())
+    mlm_keys = set(BertForMaskedLM(TINY_BERT_CONFIG).state_dict())
     for key in [
         "cls.predictions.transform.dense.weight",
         "cls.predictions.transform.LayerNorm.weight",
@@ -678,7 +671,7 @@ def test_resnet_dilation():
 
 def test_bert_init():
     torch.manual_seed(0)
-    model = BertForMaskedLM(TINY_BERT)
+    model = BertForMaskedLM(TINY_BERT_CONFIG)
     emb = model.bert.embeddings.word_embeddings.weight
     assert torch.equal(emb[0], torch.zeros(64))  # padding row
     assert abs(emb[1:].std().item() - 0.02) < 0.002

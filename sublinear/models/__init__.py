@@ -34,6 +34,7 @@ __all__ = [
     "BertModel",
     "BertForSequenceClassification",
     "BertForMaskedLM",
+    "TINY_BERT_CONFIG",
     "GPTConfig",
     "GPT",
     "ResNet",
@@ -128,7 +129,7 @@ def _with_config(model_cls: Callable[..., nn.Module], config) -> Callable[[], nn
 
 
 _BERT_BASE = BertConfig()
-_TINY_BERT = BertConfig(
+TINY_BERT_CONFIG = BertConfig(
     vocab_size=1000,
     hidden_size=64,
     num_hidden_layers=2,
@@ -169,10 +170,10 @@ _SPECS = [
     _text_spec(
         "tiny-bert",
         "2-layer BERT classifier (hidden 64, 2 heads, vocab 1000)",
-        _with_config(BertForSequenceClassification, _TINY_BERT),
-        _TINY_BERT.vocab_size,
+        _with_config(BertForSequenceClassification, TINY_BERT_CONFIG),
+        TINY_BERT_CONFIG.vocab_size,
         32,
-        _TINY_BERT.max_position_embeddings,
+        TINY_BERT_CONFIG.max_position_embeddings,
     ),
     _text_spec(
         "gpt",
