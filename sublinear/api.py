@@ -28,6 +28,7 @@ from .plan import Plan
 from .planner import BudgetError, PlanningResult, make_plan, pareto_front
 from .profiler import GraphProfile, profile
 from .rewriter import CheckpointedModule, rewrite, share_module_state
+from .sharding import ShardedParameters, fsdp_sharding
 from .simulator import simulate
 from .tracer import CapturedGraph, capture, input_signature
 
@@ -76,13 +77,16 @@ class SublinearPlan:
 
 
 def plan_module(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None,
-                config: SublinearMemoryConfig) -> CheckpointedModule:
-    """Capture, profile and plan ``module`` for this call (on data-less copies) and rewrite it."""
+                config: SublinearMemoryConfig, sharding: ShardedParameters | None = None) -> CheckpointedModule:
+    """Capture, profile and plan ``module`` for this call (on data-less copies) and rewrite it.
+
+    ``sharding``: how FSDP2 holds the parameters and gradients on this rank; None for full ones.
+    """
     kwargs = dict(kwargs or {})
     started = time.perf_counter()
     with _training(module):
         captured = capture(module, args, kwargs)
-        graph_profile = profile(captured, args, kwargs)
+        graph_profile = dataclasses.replace(profile(captured, args, kwargs), sharding=sharding)
     result, from_cache = _search(captured, graph_profile, args, kwargs, config)
     compiled = rewrite(captured, graph_profile, result.plan)
     compiled.sublinear_plan = SublinearPlan(
@@ -101,7 +105,8 @@ def plan_module(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] |
 def _search(captured: CapturedGraph, graph_profile: GraphProfile, args, kwargs,
             config: SublinearMemoryConfig) -> tuple[PlanningResult, bool]:
     cache = PlanCache(cache_dir(config.cache_dir))
-    key = PlanCache.key(captured.graph_module.code, repr(input_signature(args, kwargs)) + _autocast_key(),
+    key = PlanCache.key(captured.graph_module.code,
+                        repr(input_signature(args, kwargs)) + _autocast_key() + repr(graph_profile.sharding),
                         config.planning_key(), graph_profile.num_ops)
     entry = cache.load(key, graph_profile.num_ops)
     if entry is not None:
@@ -145,7 +150,8 @@ class SublinearModule(nn.Module):
     plan for the call's input signature (shapes, dtypes, devices and non-tensor arguments); otherwise it calls the
     original forward unchanged. With ``replan=True`` every new signature is planned; otherwise a plan is reused for
     any signature its captured graph serves (symbolic_trace graphs serve every batch size). A change of submodules
-    or parameter shapes after planning is detected at the next call, logged, and planned anew.
+    or parameter shapes after planning is detected at the next call, logged, and planned anew. After
+    ``fully_shard`` (FSDP2) the next call plans for the rank's FSDP layout of parameters and gradients.
     """
 
     def __init__(self, module: nn.Module, config: SublinearMemoryConfig, replan: bool) -> None:
@@ -182,14 +188,18 @@ class SublinearModule(nn.Module):
                         type(self.original_module).__name__)
             self._variants.clear()
             object.__setattr__(self, "_fingerprint", current)
-        key = (input_signature(args, kwargs), tuple(m.training for m in self.original_module.modules()))
+        sharding = fsdp_sharding(self)
+        key = (input_signature(args, kwargs), tuple(m.training for m in self.original_module.modules()), sharding)
         variant = self._variants.get(key)
         if variant is None and not self.replan:
-            variant = next((v for (sig, modes), v in self._variants.items() if modes == key[1]
-                            and v._captured.shape_generic and sig.constants == key[0].constants), None)
+            variant = next((v for (sig, modes, layout), v in self._variants.items() if modes == key[1]
+                            and layout == sharding and v._captured.shape_generic
+                            and sig.constants == key[0].constants), None)
         if variant is None:
+            if sharding is not None:
+                log.info("planning %s for its FSDP layout: %s", type(self.original_module).__name__, sharding)
             meta_args, meta_kwargs = tree_map(_to_meta, (tuple(args), kwargs))
-            variant = plan_module(self.original_module, meta_args, meta_kwargs, self.config)
+            variant = plan_module(self.original_module, meta_args, meta_kwargs, self.config, sharding)
         self._variants[key] = variant
         object.__setattr__(self, "_latest", variant)
         return variant

@@ -27,6 +27,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .tracer import CapturedGraph
 from .interpret import NodeProgram
+from .sharding import ShardedParameters
 from .tracking import StorageTracker
 
 __all__ = ["GraphProfile", "NodeFacts", "OpProfile", "profile", "default_loss", "meta_twin", "training_step"]
@@ -136,6 +137,7 @@ class GraphProfile:
     grad_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     grad_peak: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     grad_after_release: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    sharding: ShardedParameters | None = None  # FSDP2's per-rank layout; None: full parameters and gradients
 
     @property
     def num_ops(self) -> int:

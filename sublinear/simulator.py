@@ -4,7 +4,8 @@ The one scoring function every planner uses. It needs only a :class:`GraphProfil
 the plan semantics in :mod:`sublinear.plan` to the storage: each storage lives from the op that produced it until
 its last holder lets go (the forward values reading it, autograd for retained saves, a block's frame, the
 recompute of its block, the caller for outputs). The gradient side of backward is plan-independent and taken
-from the profiled eager step.
+from the profiled eager step. Under FSDP2 the parameters and gradients are counted as FSDP holds them per rank
+(:mod:`sublinear.sharding`).
 """
 
 from __future__ import annotations
@@ -214,7 +215,43 @@ def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -
             hold(op.index, max(stop, op.index + 1), op.snapshot_bytes)
 
     live = np.cumsum(held)[: end + 1]
-    return live + np.asarray(extra, dtype=np.int64) + profile.baseline_bytes, labels
+    totals = live + np.asarray(extra, dtype=np.int64) + profile.baseline_bytes
+    if profile.sharding is not None:
+        return _with_sharded_parameters(profile, totals, int(live[n]) + profile.baseline_bytes, labels, n)
+    return totals, labels
+
+
+def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_forward: int, labels: list[str],
+                             n: int):
+    """The timeline with FSDP's parameter and gradient memory in place of the profiled full parameters.
+
+    The step starts with an all-gather slot. Through forward and backward the rank holds its shards and the
+    gathered parameters (padded), plus the all-gather buffer while the forward runs (and again when backward
+    starts, if FSDP resharded after forward). After backward FSDP frees the gathered parameters, copies the
+    gradients into the reduce-scatter input, frees them, and keeps the reduce-scatter output as the rank's gradient
+    shards. A backend workspace (gloo) is a copy of the collective's full buffer while it runs.
+    """
+    s = profile.sharding
+    end = len(totals) - 1
+    shards_for_parameters = s.sharded_bytes - profile.parameter_bytes
+    gather = s.all_gather_bytes * (2 if s.collective_workspace else 1)
+    step = totals[:end] + shards_for_parameters + s.unsharded_bytes
+    step[:n] += s.all_gather_bytes
+    head = [profile.baseline_bytes + shards_for_parameters + gather]
+    head_labels = ["FSDP all-gather"]
+    if s.reshard_after_forward and end > n:
+        regather = after_forward + shards_for_parameters + s.all_gather_bytes + \
+            max(s.unsharded_bytes, gather - s.all_gather_bytes)
+        step = np.concatenate([step[:n], [regather], step[n:]])
+        labels = labels[:n] + ["FSDP all-gather for backward"] + labels[n:]
+        end += 1
+    after = totals[-1] + shards_for_parameters - profile.gradient_bytes
+    reduce = s.reduce_scatter_bytes * (2 if s.collective_workspace else 1)
+    tail = [after + profile.gradient_bytes + s.reduce_scatter_bytes,
+            after + reduce + s.sharded_gradient_bytes,
+            after + s.sharded_gradient_bytes]
+    return (np.concatenate([head, step, tail]).astype(np.int64),
+            head_labels + labels[:end] + ["FSDP reduce-scatter copy-in", "FSDP reduce-scatter", labels[-1]])
 
 
 def _forward_release(profile: GraphProfile, end: int) -> np.ndarray:

@@ -57,19 +57,35 @@ def _train(rank, mode, result_path):
             return net.module.sublinear_plan.num_blocks
 
         blocks = step(net, x)
-    else:
+    elif mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         compiled = sublinear.compile(model, x)
         fully_shard(compiled)
         compiled(x).sum().backward()
         blocks = compiled.sublinear_plan.num_blocks
+        assert compiled.sublinear_profile.sharding.world_size == WORLD  # planned again for the FSDP layout
+    else:  # FSDP unit per compiled stage, then the root
+        from torch.distributed.fsdp import fully_shard
+
+        from conftest import Chain
+
+        half = len(model.layers) // 2
+        stages = [Chain(0), Chain(0)]
+        stages[0].layers, stages[1].layers = model.layers[:half], model.layers[half:]
+        compiled = [sublinear.compile(stage, x) for stage in stages]
+        for stage in compiled:
+            fully_shard(stage)
+        root = fully_shard(nn.Sequential(*compiled))
+        root(x).sum().backward()
+        blocks = min(stage.sublinear_plan.num_blocks for stage in compiled)
+        assert all(stage.sublinear_profile.sharding is not None for stage in compiled)
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
     if rank == 0:
         torch.save((blocks, [g * WORLD for g in grads]), result_path)  # DDP and FSDP average over ranks
 
 
-@pytest.mark.parametrize("mode", ["ddp", "ddp-decorator", "fsdp2"])
+@pytest.mark.parametrize("mode", ["ddp", "ddp-decorator", "fsdp2", "fsdp2-stages"])
 def test_two_processes_match_single_process_on_the_whole_batch(tmp_path, mode):
     result_path = str(tmp_path / "rank0.pt")
     mp.start_processes(_worker, args=(str(tmp_path / "store"), mode, result_path), nprocs=WORLD, join=True,
@@ -80,3 +96,65 @@ def test_two_processes_match_single_process_on_the_whole_batch(tmp_path, mode):
     reference(_data()).sum().backward()
     for got, expected in zip(grads, (p.grad for p in reference.parameters())):
         assert torch.allclose(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def _peak_worker(rank, store, cases, result_path):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        results = [_fsdp_peaks(*case) for case in cases]
+        results.append(_nested_unit_error())
+        if rank == 0:
+            torch.save(results, result_path)
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_peaks(depth, width, batch, reshard_after_forward):
+    """(predicted, measured) peak of a rank's second FSDP2 step, and the prediction that ignores the sharding."""
+    import dataclasses
+
+    import sublinear
+    from conftest import Chain
+    from sublinear.profiler import training_step
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    x = torch.randn(batch, width)
+    compiled = sublinear.compile(Chain(depth, width), x)
+    fully_shard(compiled, reshard_after_forward=reshard_after_forward)
+    training_step(compiled, x)  # plans for the FSDP layout; FSDP initialises lazily
+    for p in compiled.parameters():
+        p.grad = None
+    measured = sublinear.measure_cpu_allocator(training_step, compiled, x).peak_bytes
+    graph_profile, plan = compiled.sublinear_profile, compiled.sublinear_plan
+    unsharded = sublinear.simulate(dataclasses.replace(graph_profile, sharding=None), plan.to_plan()).peak_bytes
+    return plan.predicted_peak_bytes, measured, unsharded
+
+
+def _nested_unit_error():
+    import sublinear
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model.layers[0])
+    try:
+        sublinear.compile(model, _data()[:PER_RANK])
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_fsdp2_rank_peak_counts_sharded_parameters_and_gradients(tmp_path):
+    """Predicted per-rank peak under fully_shard equals the CPU allocator's count of a real step (gloo): parameter
+    shards, gathered parameters, all-gather and reduce-scatter buffers, and gloo's copies of them."""
+    cases = [(8, 256, 64, None), (8, 256, 512, True), (4, 512, 256, False)]
+    result_path = str(tmp_path / "peaks.pt")
+    mp.start_processes(_peak_worker, args=(str(tmp_path / "store"), cases, result_path), nprocs=WORLD, join=True,
+                       start_method="spawn")
+    *peaks, nested_error = torch.load(result_path)
+    for case, (predicted, measured, unsharded) in zip(cases, peaks):
+        assert abs(predicted - measured) <= 1e-3 * measured, (case, predicted, measured)
+        assert abs(unsharded - measured) > 0.05 * measured, (case, unsharded, measured)  # sharding matters here
+    assert nested_error is not None and "layers.0" in nested_error and "fully_shard on the compiled" in nested_error

@@ -82,3 +82,26 @@ def test_measure_agrees_with_memtracker(name, batch, device):
     model.zero_grad(set_to_none=True)
     theirs = _memtracker_peak(training_step, model, *args)
     assert abs(ours - theirs) / theirs < 0.01, (ours, theirs)
+
+
+def test_cpu_allocator_sees_storages_freed_in_place():
+    x = torch.zeros(256)  # 1 KiB, existed before
+
+    def step(x):
+        y = x + x  # +1 KiB
+        y.untyped_storage().resize_(0)  # freed without the tensor dying, as FSDP2 frees gathered parameters
+        return x - x, x * x  # +2 KiB
+
+    allocator = sublinear.measure_cpu_allocator(step, x)
+    assert allocator.method == "cpu-allocator"
+    assert allocator.baseline_bytes == 1024
+    assert allocator.peak_bytes == 1024 + 2048
+    assert sublinear.measure(step, x).peak_bytes == 1024 + 3072  # storage tracking cannot see the resize
+
+
+def test_cpu_allocator_agrees_with_storage_tracking_without_kernel_temporaries():
+    x = torch.randn(64, 32)
+    model = nn.Sequential(nn.Tanh(), nn.Dropout(0.1), nn.Sigmoid())
+    tracked = sublinear.measure(lambda m, v: m(v.requires_grad_()).sum().backward(), model, x)
+    allocator = sublinear.measure_cpu_allocator(lambda m, v: m(v.requires_grad_()).sum().backward(), model, x)
+    assert allocator.peak_bytes == tracked.peak_bytes

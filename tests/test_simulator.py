@@ -94,3 +94,36 @@ def test_random_dags_random_plans_exact_and_predicted(seed, plan_seed, batch):
     predicted = simulate(p, plan).peak_bytes
     measured = sublinear.measure(training_step, compiled, x).peak_bytes
     assert _close(predicted, measured), (plan, predicted, measured)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [False, True])
+def test_sharded_parameters_replace_full_parameters_in_the_timeline(reshard_after_forward):
+    import dataclasses
+
+    import numpy as np
+
+    from conftest import Chain
+    from sublinear.sharding import ShardedParameters
+    from sublinear.simulator import timeline
+
+    x = torch.randn(32, 16)
+    graph_profile = profile(capture(Chain(4, 16), (x,)), (x,))
+    plan = Plan.no_split(graph_profile.num_ops)
+    full, _ = timeline(graph_profile, plan)
+    layout = ShardedParameters(world_size=4, sharded_bytes=1000, unsharded_bytes=4000, all_gather_bytes=4000,
+                               reduce_scatter_bytes=4100, sharded_gradient_bytes=1000, collective_workspace=True,
+                               reshard_after_forward=reshard_after_forward)
+    sharded, labels = timeline(dataclasses.replace(graph_profile, sharding=layout), plan)
+
+    n, params, grads = graph_profile.num_ops, graph_profile.parameter_bytes, graph_profile.gradient_bytes
+    swap = 1000 - params  # shards instead of full parameters
+    assert labels[0] == "FSDP all-gather"
+    assert sharded[0] == graph_profile.baseline_bytes + swap + 2 * 4000  # the buffer and gloo's copy of it
+    np.testing.assert_array_equal(sharded[1:n + 1], full[:n] + swap + 4000 + 4000)  # gathered + all-gather buffer
+    backward = slice(n + 2 if reshard_after_forward else n + 1, -3)
+    np.testing.assert_array_equal(sharded[backward], full[n:-1] + swap + 4000)
+    assert ("FSDP all-gather for backward" in labels) == reshard_after_forward
+    after = full[-1] + swap - grads
+    assert list(sharded[-3:]) == [after + grads + 4100, after + 2 * 4100 + 1000, after + 1000]
+    assert labels[-3:] == ["FSDP reduce-scatter copy-in", "FSDP reduce-scatter", "end of step"]
+    assert simulate(dataclasses.replace(graph_profile, sharding=layout), plan).peak_bytes == sharded.max()
