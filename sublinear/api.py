@@ -183,12 +183,14 @@ class SublinearModule(nn.Module):
         """The rewritten module for this call signature, planning it (on meta copies) when needed."""
         kwargs = dict(kwargs or {})
         current = _fingerprint(self.original_module)
+        sharding = fsdp_sharding(self)
         if current != self._fingerprint:
-            log.warning("%s changed since it was planned (submodules or parameter shapes); planning again",
-                        type(self.original_module).__name__)
+            # FSDP gathers parameters at its MixedPrecisionPolicy's dtype: expected, not a user change
+            report = log.info if sharding is not None else log.warning
+            report("%s changed since it was planned (submodules, parameter shapes or dtypes); planning again",
+                   type(self.original_module).__name__)
             self._variants.clear()
             object.__setattr__(self, "_fingerprint", current)
-        sharding = fsdp_sharding(self)
         key = (input_signature(args, kwargs), tuple(m.training for m in self.original_module.modules()), sharding)
         variant = self._variants.get(key)
         if variant is None and not self.replan:
@@ -198,6 +200,9 @@ class SublinearModule(nn.Module):
         if variant is None:
             if sharding is not None:
                 log.info("planning %s for its FSDP layout: %s", type(self.original_module).__name__, sharding)
+            if sharding is not None and sharding.casts_inputs:
+                log.warning("FSDP's MixedPrecisionPolicy casts the inputs before sublinear sees them: the plan counts "
+                            "the cast copies, not the originals the caller still holds (leave their bytes free)")
             meta_args, meta_kwargs = tree_map(_to_meta, (tuple(args), kwargs))
             variant = plan_module(self.original_module, meta_args, meta_kwargs, self.config, sharding)
         self._variants[key] = variant

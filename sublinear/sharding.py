@@ -30,6 +30,7 @@ class ShardedParameters:
     sharded_gradient_bytes: int  # the rank's gradient shards the step leaves behind
     collective_workspace: bool  # the backend copies a collective's full buffer while it runs (gloo)
     reshard_after_forward: bool  # parameters freed after forward and gathered again for backward
+    casts_inputs: bool  # a MixedPrecisionPolicy casts floating inputs; the caller's originals are not counted
 
     def __str__(self) -> str:
         mib = 2**20
@@ -60,6 +61,7 @@ def fsdp_sharding(module: nn.Module) -> ShardedParameters | None:
     if group is None:  # FSDP manages no parameters of this module
         return None
     world = group.mesh_info.shard_mesh_size
+    policy = group.mp_policy
     backend = dist.get_backend(group.mesh_info.shard_process_group)
     sharded = unsharded = reduce_input = grad_shards = 0
     for p in group.fsdp_params:
@@ -73,4 +75,5 @@ def fsdp_sharding(module: nn.Module) -> ShardedParameters | None:
     return ShardedParameters(
         world_size=world, sharded_bytes=sharded, unsharded_bytes=unsharded, all_gather_bytes=unsharded,
         reduce_scatter_bytes=reduce_input, sharded_gradient_bytes=grad_shards,
-        collective_workspace=backend == "gloo", reshard_after_forward=group.post_forward_mesh_info is not None)
+        collective_workspace=backend == "gloo", reshard_after_forward=group.post_forward_mesh_info is not None,
+        casts_inputs=policy.param_dtype is not None and policy.cast_forward_inputs)
