@@ -51,12 +51,7 @@ def measure(step: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport
     (views and in-place results count once). On CUDA the caching allocator's ``max_memory_allocated`` is read
     after a reset, so the figure is the allocator's (512-byte rounded) truth.
     """
-    modules = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, nn.Module)]
-    tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
-    params = _unique_storages(p for m in modules for p in m.parameters())
-    buffers = _unique_storages(b for m in modules for b in m.buffers()) - params
-    inputs = _unique_storages(tensors) - params - buffers
-    param_bytes, buffer_bytes, input_bytes = (_bytes(s) for s in (params, buffers, inputs))
+    modules, tensors, (param_bytes, buffer_bytes, input_bytes) = _arguments(args, kwargs)
     device = _device_of(modules, tensors)
 
     if device.type == "cuda":
@@ -104,12 +99,7 @@ def measure_cpu_allocator(step: Callable[..., Any], *args: Any, **kwargs: Any) -
     """
     from torch.profiler import ProfilerActivity, profile
 
-    modules = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, nn.Module)]
-    tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
-    params = _unique_storages(p for m in modules for p in m.parameters())
-    buffers = _unique_storages(b for m in modules for b in m.buffers()) - params
-    inputs = _unique_storages(tensors) - params - buffers
-    param_bytes, buffer_bytes, input_bytes = (_bytes(s) for s in (params, buffers, inputs))
+    modules, tensors, (param_bytes, buffer_bytes, input_bytes) = _arguments(args, kwargs)
     baseline = param_bytes + buffer_bytes + input_bytes
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(*args, **kwargs)
@@ -154,6 +144,16 @@ def _measure_cuda(step, args, kwargs, modules, device, param_bytes, buffer_bytes
         device=str(device),
         method="cuda-allocator",
     )
+
+
+def _arguments(args, kwargs) -> tuple[list[nn.Module], list[torch.Tensor], tuple[int, int, int]]:
+    """The modules and tensors among a step's arguments, and their parameter, buffer and input bytes."""
+    modules = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, nn.Module)]
+    tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+    params = _unique_storages(p for m in modules for p in m.parameters())
+    buffers = _unique_storages(b for m in modules for b in m.buffers()) - params
+    inputs = _unique_storages(tensors) - params - buffers
+    return modules, tensors, tuple(_bytes(s) for s in (params, buffers, inputs))
 
 
 def _unique_storages(tensors) -> set:
