@@ -109,19 +109,8 @@ def measure_cpu_allocator(step: Callable[..., Any], *args: Any, **kwargs: Any) -
     for _, nbytes in changes:
         live += nbytes
         peak = max(peak, live)
-    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
-    grad_bytes = _bytes(storages_of(grads))
-    return MemoryReport(
-        peak_bytes=baseline + peak,
-        baseline_bytes=baseline,
-        parameter_bytes=param_bytes,
-        buffer_bytes=buffer_bytes,
-        input_bytes=input_bytes,
-        gradient_bytes=grad_bytes,
-        activation_peak_bytes=max(0, peak - grad_bytes),
-        device="cpu",
-        method="cpu-allocator",
-    )
+    return _allocator_report(modules, baseline + peak, baseline, param_bytes, buffer_bytes, input_bytes, "cpu",
+                             "cpu-allocator")
 
 
 def _measure_cuda(step, args, kwargs, modules, device, param_bytes, buffer_bytes, input_bytes) -> MemoryReport:
@@ -131,6 +120,12 @@ def _measure_cuda(step, args, kwargs, modules, device, param_bytes, buffer_bytes
     step(*args, **kwargs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
+    return _allocator_report(modules, peak, baseline, param_bytes, buffer_bytes, input_bytes, str(device),
+                             "cuda-allocator")
+
+
+def _allocator_report(modules, peak, baseline, param_bytes, buffer_bytes, input_bytes, device, method) -> MemoryReport:
+    """A report from an allocator's peak: the activation peak is what is left after the baseline and gradients."""
     grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
     grad_bytes = _bytes(storages_of(grads))
     return MemoryReport(
@@ -141,8 +136,8 @@ def _measure_cuda(step, args, kwargs, modules, device, param_bytes, buffer_bytes
         input_bytes=input_bytes,
         gradient_bytes=grad_bytes,
         activation_peak_bytes=max(0, peak - baseline - grad_bytes),
-        device=str(device),
-        method="cuda-allocator",
+        device=device,
+        method=method,
     )
 
 
