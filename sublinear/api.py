@@ -28,7 +28,7 @@ from .plan import Plan
 from .planner import BudgetError, PlanningResult, make_plan, pareto_front
 from .profiler import GraphProfile, profile
 from .rewriter import CheckpointedModule, rewrite, share_module_state
-from .sharding import ShardedParameters, fsdp_sharding
+from .sharding import ShardedParameters, fsdp_sharding, refuse_nested_fsdp
 from .simulator import simulate
 from .tracer import CapturedGraph, capture, input_signature
 
@@ -137,8 +137,9 @@ def _training(module: nn.Module):
 
 
 def _fingerprint(module: nn.Module) -> tuple:
-    """What a plan depends on and a captured graph holds on to: the submodule objects and the parameters' shapes."""
-    return (tuple((name, id(m)) for name, m in module.named_modules()),
+    """What a plan depends on and a captured graph holds on to: the submodule objects (and their classes, which
+    wrappers such as fully_shard swap) and the parameters' shapes and dtypes."""
+    return (tuple((name, id(m), type(m)) for name, m in module.named_modules()),
             tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()))
 
 
@@ -198,6 +199,7 @@ class SublinearModule(nn.Module):
                             and layout == sharding and v._captured.shape_generic
                             and sig.constants == key[0].constants), None)
         if variant is None:
+            refuse_nested_fsdp(self)
             if sharding is not None:
                 log.info("planning %s for its FSDP layout: %s", type(self.original_module).__name__, sharding)
             if sharding is not None and sharding.casts_inputs:

@@ -232,26 +232,22 @@ def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_fo
     shards. A backend workspace (gloo) is a copy of the collective's full buffer while it runs.
     """
     s = profile.sharding
-    end = len(totals) - 1
     shards_for_parameters = s.sharded_bytes - profile.parameter_bytes
-    gather = s.all_gather_bytes * (2 if s.collective_workspace else 1)
-    step = totals[:end] + shards_for_parameters + s.unsharded_bytes
+    step = totals[:-1] + shards_for_parameters + s.unsharded_bytes
     step[:n] += s.all_gather_bytes
-    head = [profile.baseline_bytes + shards_for_parameters + gather]
-    head_labels = ["FSDP all-gather"]
-    if s.reshard_after_forward and end > n:
+    head = [profile.baseline_bytes + shards_for_parameters + s.all_gather_bytes + s.workspace(s.all_gather_bytes)]
+    labels = ["FSDP all-gather"] + labels
+    if s.reshard_after_forward and len(step) > n:
         regather = after_forward + shards_for_parameters + s.all_gather_bytes + \
-            max(s.unsharded_bytes, gather - s.all_gather_bytes)
+            max(s.unsharded_bytes, s.workspace(s.all_gather_bytes))
         step = np.concatenate([step[:n], [regather], step[n:]])
-        labels = labels[:n] + ["FSDP all-gather for backward"] + labels[n:]
-        end += 1
+        labels.insert(n + 1, "FSDP all-gather for backward")
     after = totals[-1] + shards_for_parameters - profile.gradient_bytes
-    reduce = s.reduce_scatter_bytes * (2 if s.collective_workspace else 1)
     tail = [after + profile.gradient_bytes + s.reduce_scatter_bytes,
-            after + reduce + s.sharded_gradient_bytes,
+            after + s.reduce_scatter_bytes + s.workspace(s.reduce_scatter_bytes) + s.sharded_gradient_bytes,
             after + s.sharded_gradient_bytes]
     return (np.concatenate([head, step, tail]).astype(np.int64),
-            head_labels + labels[:end] + ["FSDP reduce-scatter copy-in", "FSDP reduce-scatter", labels[-1]])
+            labels[:-1] + ["FSDP reduce-scatter copy-in", "FSDP reduce-scatter", labels[-1]])
 
 
 def _forward_release(profile: GraphProfile, end: int) -> np.ndarray:

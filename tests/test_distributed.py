@@ -134,16 +134,26 @@ def _fsdp_peaks(depth, width, batch, reshard_after_forward):
 
 
 def _nested_unit_error():
+    """The errors for an FSDP unit inside the model: sharded before compile, and sharded after it."""
     import sublinear
     from torch.distributed.fsdp import fully_shard
 
-    model = _model()
-    fully_shard(model.layers[0])
-    try:
-        sublinear.compile(model, _data()[:PER_RANK])
-    except ValueError as exc:
-        return str(exc)
-    return None
+    x = _data()[:PER_RANK]
+    errors = []
+    for shard_first in (True, False):
+        model = _model()
+        try:
+            if shard_first:
+                fully_shard(model.layers[0])
+            compiled = sublinear.compile(model, x)
+            if not shard_first:
+                fully_shard(model.layers[0])
+                compiled(x)
+        except ValueError as exc:
+            errors.append(str(exc))
+        else:
+            errors.append(None)
+    return errors
 
 
 def test_fsdp2_rank_peak_counts_sharded_parameters_and_gradients(tmp_path):
@@ -153,8 +163,9 @@ def test_fsdp2_rank_peak_counts_sharded_parameters_and_gradients(tmp_path):
     result_path = str(tmp_path / "peaks.pt")
     mp.start_processes(_peak_worker, args=(str(tmp_path / "store"), cases, result_path), nprocs=WORLD, join=True,
                        start_method="spawn")
-    *peaks, nested_error = torch.load(result_path)
+    *peaks, nested_errors = torch.load(result_path)
     for case, (predicted, measured, unsharded) in zip(cases, peaks):
         assert abs(predicted - measured) <= 1e-3 * measured, (case, predicted, measured)
         assert abs(unsharded - measured) > 0.05 * measured, (case, unsharded, measured)  # sharding matters here
-    assert nested_error is not None and "layers.0" in nested_error and "fully_shard on the compiled" in nested_error
+    for nested_error in nested_errors:
+        assert nested_error is not None and "layers.0" in nested_error and "fully_shard on the compiled" in nested_error

@@ -110,8 +110,8 @@ def test_sharded_parameters_replace_full_parameters_in_the_timeline(reshard_afte
     graph_profile = profile(capture(Chain(4, 16), (x,)), (x,))
     plan = Plan.no_split(graph_profile.num_ops)
     full, _ = timeline(graph_profile, plan)
-    layout = ShardedParameters(world_size=4, sharded_bytes=1000, unsharded_bytes=4000, all_gather_bytes=4000,
-                               reduce_scatter_bytes=4100, sharded_gradient_bytes=1000, collective_workspace=True,
+    layout = ShardedParameters(world_size=4, sharded_bytes=1000, unsharded_bytes=4000, reduce_scatter_bytes=4100,
+                               sharded_gradient_bytes=1000, collective_workspace=True,
                                reshard_after_forward=reshard_after_forward, casts_inputs=False)
     sharded, labels = timeline(dataclasses.replace(graph_profile, sharding=layout), plan)
 
