@@ -156,29 +156,13 @@ class BertSelfAttention(nn.Module):
         return context_layer
 
 
-class BertSelfOutput(nn.Module):
-    """dense -> dropout -> residual add -> LayerNorm (post-LN)."""
-
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def forward(self, hidden_states: Tensor, input_tensor: Tensor) -> Tensor:
-        hidden_states = self.dense(hidden_states)
-        hidden_states = self.dropout(hidden_states)
-        hidden_states = self.LayerNorm(hidden_states + input_tensor)
-        return hidden_states
-
-
 class BertAttention(nn.Module):
     """Self-attention followed by its output projection and residual."""
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.self = BertSelfAttention(config)
-        self.output = BertSelfOutput(config)
+        self.output = BertOutput(config, config.hidden_size)
 
     def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         self_outputs = self.self(hidden_states, attention_mask)
@@ -198,11 +182,12 @@ class BertIntermediate(nn.Module):
 
 
 class BertOutput(nn.Module):
-    """dense (intermediate -> hidden) -> dropout -> residual add -> LayerNorm."""
+    """dense (``in_features`` -> hidden) -> dropout -> residual add -> LayerNorm (post-LN); closes both the
+    attention block (``in_features`` = hidden) and the feed-forward block (``in_features`` = intermediate)."""
 
-    def __init__(self, config: BertConfig) -> None:
+    def __init__(self, config: BertConfig, in_features: int) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.dense = nn.Linear(in_features, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
@@ -220,7 +205,7 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attention = BertAttention(config)
         self.intermediate = BertIntermediate(config)
-        self.output = BertOutput(config)
+        self.output = BertOutput(config, config.intermediate_size)
 
     def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         attention_output = self.attention(hidden_states, attention_mask)
