@@ -1,21 +1,43 @@
 """sublinear: train PyTorch models with sublinear activation memory.
 
-Pipeline: capture → profile → simulate → plan (grid, genetic) → rewrite. ``compile`` runs all of it.
+Pipeline: capture (TorchDynamo) → profile → simulate → plan → rewrite. ``sublinear.backend`` is the
+``torch.compile`` backend that runs all of it; ``compile``, ``apply`` and ``trace`` are built on it.
+
+The planning core (``sublinear.core``), the simulator and the planners never import torch; the names below are
+loaded on first use, so ``import sublinear.core`` stays torch-free.
 """
 
-from .api import ParetoPoint, SublinearModule, SublinearPlan, compile, pareto, trace
-from .planner import BudgetError
-from .tracer import CaptureError, capture
-from .config import SublinearMemoryConfig, parse_size
-from .measurement import MemoryReport, measure, measure_cpu_allocator
-from .plan import Plan, PlanError
-from .profiler import GraphProfile, profile
-from .rewriter import RecomputeError, rewrite
-from .simulator import Simulation, simulate
+from __future__ import annotations
 
-__all__ = [
-    "BudgetError", "CaptureError", "ParetoPoint", "pareto", "GraphProfile", "MemoryReport", "Plan", "PlanError", "RecomputeError", "Simulation",
-    "SublinearMemoryConfig", "SublinearModule", "SublinearPlan", "capture", "compile", "measure", "measure_cpu_allocator", "parse_size", "profile", "rewrite",
-    "simulate", "trace",
-]
-__version__ = "0.1.0"
+import importlib
+
+__version__ = "0.2.0"
+
+_EXPORTS = {
+    "ParetoPoint": "api", "SublinearModule": "api", "SublinearPlan": "api", "apply": "api", "backend": "api",
+    "compile": "api", "pareto": "api", "remove": "api", "trace": "api",
+    "CaptureError": "capture", "capture": "capture",
+    "SublinearMemoryConfig": "config", "parse_size": "config",
+    "Candidate": "core", "GraphProfile": "core", "Objective": "core", "Plan": "core", "PlanAnalysis": "core",
+    "PlanError": "core", "Simulation": "core", "StorageState": "core", "analyse": "core",
+    "MemoryReport": "measurement", "measure": "measurement", "measure_cpu_allocator": "measurement",
+    "BudgetError": "planners", "Planner": "planners", "make_plan": "planners", "register_planner": "planners",
+    "profile": "profiler",
+    "RecomputeError": "rewriter", "rewrite": "rewriter",
+    "simulate": "simulator", "timeline": "simulator",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sublinear' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,7 +1,15 @@
-"""User surface: ``sublinear.compile`` and the ``@sublinear.trace`` train-function decorator.
+"""User surface, built on one ``torch.compile`` backend.
 
-Both run the pipeline capture → profile → plan (grid, genetic, cached) → rewrite on data-less copies of the model
-and hand back a :class:`SublinearModule`, which shares the user's parameters, buffers and submodules.
+- ``torch.compile(model, backend=sublinear.backend(config))``: TorchDynamo captures the forward; every graph it
+  hands the backend is profiled, planned and rewritten at each new call signature, at the first training call
+  with it (on fake tensors: planning allocates no activation memory).
+- ``sublinear.compile(model, example_inputs)``: a module sharing the model's parameters that runs through that
+  backend, planned up front when example inputs are given (on a data-less twin, so the model is not run).
+- ``sublinear.apply(model)``: the same, installed on the model itself (its ``forward``), so that a Hugging Face
+  ``Trainer`` or a LightningModule that holds the model trains it planned, unchanged otherwise.
+- ``@sublinear.trace``: a train function whose module arguments (and a method's ``self``'s submodules) run planned.
+
+In evaluation, under ``no_grad`` and in inference mode the original forward runs unchanged.
 """
 
 from __future__ import annotations
@@ -9,9 +17,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
+import math
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,150 +30,594 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import _disable_current_modes, any_torch_dispatch_mode_on_stack
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .cache import PlanCache, cache_dir
+from .capture import (CapturedGraph, GraphBreak, NeedsData, SharedGraph, capture, compile_entry, graph_breaks,
+                      input_signature, receiving)
 from .config import SublinearMemoryConfig
-from .grid import Candidate
-from .plan import Plan
-from .planner import BudgetError, PlanningResult, make_plan, pareto_front
-from .profiler import GraphProfile, profile
-from .rewriter import CheckpointedModule, rewrite, share_module_state
-from .sharding import ShardedParameters, fsdp_sharding, refuse_nested_fsdp
+from .core.analysis import analyse
+from .core.objective import Candidate, Objective, Simulation
+from .core.plan import Plan
+from .core.profile import GraphProfile, ShardedParameters
+from .planners import BudgetError, PlanningResult, make_plan, objective_for, pareto_front
+from .profiler import autocast_state, profile
+from .rewriter import RewrittenGraph, rewrite
+from .sharding import fsdp_sharding, refuse_nested_fsdp
 from .simulator import simulate
-from .tracer import CapturedGraph, capture, input_signature
 
-__all__ = ["ParetoPoint", "SublinearModule", "SublinearPlan", "compile", "pareto", "trace"]
+__all__ = ["GraphPlan", "ParetoPoint", "SublinearBackend", "SublinearModule", "SublinearPlan", "apply", "backend",
+           "compile", "pareto", "trace"]
 
 log = logging.getLogger("sublinear")
+_MIB = 2**20
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a plan says, for people
 
 
 @dataclass(frozen=True)
-class SublinearPlan:
-    """The plan a compiled module runs, with its predictions at the inputs it was planned for (bytes, FLOPs)."""
+class BlockSummary:
+    """One block of a plan, by op names (module path and node)."""
 
-    split_points: tuple[int, ...]
-    kept_ops: tuple[int, ...]
-    soft_points: tuple[int, ...]  # split points whose boundary is rebuilt (nested blocks)
+    index: int
+    first_op: str
+    last_op: str
+    recomputed_ops: tuple[str, ...]  # re-run in backward
+    kept_ops: tuple[str, ...]  # inside the block but never recomputed (chosen or pinned)
+    kept_bytes: int  # storages the block keeps for backward or later blocks
+    recompute_seconds: float
+    soft_end: bool  # the boundary is rebuilt, not kept (nested blocks)
+
+    def __str__(self) -> str:
+        parts = [f"block {self.index}: {self.first_op} .. {self.last_op}; keeps {self.kept_bytes / _MIB:.1f} MiB"]
+        if self.recomputed_ops:
+            parts.append(f"recomputes {len(self.recomputed_ops)} ops ({self.recompute_seconds * 1e3:.2f} ms)")
+        if self.kept_ops:
+            parts.append("kept ops: " + ", ".join(self.kept_ops[:4]) + (" ..." if len(self.kept_ops) > 4 else ""))
+        if self.soft_end:
+            parts.append("soft end: what crosses it is rebuilt, not kept")
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """The plan one captured graph runs at one call signature, with its predictions."""
+
+    graph: int  # position of the graph among those the call ran
+    signature: str  # the graph's non-parameter inputs: shape, dtype, device
+    plan: Plan
     num_ops: int
+    blocks: tuple[BlockSummary, ...]
     predicted_peak_bytes: int
-    baseline_peak_bytes: int
+    baseline_peak_bytes: int  # eager
+    recompute_seconds: float
+    eager_seconds: float
     recompute_flops: int
-    forward_flops: int
-    step_flops: int  # eager forward + backward
-    history: tuple[int, ...]
-    planning_seconds: float  # capture + profile + search
-    search_seconds: float  # grid (+ genetic) search alone; 0 when the plan came from the cache
-    capture_method: str
+    step_flops: int
+    objective: str
+    origin: str  # the planner whose plan won (or "cache", "use()")
+    cost_source: str
+    history: tuple[tuple[int, float], ...]  # best (peak bytes, time ratio) so far after each planner/generation
+    planning_seconds: float  # profile + search
+    search_seconds: float  # the search alone; 0 for a cache hit
     from_cache: bool
 
     @property
     def num_blocks(self) -> int:
-        return len(self.split_points)
+        return self.plan.num_blocks
+
+    @property
+    def time_ratio(self) -> float:
+        return 1.0 + self.recompute_seconds / self.eager_seconds if self.eager_seconds > 0 else 1.0
 
     @property
     def flops_ratio(self) -> float:
-        """Step FLOPs (forward, recompute, backward) relative to eager's."""
-        return 1 + self.recompute_flops / self.step_flops if self.step_flops else 1.0
-
-    def to_plan(self) -> Plan:
-        return Plan(self.split_points, frozenset(self.kept_ops), frozenset(self.soft_points))
+        return 1.0 + self.recompute_flops / self.step_flops if self.step_flops else 1.0
 
     def __str__(self) -> str:
-        mib = 2**20
-        nested = f" ({len(self.soft_points)} nested)" if self.soft_points else ""
-        return (f"{self.num_blocks} blocks{nested} over {self.num_ops} ops: predicted peak "
-                f"{self.predicted_peak_bytes / mib:.1f} MiB vs eager {self.baseline_peak_bytes / mib:.1f} MiB, "
-                f"recompute {self.recompute_flops / 1e9:.2f} GFLOP (step FLOPs x{self.flops_ratio:.3f})")
+        nested = f" ({len(self.plan.soft)} nested)" if self.plan.soft else ""
+        return (f"graph {self.graph} at {self.signature}: {self.num_blocks} blocks{nested} over {self.num_ops} ops, "
+                f"predicted peak {self.predicted_peak_bytes / _MIB:.1f} MiB vs eager "
+                f"{self.baseline_peak_bytes / _MIB:.1f} MiB, step time x{self.time_ratio:.3f} (FLOPs "
+                f"x{self.flops_ratio:.3f}); {self.objective}; by {self.origin}{' (cache)' if self.from_cache else ''}")
+
+    def describe(self) -> str:
+        return "\n".join([str(self), *(f"  {b}" for b in self.blocks)])
 
 
-def plan_module(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None,
-                config: SublinearMemoryConfig, sharding: ShardedParameters | None = None) -> CheckpointedModule:
-    """Capture, profile and plan ``module`` for this call (on data-less copies) and rewrite it.
+@dataclass(frozen=True)
+class SublinearPlan:
+    """What the latest training call ran: one :class:`GraphPlan` per captured graph, and the graph breaks."""
 
-    ``sharding``: how FSDP2 holds the parameters and gradients on this rank; None for full ones.
+    graphs: tuple[GraphPlan, ...]
+    breaks: tuple[GraphBreak, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(g.num_blocks for g in self.graphs)
+
+    @property
+    def num_ops(self) -> int:
+        return sum(g.num_ops for g in self.graphs)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return max((g.predicted_peak_bytes for g in self.graphs), default=0)
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        return max((g.baseline_peak_bytes for g in self.graphs), default=0)
+
+    @property
+    def time_ratio(self) -> float:
+        eager = sum(g.eager_seconds for g in self.graphs)
+        return 1.0 + sum(g.recompute_seconds for g in self.graphs) / eager if eager > 0 else 1.0
+
+    @property
+    def recompute_flops(self) -> int:
+        return sum(g.recompute_flops for g in self.graphs)
+
+    @property
+    def flops_ratio(self) -> float:
+        step = sum(g.step_flops for g in self.graphs)
+        return 1.0 + self.recompute_flops / step if step else 1.0
+
+    @property
+    def planning_seconds(self) -> float:
+        return sum(g.planning_seconds for g in self.graphs)
+
+    @property
+    def search_seconds(self) -> float:
+        return sum(g.search_seconds for g in self.graphs)
+
+    @property
+    def from_cache(self) -> bool:
+        return bool(self.graphs) and all(g.from_cache for g in self.graphs)
+
+    def to_plan(self) -> Plan:
+        """The plan of the only graph."""
+        if len(self.graphs) != 1:
+            raise ValueError(f"the model runs {len(self.graphs)} graphs; pick one from .graphs")
+        return self.graphs[0].plan
+
+    def __str__(self) -> str:
+        head = (f"{len(self.graphs)} graph(s), {self.num_blocks} blocks: predicted peak "
+                f"{self.predicted_peak_bytes / _MIB:.1f} MiB vs eager {self.baseline_peak_bytes / _MIB:.1f} MiB, "
+                f"step time x{self.time_ratio:.3f} (FLOPs x{self.flops_ratio:.3f})")
+        if len(self.graphs) == 1 and not self.breaks:
+            return str(self.graphs[0])
+        lines = [head, *(f"  {g}" for g in self.graphs)]
+        lines += [f"  graph break at {b}" for b in self.breaks]
+        return "\n".join(lines)
+
+    def describe(self) -> str:
+        """Every block of every graph: which layers end blocks, which are recomputed and which are kept."""
+        return "\n".join([*(g.describe() for g in self.graphs), *(f"graph break at {b}" for b in self.breaks)])
+
+
+def _summarise(index: int, values: Sequence[Any], graph: CapturedGraph, profile_: GraphProfile, plan: Plan,
+               result: PlanningResult | None, sim: Simulation, eager: Simulation, origin: str, objective: Objective,
+               planning_seconds: float, from_cache: bool, history: tuple[tuple[int, float], ...]) -> GraphPlan:
+    a = analyse(profile_, plan)
+    blocks = []
+    for b, ops in enumerate(plan.blocks()):
+        recomputed = tuple(profile_.ops[o].name for o in a.closure[b])
+        kept = tuple(profile_.ops[o].name for o in ops if not a.recomputed[o] and b != plan.num_blocks - 1)
+        mask = a.retained & (a.block_of[profile_.storage_producer] == b) if len(profile_.storage_producer) else []
+        blocks.append(BlockSummary(b, profile_.ops[ops[0]].name, profile_.ops[ops[-1]].name, recomputed, kept,
+                                   int(profile_.storage_bytes[mask].sum()) if len(mask) else 0,
+                                   float(sum(profile_.ops[o].forward_seconds for o in a.closure[b])),
+                                   ops[-1] in plan.soft))
+    inputs = [v for k, v in zip(graph.kinds, values) if k == "input"]
+    return GraphPlan(index, input_signature(inputs).describe(), plan, profile_.num_ops, tuple(blocks),
+                     sim.peak_bytes, eager.peak_bytes, sim.recompute_seconds, sim.eager_seconds,
+                     sim.recompute_flops, profile_.step_flops, objective.describe(), origin, profile_.cost_source,
+                     history, planning_seconds, result.seconds if result is not None and not from_cache else 0.0,
+                     from_cache)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backend: one session per compiled model
+
+
+@dataclass
+class _Variant:
+    """A graph planned for one call signature."""
+
+    profile: GraphProfile
+    plan: Plan
+    simulation: Simulation
+    rewritten: RewrittenGraph
+    summary: GraphPlan
+    auto_budget: bool
+
+
+def _value_key(values: Sequence[Any]) -> tuple:
+    """What a plan depends on in a graph's inputs: every tensor's shape, stride, dtype, device and requires_grad
+    (parameters included), and every other input's value."""
+    key = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            key.append((tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device), v.requires_grad))
+        else:
+            key.append(repr(v))
+    return tuple(key)
+
+
+def _any_requires_grad(values: Sequence[Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(list(values)))
+
+
+class _PlanStore:
+    """Plans made for one session, by graph code and call key: a dry run's plans serve the real calls."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.entries: OrderedDict[tuple, tuple[GraphProfile, Plan, PlanningResult | None]] = OrderedDict()
+        self.size = size
+
+    def get(self, key: tuple):
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple, value) -> None:
+        self.entries[key] = value
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+class SublinearBackend:
+    """A ``torch.compile`` backend: each graph TorchDynamo captures runs under a plan for each call signature.
+
+    ``backend.sublinear_plan`` describes what the latest training call ran. ``sharding`` (a callable returning
+    FSDP2's per-rank layout, or None) is read at planning time.
     """
-    kwargs = dict(kwargs or {})
-    started = time.perf_counter()
-    with _training(module):
-        captured = capture(module, args, kwargs)
-        graph_profile = dataclasses.replace(profile(captured, args, kwargs), sharding=sharding)
-    result, from_cache = _search(captured, graph_profile, args, kwargs, config)
-    compiled = rewrite(captured, graph_profile, result.plan)
-    compiled.sublinear_plan = SublinearPlan(
-        split_points=result.plan.split_points, kept_ops=tuple(sorted(result.plan.kept)),
-        soft_points=tuple(sorted(result.plan.soft)), num_ops=graph_profile.num_ops, predicted_peak_bytes=result.simulation.peak_bytes,
-        baseline_peak_bytes=result.baseline.peak_bytes, recompute_flops=result.simulation.recompute_flops,
-        forward_flops=graph_profile.forward_flops, step_flops=graph_profile.step_flops, history=result.history,
-        planning_seconds=time.perf_counter() - started, search_seconds=result.seconds,
-        capture_method=captured.method, from_cache=from_cache)
-    compiled.sublinear_profile = graph_profile
-    compiled.sublinear_config = config
-    log.info("planned %s for %s: %s", type(module).__name__, captured.example.describe(), compiled.sublinear_plan)
-    return compiled
+
+    def __init__(self, config: SublinearMemoryConfig | None = None,
+                 sharding: Callable[[], ShardedParameters | None] | None = None) -> None:
+        config = config or SublinearMemoryConfig()
+        if not isinstance(config, SublinearMemoryConfig):
+            raise TypeError(f"config must be a SublinearMemoryConfig, got {type(config).__name__}")
+        self.config = config
+        self.sharding = sharding or (lambda: None)
+        self.graphs: list[_GraphRuntime] = []
+        self.breaks: list[GraphBreak] = []
+        self.latest: dict[str, _Variant] = {}  # graph code -> what the latest call ran, in the order it ran
+        self.store = _PlanStore()
+        self.overrides: dict[str, Plan] = {}  # graph code -> plan chosen by the user (use())
+        self._shared: dict[int, _GraphRuntime] = {}
+        self._warned_breaks = False
+        self._warned_unplanned = False
+        self._warned_mode = False
+        self.ran_graph = False
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        return self._add(CapturedGraph.from_dynamo(gm, example_inputs))
+
+    def _add(self, graph: CapturedGraph) -> _GraphRuntime:
+        runtime = _GraphRuntime(graph, self, len(self.graphs))
+        self.graphs.append(runtime)
+        log.debug("captured graph %d: %s", runtime.index, graph.describe())
+        return runtime
+
+    def run_graph(self, shared: SharedGraph, values: Sequence[Any]) -> Any:
+        """Run a graph from TorchDynamo's shared cache (see :data:`sublinear.capture.DISPATCH`) as this session's."""
+        runtime = self._shared.get(id(shared))
+        if runtime is None or runtime.graph is not shared.graph:
+            runtime = self._shared[id(shared)] = self._add(shared.graph)
+        self.ran_graph = True
+        return runtime(*values)
+
+    def __reduce__(self):
+        return (SublinearBackend, (self.config,))
+
+    @property
+    def sublinear_plan(self) -> SublinearPlan | None:
+        if not self.latest:
+            return None
+        graphs = tuple(dataclasses.replace(v.summary, graph=k) for k, v in enumerate(self.latest.values()))
+        return SublinearPlan(graphs, tuple(self.breaks))
+
+    def begin_call(self) -> None:
+        """A new training call starts: :attr:`sublinear_plan` will describe the graphs it runs."""
+        self.latest = {}
+
+    def use(self, point: ParetoPoint | Plan) -> None:
+        """Run ``point``'s plan for its graph from the next call on; a bare :class:`Plan` applies to the only graph
+        captured or planned so far."""
+        if isinstance(point, ParetoPoint):
+            plan, code = point.plan, point.graph_code
+        elif isinstance(point, Plan):
+            codes = {key[0] for key in self.store.entries} | {r.graph.code for r in self.graphs}
+            if len(codes) != 1:
+                raise ValueError(f"use(plan) applies a bare Plan to the only graph, and {len(codes)} graphs were "
+                                 "captured; pass a ParetoPoint from sublinear.pareto for the graph you mean")
+            plan, code = point, codes.pop()
+        else:
+            raise TypeError(f"use() takes a ParetoPoint or a Plan, got {type(point).__name__}")
+        self.overrides[code] = plan
+        for runtime in self.graphs:
+            runtime.variants.clear()
+
+    def note_breaks(self, breaks: Sequence[GraphBreak], what: str) -> None:
+        """Record graph breaks and say once, at WARNING, how many there were and where."""
+        new = [b for b in breaks if b not in self.breaks]
+        self.breaks.extend(new)
+        if new and not self._warned_breaks:
+            self._warned_breaks = True
+            log.warning("sublinear: TorchDynamo split %s into %d graphs at %d graph break(s); the code at each break "
+                        "runs eagerly, unplanned: %s", what, len(self.graphs) or len(new) + 1, len(new),
+                        "; ".join(str(b) for b in new[:5]) + (" ..." if len(new) > 5 else ""))
+
+    # -- planning ------------------------------------------------------------------------------------------------
+
+    def plan_graph(self, runtime: _GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool) -> _Variant:
+        """Profile and plan ``runtime``'s graph for a call with ``values`` (real or fake). Planning draws random
+        numbers (measuring op costs) under a forked RNG, so the training's random stream is as in eager, and runs
+        outside the caller's dispatch modes (a memory tracker around the step sees the step, not the planning)."""
+        devices = sorted({t.device.index or 0 for t in tree_leaves(list(values))
+                          if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices, device_type="cuda"), _disable_current_modes():
+            return self._plan_graph(runtime, values, key, dry_run)
+
+    def _plan_graph(self, runtime: _GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool) -> _Variant:
+        started = time.perf_counter()
+        graph, config = runtime.graph, self.config
+        sharding = key[-1]
+        store_key = (graph.code, key, repr(sorted(config.planning_key().items())))
+        cached = self.store.get(store_key)
+        override = self.overrides.get(graph.code)
+        disk = PlanCache(cache_dir(config.cache_dir))
+        disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key())
+        if cached is not None:
+            profile_, plan, result = cached
+        else:
+            entry = disk.load(disk_key) if override is None else None
+            if entry is not None:
+                profile_ = profile(graph, values, cost_model="estimate")
+                entry = disk.check(entry, disk_key, profile_.num_ops)
+            if entry is not None:
+                profile_ = profile_.with_costs(entry["costs"])
+                log.info("sublinear: plan cache hit (%s): search and timing runs skipped", disk_key[:12])
+            else:
+                profile_ = profile(graph, values, cost_model=config.cost_model)
+            profile_ = dataclasses.replace(profile_, sharding=sharding)
+            plan, result = (Plan.from_dict(entry), None) if entry is not None else (None, None)
+        budget = self.budget_for(runtime, profile_, values, dry_run)
+        objective = objective_for(config, budget)
+        eager = simulate(profile_, Plan.no_split(profile_.num_ops))
+        origin, from_cache, history = "cache", plan is not None and result is None, ()
+        if override is not None:
+            plan, origin = override, "use()"
+        elif plan is not None and not self._still_best(objective, plan, profile_, eager):
+            log.info("sublinear: the stored plan for graph %d no longer meets %s; planning again", runtime.index,
+                     objective.describe())
+            plan = result = None
+        if plan is None:
+            result = make_plan(profile_, config, memory_budget=budget)
+            plan, origin = result.plan, result.origin
+            disk.store(disk_key, {"num_ops": profile_.num_ops, **plan.as_dict(), "costs": profile_.costs(),
+                                  "history": [[c.simulation.peak_bytes, c.simulation.time_ratio]
+                                              for c in result.history]})
+        elif result is not None:
+            origin = result.origin
+        if result is not None:
+            history = tuple((c.simulation.peak_bytes, c.simulation.time_ratio) for c in result.history)
+        self.store.put(store_key, (profile_, plan, result))
+        sim = simulate(profile_, plan)
+        rewritten = rewrite(graph, profile_, plan)
+        summary = _summarise(runtime.index, values, graph, profile_, plan, result, sim, eager, origin, objective,
+                             time.perf_counter() - started, from_cache, history)
+        log.info("sublinear: planned %s", summary)
+        return _Variant(profile_, plan, sim, rewritten, summary, config.memory_budget == "auto")
+
+    @staticmethod
+    def _still_best(objective: Objective, plan: Plan, profile_: GraphProfile, eager: Simulation) -> bool:
+        """A stored plan is used when the objective accepts it now and, under a memory budget, it is eager
+        whenever eager fits (the least time that fits)."""
+        candidate = Candidate(plan, simulate(profile_, plan))
+        if not objective.accepts(candidate):
+            return False
+        if objective.memory_budget is None:
+            return True
+        eager_ok = objective.accepts(Candidate(Plan.no_split(profile_.num_ops), eager))
+        return not eager_ok or plan.num_blocks == 1
+
+    def budget_for(self, runtime: _GraphRuntime, profile_: GraphProfile, values: Sequence[Any],
+                   dry_run: bool) -> int | None:
+        """The memory budget in bytes for this graph: the config's, less what earlier graphs hold when this one
+        runs; "auto" on CUDA: the allocator's free and cached memory, less the headroom, plus what the profile
+        counts that is already allocated (parameters, buffers, inputs, gradients)."""
+        budget = self.config.memory_budget
+        if budget is None:
+            return None
+        if budget != "auto":
+            carried = sum(v.simulation.held_after_forward_bytes for code, v in self.latest.items()
+                          if code != runtime.graph.code)  # graphs that ran before this one in the call
+            return max(1, budget - carried)
+        device = _device_of(values)
+        if device.type != "cuda":
+            return None
+        return _cuda_auto_budget(device, runtime.graph, values, self.config.memory_headroom, dry_run)
 
 
-def _search(captured: CapturedGraph, graph_profile: GraphProfile, args, kwargs,
-            config: SublinearMemoryConfig) -> tuple[PlanningResult, bool]:
-    cache = PlanCache(cache_dir(config.cache_dir))
-    key = PlanCache.key(captured.graph_module.code,
-                        repr(input_signature(args, kwargs)) + _autocast_key() + repr(graph_profile.sharding),
-                        config.planning_key(), graph_profile.num_ops)
-    entry = cache.load(key, graph_profile.num_ops)
-    if entry is not None:
-        plan = Plan.from_dict(entry)
-        log.info("plan cache hit (%s): search skipped", key[:12])
-        return PlanningResult(plan, simulate(graph_profile, plan),
-                              simulate(graph_profile, Plan.no_split(graph_profile.num_ops)), (),
-                              tuple(entry["history"]), 0.0), True
-    result = make_plan(graph_profile, config)
-    cache.store(key, {"num_ops": graph_profile.num_ops, **result.plan.as_dict(), "history": list(result.history)})
-    return result, False
+def _device_of(values: Sequence[Any]) -> torch.device:
+    return next((t.device for t in tree_leaves(list(values)) if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
-def _autocast_key() -> str:
-    return repr([(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")])
+def _cuda_auto_budget(device: torch.device, graph: CapturedGraph, values: Sequence[Any], headroom: float,
+                      dry_run: bool) -> int:
+    free, _total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    resident: dict[int, int] = {}
+    for kind, v in zip(graph.kinds, values):
+        if not isinstance(v, torch.Tensor):
+            continue
+        real = not isinstance(v, torch._subclasses.fake_tensor.FakeTensor)
+        if real or (dry_run and kind in ("parameter", "buffer")):  # a dry run's model lives on the device
+            st = v.untyped_storage()
+            resident[st._cdata if real else id(v)] = st.nbytes()
+            if real and v.grad is not None:
+                resident[v.grad.untyped_storage()._cdata] = v.grad.untyped_storage().nbytes()
+    return int((free + cached) * (1 - headroom)) + sum(resident.values())
 
 
-@contextlib.contextmanager
-def _training(module: nn.Module):
-    """Capture and profile the training graph; restore every submodule's mode afterwards."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.train()
+class _GraphRuntime:
+    """What Dynamo calls in place of one graph: plain eager without grad, the planned graph otherwise."""
+
+    def __init__(self, graph: CapturedGraph, backend_: SublinearBackend, index: int) -> None:
+        self.graph = graph
+        self.backend = backend_
+        self.index = index
+        self.variants: dict[tuple, _Variant] = {}
+
+    def key(self, values: Sequence[Any]) -> tuple:
+        return (_value_key(values), autocast_state(), self.backend.sharding())
+
+    def variant_for(self, values: Sequence[Any], dry_run: bool = False) -> _Variant:
+        key = self.key(values)
+        variant = self.variants.get(key)
+        if variant is not None and variant.auto_budget and not dry_run and _device_of(values).type == "cuda":
+            budget = self.backend.budget_for(self, variant.profile, values, dry_run=False)
+            if budget is not None and variant.simulation.peak_bytes > budget:
+                log.info("sublinear: graph %d's plan (%.1f MiB) no longer fits the device's free memory (%.1f MiB); "
+                         "planning again", self.index, variant.simulation.peak_bytes / _MIB, budget / _MIB)
+                variant = None
+        if variant is None:
+            variant = self.variants[key] = self.backend.plan_graph(self, values, key, dry_run)
+        self.backend.latest.pop(self.graph.code, None)
+        self.backend.latest[self.graph.code] = variant
+        return variant
+
+    def __call__(self, *values: Any) -> Any:
+        if not torch.is_grad_enabled() or not _any_requires_grad(values):
+            return self.graph.graph_module(*values)
+        return self.variant_for(values).rewritten(*values)
+
+
+def backend(config: SublinearMemoryConfig | None = None) -> SublinearBackend:
+    """The ``torch.compile`` backend: ``torch.compile(model, backend=sublinear.backend(config))``."""
+    return SublinearBackend(config)
+
+
+MIN_RECOMPILE_LIMIT = 64
+
+
+def _ensure_recompile_room() -> None:
+    """TorchDynamo compiles a forward again for each new parameter shape, type or guarded Python value, and past
+    ``recompile_limit`` (8 by default) runs it eagerly. Sublinear's graphs are cheap to keep, so the limit is
+    raised to at least 64 (and the accumulated limit to at least 8 times that)."""
+    config = torch._dynamo.config
+    if config.recompile_limit < MIN_RECOMPILE_LIMIT:
+        log.debug("raising torch._dynamo.config.recompile_limit from %d to %d", config.recompile_limit,
+                  MIN_RECOMPILE_LIMIT)
+        config.recompile_limit = MIN_RECOMPILE_LIMIT
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * MIN_RECOMPILE_LIMIT)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Modules
+
+
+def _compile_module(module: nn.Module | Callable[..., Any], session: SublinearBackend, name: str,
+                    owner: nn.Module) -> Callable[..., Any]:
+    """``module`` (or a forward) under TorchDynamo with the shared backend, its graphs run under ``session``;
+    graph breaks are noted at the first call, and a training call that ran no graph is reported. ``owner`` is the
+    user's module, checked for FSDP units inside it at every call (their hooks would be bypassed)."""
+    _ensure_recompile_room()
+    compiled = compile_entry(module, name, dynamic=None)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        refuse_nested_fsdp(owner)
+        if any_torch_dispatch_mode_on_stack():
+            # TorchDynamo refuses to compile under such a mode and then skips the forward's code for good.
+            if not session._warned_mode:
+                session._warned_mode = True
+                log.warning("sublinear: %s ran under a TorchDispatchMode (such as FlopCounterMode or MemTracker) "
+                            "that TorchDynamo cannot compile under: this call runs the original forward, unplanned",
+                            name)
+            return module(*args, **kwargs)
+        session.ran_graph = False
+        previous = session.latest
+        session.begin_call()
+        with receiving(session):
+            if session.graphs:
+                out = compiled(*args, **kwargs)
+            else:
+                with graph_breaks() as breaks:
+                    out = compiled(*args, **kwargs)
+                session.note_breaks(breaks, name)
+        if not session.ran_graph:
+            session.latest = previous  # the plan still describes the latest call that ran a graph
+        if not session.ran_graph and not session._warned_unplanned:
+            session._warned_unplanned = True
+            log.warning("sublinear: this training call of %s ran no captured graph (TorchDynamo captured nothing, "
+                        "or reached its recompile limit and ran the forward eagerly): it was not planned", name)
+        return out
+
+    return run
+
+
+def _plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any],
+                kwargs: dict[str, Any] | None) -> None:
+    """Plan every graph of ``module(*args, **kwargs)`` now, on a data-less twin (the module is not run); a model
+    whose eager code between graphs needs tensor values is planned at its first training call instead."""
     try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
+        captured = capture(module, args, kwargs)
+    except NeedsData as exc:
+        log.info("sublinear: cannot plan %s ahead: %s", type(module).__name__, exc)
+        return
+    backend_.begin_call()
+    for graph in captured.graphs:
+        runtime = _GraphRuntime(graph, backend_, len(backend_.graphs))
+        backend_.graphs.append(runtime)
+        runtime.variant_for(graph.example_values, dry_run=True)
+    backend_.note_breaks(captured.breaks, type(module).__name__)
+    backend_.graphs.clear()  # the real calls capture their own graphs; the plans wait in the store
 
 
-def _fingerprint(module: nn.Module) -> tuple:
-    """What a plan depends on and a captured graph holds on to: the submodule objects (and their classes, which
-    wrappers such as fully_shard swap) and the parameters' shapes and dtypes."""
-    return (tuple((name, id(m), type(m)) for name, m in module.named_modules()),
-            tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()))
+def share_module_state(wrapper: nn.Module, original: nn.Module) -> None:
+    """``wrapper`` holds ``original``'s own parameter, buffer and submodule dicts (so the same tensors, state_dict
+    keys and optimizer targets) and follows its training flag; ``wrapper.original_module`` is ``original``."""
+    wrapper._parameters = original._parameters
+    wrapper._buffers = original._buffers
+    wrapper._non_persistent_buffers_set = original._non_persistent_buffers_set
+    wrapper._modules = original._modules
+    wrapper.training = original.training
+    object.__setattr__(wrapper, "original_module", original)
+
+
+def _restore_module(module: nn.Module, config: SublinearMemoryConfig) -> SublinearModule:
+    return SublinearModule(module, config)
 
 
 class SublinearModule(nn.Module):
     """The compiled model.
 
     It shares the original module's parameter, buffer and submodule dictionaries, so ``state_dict()``,
-    ``parameters()`` and optimizers see exactly the original's objects. In training with grad enabled it runs a
-    plan for the call's input signature (shapes, dtypes, devices and non-tensor arguments); otherwise it calls the
-    original forward unchanged. With ``replan=True`` every new signature is planned; otherwise a plan is reused for
-    any signature its captured graph serves (symbolic_trace graphs serve every batch size). A change of submodules
-    or parameter shapes after planning is detected at the next call, logged, and planned anew. After
-    ``fully_shard`` (FSDP2) the next call plans for the rank's FSDP layout of parameters and gradients.
+    ``parameters()`` and optimizers see exactly the original's objects. Training calls with grad enabled run
+    through TorchDynamo and the sublinear backend (planned per call signature); other calls run the original
+    forward. Pickling saves the original module and the config; the loaded module plans again.
     """
 
-    def __init__(self, module: nn.Module, config: SublinearMemoryConfig, replan: bool) -> None:
+    def __init__(self, module: nn.Module, config: SublinearMemoryConfig | None = None) -> None:
         super().__init__()
+        refuse_nested_fsdp(module)
         share_module_state(self, module)
-        object.__setattr__(self, "config", config)
-        object.__setattr__(self, "replan", replan)
-        object.__setattr__(self, "_variants", {})
-        object.__setattr__(self, "_latest", None)
-        object.__setattr__(self, "_fingerprint", _fingerprint(module))
+        backend_ = SublinearBackend(config, sharding=lambda: fsdp_sharding(self))
+        object.__setattr__(self, "sublinear_backend", backend_)
+        object.__setattr__(self, "_run", _compile_module(module, backend_, type(module).__name__, module))
+
+    @property
+    def config(self) -> SublinearMemoryConfig:
+        return self.sublinear_backend.config
+
+    def __reduce__(self):
+        return (_restore_module, (self.original_module, self.config))
 
     def train(self, mode: bool = True) -> SublinearModule:
         self.original_module.train(mode)
@@ -170,66 +625,59 @@ class SublinearModule(nn.Module):
 
     @property
     def sublinear_plan(self) -> SublinearPlan | None:
-        """The plan of the latest planned (or used) signature."""
-        return None if self._latest is None else self._latest.sublinear_plan
+        """What the latest training call ran (or, before any call, what ``example_inputs`` were planned for)."""
+        return self.sublinear_backend.sublinear_plan
 
     @property
     def sublinear_profile(self) -> GraphProfile | None:
-        return None if self._latest is None else self._latest.sublinear_profile
+        """The profile of the latest call's graph, when it ran one graph."""
+        latest = self.sublinear_backend.latest
+        return next(iter(latest.values())).profile if len(latest) == 1 else None
+
+    def use(self, point: ParetoPoint | Plan) -> SublinearModule:
+        """Run ``point``'s plan (a :func:`pareto` point, for the same model and shapes) from the next call on."""
+        self.sublinear_backend.use(point)
+        return self
 
     def extra_repr(self) -> str:
-        return f"{type(self.original_module).__name__}, {len(self._variants)} planned signature(s)"
-
-    def plan_for(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> CheckpointedModule:
-        """The rewritten module for this call signature, planning it (on meta copies) when needed."""
-        kwargs = dict(kwargs or {})
-        current = _fingerprint(self.original_module)
-        sharding = fsdp_sharding(self)
-        if current != self._fingerprint:
-            # FSDP gathers parameters at its MixedPrecisionPolicy's dtype: expected, not a user change
-            report = log.info if sharding is not None else log.warning
-            report("%s changed since it was planned (submodules, parameter shapes or dtypes); planning again",
-                   type(self.original_module).__name__)
-            self._variants.clear()
-            object.__setattr__(self, "_fingerprint", current)
-        key = (input_signature(args, kwargs), tuple(m.training for m in self.original_module.modules()), sharding)
-        variant = self._variants.get(key)
-        if variant is None and not self.replan:
-            variant = next((v for (sig, modes, layout), v in self._variants.items() if modes == key[1]
-                            and layout == sharding and v._captured.shape_generic
-                            and sig.constants == key[0].constants), None)
-        if variant is None:
-            refuse_nested_fsdp(self)
-            if sharding is not None:
-                log.info("planning %s for its FSDP layout: %s", type(self.original_module).__name__, sharding)
-            if sharding is not None and sharding.casts_inputs:
-                log.warning("FSDP's MixedPrecisionPolicy casts the inputs before sublinear sees them: the plan counts "
-                            "the cast copies, not the originals the caller still holds (leave their bytes free)")
-            meta_args, meta_kwargs = tree_map(_to_meta, (tuple(args), kwargs))
-            variant = plan_module(self.original_module, meta_args, meta_kwargs, self.config, sharding)
-        self._variants[key] = variant
-        object.__setattr__(self, "_latest", variant)
-        return variant
+        return f"{type(self.original_module).__name__}, {len(self.sublinear_backend.graphs)} captured graph(s)"
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()) or torch.is_inference_mode_enabled():
             return self.original_module(*args, **kwargs)
-        return self.plan_for(args, kwargs)(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            _warn_outer_compile(type(self.original_module).__name__)
+            return self.original_module(*args, **kwargs)
+        return self._run(*args, **kwargs)
 
 
-def _to_meta(value: Any) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    return meta.requires_grad_(value.requires_grad) if value.is_floating_point() else meta
+_warned_outer: set[str] = set()
 
 
-def compile(module: nn.Module, example_inputs: Sequence[Any] | Any = (), example_kwargs: dict[str, Any] | None = None,
-            config: SublinearMemoryConfig | None = None) -> SublinearModule:
-    """Plan ``module`` at the example inputs (real or meta tensors) and return a module that recomputes per plan.
+def _warn_outer_compile(name: str) -> None:
+    """Inside an outer ``torch.compile`` the outer compiler traces the original forward (its graph trains exactly,
+    with its own memory choices); sublinear's plan is not applied there."""
+    if name not in _warned_outer:
+        _warned_outer.add(name)
+        log.warning("sublinear: %s runs inside torch.compile, which compiles its original forward with its own "
+                    "backend: gradients are exact, but sublinear's plan is not applied. Call the sublinear module "
+                    "outside torch.compile to train with the plan.", name)
 
-    ``.sublinear_plan`` describes the plan. The module accepts other batch sizes: graphs that symbolic_trace
-    captured serve any shape with the same plan; shape-specialised captures are planned again for new shapes.
+
+def _examples(example_inputs: Sequence[Any] | Any) -> tuple:
+    return tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,)
+
+
+def compile(module: nn.Module, example_inputs: Sequence[Any] | Any = None,
+            example_kwargs: dict[str, Any] | None = None, config: SublinearMemoryConfig | None = None,
+            plan: ParetoPoint | None = None) -> SublinearModule:
+    """A module that trains like ``module`` with sublinear memory.
+
+    With ``example_inputs``/``example_kwargs`` (real or meta tensors) every graph is planned now, on a data-less
+    twin of the module, and ``.sublinear_plan`` says what was planned; otherwise planning happens at the first
+    training call. Other shapes, optional arguments given or left out, and Python-level changes to the module
+    are captured and planned again when they first occur. ``plan``: a :func:`pareto` point to run instead of
+    searching.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"sublinear.compile needs an nn.Module, got {type(module).__name__}")
@@ -238,17 +686,84 @@ def compile(module: nn.Module, example_inputs: Sequence[Any] | Any = (), example
     if isinstance(module, (SublinearModule, DistributedDataParallel)):
         raise TypeError(f"compile the plain module, not a {type(module).__name__} (wrap the compiled module in "
                         "DistributedDataParallel afterwards)")
-    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,)
-    compiled = SublinearModule(module, config or SublinearMemoryConfig(), replan=False)
-    compiled.plan_for(example_inputs, example_kwargs)
+    compiled = SublinearModule(module, config)
+    if plan is not None:
+        compiled.use(plan)
+    if example_inputs is not None or example_kwargs is not None:
+        args = _examples(example_inputs) if example_inputs is not None else ()
+        _plan_ahead(module, compiled.sublinear_backend, args, example_kwargs)
     return compiled
 
 
+class _PlannedForward:
+    """A module's ``forward`` replaced in place by :func:`apply`: training calls run through TorchDynamo and the
+    sublinear backend, others run the class's forward."""
+
+    def __init__(self, module: nn.Module, config: SublinearMemoryConfig) -> None:
+        self._module = weakref.ref(module)
+        self.config = config
+        self.sublinear_backend = SublinearBackend(config)
+        self._run: Callable[..., Any] | None = None
+
+    def __reduce__(self):
+        return (_PlannedForward, (self._module(), self.config))
+
+    @property
+    def sublinear_plan(self) -> SublinearPlan | None:
+        return self.sublinear_backend.sublinear_plan
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        forward = type(module).forward.__get__(module)
+        if not (module.training and torch.is_grad_enabled()) or torch.is_inference_mode_enabled():
+            return forward(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            _warn_outer_compile(type(module).__name__)
+            return forward(*args, **kwargs)
+        if self._run is None:
+            self._run = _compile_module(forward, self.sublinear_backend, type(module).__name__, module)
+        return self._run(*args, **kwargs)
+
+
+def apply(module: nn.Module, config: SublinearMemoryConfig | None = None,
+          example_inputs: Sequence[Any] | Any = None, example_kwargs: dict[str, Any] | None = None) -> nn.Module:
+    """Make ``module`` itself train with sublinear memory: its ``forward`` is replaced in place, so every holder of
+    the module (a Hugging Face ``Trainer``, a LightningModule, an optimizer, DDP) keeps using the same object, with
+    the same class, parameters, state_dict and hooks. ``module.forward.sublinear_plan`` describes the plan;
+    ``sublinear.remove(module)`` restores the class's forward. Returns ``module``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"sublinear.apply needs an nn.Module, got {type(module).__name__}")
+    config = config or SublinearMemoryConfig()
+    if not isinstance(config, SublinearMemoryConfig):
+        raise TypeError(f"config must be a SublinearMemoryConfig, got {type(config).__name__}")
+    if isinstance(module.__dict__.get("forward"), _PlannedForward):
+        raise ValueError(f"sublinear.apply was already called on this {type(module).__name__}")
+    refuse_nested_fsdp(module)
+    planned = _PlannedForward(module, config)
+    if example_inputs is not None or example_kwargs is not None:
+        args = _examples(example_inputs) if example_inputs is not None else ()
+        _plan_ahead(module, planned.sublinear_backend, args, example_kwargs)
+    module.forward = planned
+    return module
+
+
+def remove(module: nn.Module) -> nn.Module:
+    """Undo :func:`apply`."""
+    if isinstance(module.__dict__.get("forward"), _PlannedForward):
+        del module.__dict__["forward"]
+    return module
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The train-function decorator
+
+
 def trace(fn: Callable | None = None, *, sublinear_memory_config: SublinearMemoryConfig | None = None) -> Callable:
-    """Decorate a train function: every ``nn.Module`` it receives (positionally or by keyword, bare or inside
-    ``DistributedDataParallel``) runs through a :class:`SublinearModule`, planned at its first call's shapes,
-    dtypes, device and autocast state, and planned again when that signature changes. The user's modules are
-    left as they were; return values and exceptions pass through."""
+    """Decorate a train function: every ``nn.Module`` it receives (positionally or by keyword; bare, inside
+    ``DistributedDataParallel``, or in a list, tuple or dict) runs through a :class:`SublinearModule` for the call.
+    On a method (``training_step(self, batch)``), ``self``'s direct submodules run planned instead, so
+    ``self.net(x)`` and ``self(x)`` are both planned. Which modules were wrapped is logged once at INFO. The user's
+    modules are left as they were; return values and exceptions pass through."""
     if fn is None:
         return functools.partial(trace, sublinear_memory_config=sublinear_memory_config)
     if not callable(fn):
@@ -257,32 +772,57 @@ def trace(fn: Callable | None = None, *, sublinear_memory_config: SublinearMemor
     if not isinstance(config, SublinearMemoryConfig):
         raise TypeError(f"sublinear_memory_config must be a SublinearMemoryConfig, got {type(config).__name__}")
     compiled: weakref.WeakKeyDictionary[nn.Module, SublinearModule] = weakref.WeakKeyDictionary()
+    params = list(inspect.signature(fn).parameters)
+    is_method = bool(params) and params[0] == "self"
+    reported: list[bool] = []
 
     def compiled_for(module: nn.Module) -> SublinearModule:
         if module not in compiled:
-            compiled[module] = SublinearModule(module, config, replan=True)
+            compiled[module] = SublinearModule(module, config)
         return compiled[module]
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        wrapped: list[str] = []
         with contextlib.ExitStack() as restore:
-            def swap(value: Any) -> Any:
+            def swap(value: Any, name: str) -> Any:
                 if isinstance(value, DistributedDataParallel):
                     # DDP keeps its hooks and reducer; only the module it forwards to is the compiled one.
                     inner = value._modules["module"]
                     value._modules["module"] = compiled_for(inner)
                     restore.callback(value._modules.__setitem__, "module", inner)
+                    wrapped.append(f"{name} (inside DistributedDataParallel)")
                     return value
                 if isinstance(value, nn.Module) and not isinstance(value, SublinearModule):
+                    wrapped.append(f"{name} ({type(value).__name__})")
                     return compiled_for(value)
                 return value
 
-            args = tuple(swap(a) for a in args)
-            kwargs = {k: swap(v) for k, v in kwargs.items()}
+            args = list(args)
+            start = 0
+            if is_method and args and isinstance(args[0], nn.Module):
+                owner, start = args[0], 1
+                for child_name, child in list(owner._modules.items()):
+                    if child is not None and not isinstance(child, SublinearModule):
+                        owner._modules[child_name] = swap(child, f"self.{child_name}")
+                        restore.callback(owner._modules.__setitem__, child_name, child)
+            for k in range(start, len(args)):
+                args[k] = tree_map(lambda v, k=k: swap(v, params[k] if k < len(params) else f"argument {k}"),
+                                   args[k], is_leaf=lambda v: isinstance(v, nn.Module))
+            kwargs = {k: tree_map(lambda v, k=k: swap(v, k), v, is_leaf=lambda v: isinstance(v, nn.Module))
+                      for k, v in kwargs.items()}
+            if not reported:
+                reported.append(True)
+                log.info("sublinear.trace(%s): planning %s", getattr(fn, "__qualname__", fn),
+                         ", ".join(wrapped) or "no module (pass the model as an argument)")
             return fn(*args, **kwargs)
 
     wrapper.sublinear_modules = compiled
     return wrapper
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trade-offs
 
 
 @dataclass(frozen=True)
@@ -291,32 +831,35 @@ class ParetoPoint:
     peak_bytes: int
     recompute_flops: int
     flops_ratio: float  # step FLOPs relative to eager
+    time_ratio: float  # predicted step time relative to eager
+    graph_code: str  # the graph the plan belongs to (for SublinearModule.use)
 
 
 def pareto(module: nn.Module, example_inputs: Sequence[Any] | Any = (), example_kwargs: dict[str, Any] | None = None,
            config: SublinearMemoryConfig | None = None, budgets: int = 8) -> list[ParetoPoint]:
-    """The non-dominated (predicted peak, recompute FLOPs) plans found for ``module`` at the example inputs.
+    """The non-dominated (predicted peak, predicted step time) plans found for ``module`` at the example inputs.
 
-    Candidates: every grid plan and its keep variants, plus the least-recompute plan for ``budgets`` memory
-    budgets spread between the lowest peak found and eager (each refined by the genetic search when
-    ``config.genetic_nr_iter`` > 0). Sorted by increasing peak, hence decreasing recompute.
+    One grid search (and its keep variants), then the least-time plan for ``budgets`` memory budgets spread between
+    the lowest peak found and eager, each refined by the genetic search when ``config.genetic_nr_iter`` > 0 and
+    seeded with every candidate so far. Sorted by increasing peak, hence decreasing time.
     """
-    config = config or SublinearMemoryConfig()
-    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,)
-    with _training(module):
-        captured = capture(module, example_inputs, example_kwargs)
-        graph_profile = profile(captured, example_inputs, example_kwargs)
-    first = make_plan(graph_profile, config)
-    found = list(first.candidates) + [Candidate(first.plan, first.simulation, float("nan"))]
+    config = dataclasses.replace(config or SublinearMemoryConfig(), max_time_ratio=math.inf)
+    graph = capture(module, _examples(example_inputs), example_kwargs).graph
+    profile_ = profile(graph, cost_model=config.cost_model)
+    first = make_plan(profile_, config, memory_budget=None)
+    found = {c.plan: c for c in first.candidates}
+    later = dataclasses.replace(config, planners=tuple(p for p in config.planners if p != "grid"))
     low, high = first.simulation.peak_bytes, first.baseline.peak_bytes
     for k in range(1, budgets + 1):
         budget = int(low + (high - low) * k / (budgets + 1))
         try:
-            result = make_plan(graph_profile, dataclasses.replace(config, memory_budget=budget))
+            result = make_plan(profile_, later, memory_budget=budget, pool=list(found.values()))
         except BudgetError:
             continue
-        found.append(Candidate(result.plan, result.simulation, float("nan")))
-    step = graph_profile.step_flops or 1
+        for c in result.candidates:
+            found.setdefault(c.plan, c)
+    step = profile_.step_flops or 1
     return [ParetoPoint(c.plan, c.simulation.peak_bytes, c.simulation.recompute_flops,
-                        1 + c.simulation.recompute_flops / step) for c in pareto_front(found)]
+                        1 + c.simulation.recompute_flops / step, c.simulation.time_ratio, graph.code)
+            for c in pareto_front(found.values())]
 

@@ -1,9 +1,11 @@
-"""On-disk plan cache: the search result for one graph, input signature and config, reused across processes.
+"""On-disk plan cache: the search result for one graph, call signature and config, reused across processes.
 
-Entries are JSON files named by a SHA-256 key of the captured graph's code, the example input signature, the
-planning config and the library versions. Writes are atomic (a temporary file renamed into place), so an
-interrupted planning run never leaves a half-written entry. A corrupt or mismatching entry is ignored with a
-warning and replaced.
+Entries are JSON files named by a SHA-256 key of the captured graph's code, the shapes, strides, dtypes and
+devices of every graph input (parameters and buffers included: Dynamo lifts them to inputs), the autocast state,
+the FSDP layout, the planning config and the library versions. Each entry holds the plan, its search history and
+the op costs measured on the device, so a hit skips the search and the timing runs. Writes are atomic (a temporary
+file renamed into place). An entry that cannot be used, for any reason (corrupt JSON, JSON of another shape, a plan
+that does not fit the graph), is ignored with a warning and replaced by the next search.
 """
 
 from __future__ import annotations
@@ -16,14 +18,12 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import torch
-
-from .plan import Plan, PlanError
+from .core.plan import Plan, PlanError
 
 __all__ = ["PlanCache", "cache_dir"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 2
+_FORMAT = 3
 
 
 def cache_dir(configured: str | os.PathLike | None) -> Path | None:
@@ -42,16 +42,19 @@ class PlanCache:
         self.folder = folder
 
     @staticmethod
-    def key(graph_code: str, signature: str, config: dict, num_ops: int) -> str:
+    def key(**parts: object) -> str:
+        """A key over ``parts`` (graph code, signature, config, ...) and the library versions."""
+        import torch
+
         from . import __version__
 
-        text = json.dumps({"graph": graph_code, "inputs": signature, "config": config, "ops": num_ops,
-                           "torch": torch.__version__, "sublinear": __version__, "format": _FORMAT},
+        text = json.dumps({**parts, "torch": torch.__version__, "sublinear": __version__, "format": _FORMAT},
                           sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def load(self, key: str, num_ops: int) -> dict | None:
-        """The stored entry, or None (missing, disabled, or unusable: then a warning says why)."""
+    def load(self, key: str) -> dict | None:
+        """The stored entry as a JSON object, or None (missing, disabled, or unreadable: then a warning says
+        why). :meth:`check` it against the graph before use."""
         if self.folder is None:
             return None
         path = self.folder / f"{key}.json"
@@ -59,13 +62,32 @@ class PlanCache:
             return None
         try:
             entry = json.loads(path.read_text())
+            if not isinstance(entry, dict):
+                raise ValueError(f"expected a JSON object, found {type(entry).__name__}")
+        except (OSError, ValueError) as exc:
+            self._ignore(key, exc)
+            return None
+        return entry
+
+    def check(self, entry: dict, key: str, num_ops: int) -> dict | None:
+        """``entry`` when it holds a valid plan for a graph of ``num_ops`` ops with its history and costs."""
+        try:
             if entry.get("format") != _FORMAT or entry.get("key") != key or entry.get("num_ops") != num_ops:
                 raise ValueError("entry does not belong to this graph")
             Plan.from_dict(entry).validate(num_ops)
-        except (OSError, ValueError, KeyError, TypeError, PlanError) as exc:
-            warnings.warn(f"sublinear: ignoring unusable plan cache entry {path}: {exc}", stacklevel=3)
+            if not isinstance(entry.get("history"), list) or not isinstance(entry.get("costs"), dict):
+                raise ValueError("entry lacks its history or costs")
+            costs = entry["costs"]
+            if len(costs["forward_seconds"]) != num_ops:
+                raise ValueError("entry's costs belong to another graph")
+        except (ValueError, KeyError, TypeError, AttributeError, PlanError) as exc:
+            self._ignore(key, exc)
             return None
         return entry
+
+    def _ignore(self, key: str, exc: Exception) -> None:
+        warnings.warn(f"sublinear: ignoring unusable plan cache entry {self.folder / f'{key}.json'}: {exc}; it will "
+                      "be replaced", stacklevel=4)
 
     def store(self, key: str, entry: dict) -> None:
         if self.folder is None:

@@ -35,9 +35,21 @@ def _model(name: str, args: argparse.Namespace) -> ModelSpec:
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"cannot import model factory {name!r}: {exc}") from None
         shape = _int_list(args.input_shape, "--input-shape") if args.input_shape else None
-        return ModelSpec(name, f"user model {name}", factory,
+        return ModelSpec(name, f"user model {name}", functools.partial(_build_user_model, factory, name),
                          functools.partial(_user_inputs, shape, _dtype(args.dtype)), None)
     raise ValueError(f"unknown model {name!r}; built-in: {', '.join(MODELS)}, or package.module:callable")
+
+
+def _build_user_model(factory, name: str):
+    """The user's model from its factory, or a one-line error saying what went wrong."""
+    try:
+        model = factory()
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's factory is reported in one line
+        raise ValueError(f"--model {name}: calling the factory failed: {type(exc).__name__}: {exc} (it must build "
+                         "the model with no arguments)") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model {name}: the factory returned a {type(model).__name__}, not an nn.Module")
+    return model
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -150,8 +162,7 @@ def _float(text: str, flag: str) -> float:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .api import compile as sublinear_compile
-    from .planner import BudgetError
-    from .simulator import analyse
+    from .planners import BudgetError
 
     spec = _model(args.model, args)
     seq = args.seq if args.seq is not None else spec.default_seq
@@ -165,27 +176,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         compiled = sublinear_compile(model, example, kwargs, config=config)
     except BudgetError as exc:
         raise ValueError(str(exc)) from None
-    plan, profile = compiled.sublinear_plan, compiled.sublinear_profile
-    print(f"{spec.name} batch {args.batch}{f' seq {seq}' if seq else ''}: {plan}")
-    a = analyse(profile, plan.to_plan())
-    nested = "; soft end: what crosses it is rebuilt, not kept"
-    for b, ops in enumerate(plan.to_plan().blocks()):
-        first, last = profile.ops[ops[0]].name, profile.ops[ops[-1]].name
-        kept = int(profile.storage_bytes[[s for s in range(len(profile.storage_bytes))
-                                          if a.retained[s] and a.block_of[profile.storage_producer[s]] == b]].sum())
-        recompute = sum(profile.ops[o].flops for o in a.closure[b])
-        kept_ops = [profile.ops[o].name for o in ops if o in plan.kept_ops]
-        print(f"  block {b:3d}: ops {ops[0]:4d}-{ops[-1]:4d} ({first} .. {last}); kept {_mib(kept)}, "
-              f"recompute {recompute / 1e9:.2f} GFLOP" + (f"; kept ops: {', '.join(kept_ops)}" if kept_ops else "")
-              + (nested if ops[-1] in plan.soft_points else ""))
-    print(f"predicted peak {_mib(plan.predicted_peak_bytes)} vs eager {_mib(plan.baseline_peak_bytes)}; "
-          f"recompute {plan.recompute_flops / 1e9:.2f} GFLOP (step FLOPs x{plan.flops_ratio:.3f})")
+    plan = compiled.sublinear_plan
+    if plan is None:
+        raise ValueError(f"{spec.name} cannot be planned ahead on the meta device (see the log with -v)")
+    print(f"{spec.name} batch {args.batch}{f' seq {seq}' if seq else ''}:")
+    print(plan.describe())
     return 0
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
+    from .capture import capture
     from .profiler import profile
-    from .tracer import capture
 
     for name in args.model.split(","):
         spec = _model(name, args)
@@ -193,7 +194,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         with torch.device("meta"):
             model = spec.build().train()
         example, kwargs = spec.example_inputs(args.batch, device="meta", seq=seq)
-        p = profile(capture(model, example, kwargs), example, kwargs)
+        p = profile(capture(model, example, kwargs).graph)
         fixed = p.parameter_bytes + p.buffer_bytes + p.gradient_bytes
         print(f"{spec.name} batch {args.batch}: eager activations {_mib((p.measured_peak_bytes - fixed) / args.batch)} "
               f"per sample")

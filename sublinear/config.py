@@ -10,16 +10,29 @@ from dataclasses import dataclass, fields
 __all__ = ["SublinearMemoryConfig", "parse_size"]
 
 
+MAX_THRESH_NR_TRY = 1000
+MAX_GENETIC_POOL_SIZE = 1000
+MAX_GENETIC_NR_ITER = 10000
+COST_MODELS = ("auto", "measure", "estimate")
+
+
 @dataclass(frozen=True)
 class SublinearMemoryConfig:
     """Planner settings. Sizes are bytes (``lb_memory`` and ``memory_budget`` also take ``"11GiB"``-style text).
 
-    thresh_nr_try: grid points per phase of the threshold grid search (>= 0).
-    genetic_nr_iter: generations of the genetic refinement; 0 turns it off.
-    genetic_pool_size: survivors per generation (>= 2 when the genetic search runs).
+    thresh_nr_try: grid points per phase of the threshold grid search (0..1000).
+    genetic_nr_iter: generations of the genetic refinement; 0 turns it off (0..10000).
+    genetic_pool_size: survivors per generation (1..1000; >= 2 when the genetic search runs).
     lb_memory: floor; a plan below it keeps expensive ops until it reaches the floor (>= 0).
     num_worker: processes that score genetic candidates; None means max(1, cpu_count // 2).
-    memory_budget: when set, the plan with the least recompute whose predicted peak fits (> 0).
+    memory_budget: the plan is the least predicted step time whose predicted peak fits this many bytes.
+        "auto" (default): the device's free memory at planning time less ``memory_headroom`` on CUDA, and no
+        budget on CPU and meta. None: no budget; the plan is then the lowest peak within ``max_time_ratio``.
+    memory_headroom: fraction of the free device memory an "auto" budget leaves for allocator fragmentation.
+    max_time_ratio: no plan's predicted step time exceeds this multiple of eager's (>= 1.0).
+    planners: planners run in order (names registered in :data:`sublinear.planners.PLANNERS`).
+    cost_model: op times "measure"d on the device, "estimate"d from FLOPs and bytes moved, or "auto": measured on
+        CPU and CUDA tensors, estimated on meta.
     seed: seed of the genetic search; the same seed gives the same plan.
     cache_dir: plan cache folder; None uses $SUBLINEAR_CACHE_DIR or the user cache dir; "" disables it.
     """
@@ -29,28 +42,51 @@ class SublinearMemoryConfig:
     genetic_pool_size: int = 20
     lb_memory: int = 0
     num_worker: int | None = None
-    memory_budget: int | None = None
+    memory_budget: int | str | None = "auto"
+    memory_headroom: float = 0.1
+    max_time_ratio: float = 1.35
+    planners: tuple[str, ...] = ("grid", "genetic")
+    cost_model: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("lb_memory", "memory_budget"):
-            if isinstance(getattr(self, name), str):
+            value = getattr(self, name)
+            if isinstance(value, str) and not (name == "memory_budget" and value == "auto"):
                 try:
-                    object.__setattr__(self, name, parse_size(getattr(self, name)))
+                    object.__setattr__(self, name, parse_size(value))
                 except ValueError as exc:
-                    raise ValueError(f"{name}: {exc}") from None
-        _int_at_least("thresh_nr_try", self.thresh_nr_try, 0)
-        _int_at_least("genetic_nr_iter", self.genetic_nr_iter, 0)
-        _int_at_least("genetic_pool_size", self.genetic_pool_size, 1)
+                    raise ValueError(f"{name}: {exc} (or \"auto\" for the device's free memory)"
+                                     if name == "memory_budget" else f"{name}: {exc}") from None
+        _int_in("thresh_nr_try", self.thresh_nr_try, 0, MAX_THRESH_NR_TRY)
+        _int_in("genetic_nr_iter", self.genetic_nr_iter, 0, MAX_GENETIC_NR_ITER)
+        _int_in("genetic_pool_size", self.genetic_pool_size, 1, MAX_GENETIC_POOL_SIZE)
         if self.genetic_nr_iter > 0 and self.genetic_pool_size < 2:
             raise ValueError(f"genetic_pool_size must be >= 2 when genetic_nr_iter > 0 (crossover needs two "
                              f"parents); got {self.genetic_pool_size}")
         _int_at_least("lb_memory", self.lb_memory, 0)
         if self.num_worker is not None:
             _int_at_least("num_worker", self.num_worker, 1, "or None")
-        if self.memory_budget is not None:
-            _int_at_least("memory_budget", self.memory_budget, 1, "(bytes) or None")
+        if self.memory_budget is not None and self.memory_budget != "auto":
+            _int_at_least("memory_budget", self.memory_budget, 1, "(bytes), \"auto\" or None")
+        if isinstance(self.memory_headroom, bool) or not isinstance(self.memory_headroom, (int, float)) \
+                or not 0 <= self.memory_headroom < 1:
+            raise ValueError(f"memory_headroom must be a fraction in [0, 1); got {self.memory_headroom!r}")
+        if isinstance(self.max_time_ratio, bool) or not isinstance(self.max_time_ratio, (int, float)) \
+                or not self.max_time_ratio >= 1.0:
+            raise ValueError(f"max_time_ratio must be a number >= 1.0 (1.0: never slower than eager; "
+                             f"math.inf: no cap); got {self.max_time_ratio!r}")
+        if isinstance(self.planners, str) or not isinstance(self.planners, (tuple, list)):
+            raise ValueError(f"planners must be a tuple of planner names; got {self.planners!r}")
+        object.__setattr__(self, "planners", tuple(self.planners))
+        from .planners.base import PLANNERS  # noqa: PLC0415 (the registry imports this module)
+        from . import planners as _registered  # noqa: F401, PLC0415
+        unknown = [p for p in self.planners if p not in PLANNERS]
+        if unknown:
+            raise ValueError(f"unknown planner(s) {unknown}; registered: {', '.join(sorted(PLANNERS))}")
+        if self.cost_model not in COST_MODELS:
+            raise ValueError(f"cost_model must be one of {COST_MODELS}; got {self.cost_model!r}")
         _int_at_least("seed", self.seed, 0)
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise ValueError(f"cache_dir must be a path, '' (no cache) or None; got {type(self.cache_dir).__name__}")
@@ -63,6 +99,12 @@ class SublinearMemoryConfig:
     def planning_key(self) -> dict:
         """Fields that change the plan (for cache keys): everything but where the cache lives and worker count."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("cache_dir", "num_worker")}
+
+
+def _int_in(name: str, value: object, low: int, high: int) -> None:
+    _int_at_least(name, value, low)
+    if value > high:
+        raise ValueError(f"{name} must be <= {high}; got {value} (a search this size would run for hours)")
 
 
 def _int_at_least(name: str, value: object, low: int, extra: str = "") -> None:

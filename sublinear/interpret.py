@@ -1,4 +1,4 @@
-"""A lean node-by-node executor for fx graphs, shared by the profiler and the rewritten module.
+"""A lean node-by-node executor for fx graphs, shared by the profiler, the cost measurement and the rewriter.
 
 Values live in a list indexed by node position and are dropped right after their last use, exactly as fx's
 generated code does, so memory behaves as in eager execution of the same graph.
@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import fx, nn
+from torch import fx
 from torch.fx.node import Node, map_arg
+
+from .capture import describe_node, module_path
 
 __all__ = ["NodeProgram", "OPERATOR_KINDS"]
 
@@ -20,14 +22,12 @@ OPERATOR_KINDS = ("call_function", "call_method", "call_module")
 class NodeProgram:
     """Executable form of ``graph_module``'s graph.
 
-    ``get_attr``/``call_module`` targets resolve against ``root`` when it has them (the user's module, so its
-    parameters and buffers are read live at every call) and against ``graph_module`` otherwise (constants and
-    helpers that capture created).
+    ``get_attr``/``call_module`` targets resolve against ``graph_module`` (constants and subgraphs that capture
+    created; parameters and buffers are placeholders).
     """
 
-    def __init__(self, graph_module: fx.GraphModule, root: nn.Module | None = None) -> None:
+    def __init__(self, graph_module: fx.GraphModule) -> None:
         self.graph_module = graph_module
-        self.root = root if root is not None else graph_module
         self.nodes: list[Node] = list(graph_module.graph.nodes)
         self.index: dict[Node, int] = {n: i for i, n in enumerate(self.nodes)}
         self.placeholders = [i for i, n in enumerate(self.nodes) if n.op == "placeholder"]
@@ -48,24 +48,39 @@ class NodeProgram:
                 self.frees_after[i].append(i)  # dead values go at once, as in fx's generated code
         self._steps = [self._compile(n) for n in self.nodes]
 
-    def module_path(self, i: int) -> str:
-        """Where node ``i`` comes from in the user's model, for messages."""
+    def describe(self, i: int, with_line: bool = True) -> str:
+        """Where node ``i`` comes from in the user's model: module path, node name and (optionally) source line."""
         node = self.nodes[i]
-        stack = node.meta.get("nn_module_stack")
-        if stack:
-            path = list(stack.values())[-1][0]
-            return f"{path} ({node.name})"
-        if node.op == "call_module":
-            return str(node.target)
-        return node.name
+        if with_line:
+            return describe_node(node)
+        path = module_path(node) or (str(node.target) if node.op == "call_module" else "")
+        return f"{path} ({node.name})" if path else node.name
 
     def run_node(self, i: int, env: list[Any]) -> Any:
         """Execute node ``i`` reading its inputs from ``env``."""
         return self._steps[i](env)
 
+    def arguments(self, i: int, env: list[Any]) -> tuple[tuple, dict]:
+        """Node ``i``'s args and kwargs, read from ``env``."""
+        node = self.nodes[i]
+        args = tuple(map_arg(node.args, lambda n: env[self.index[n]]))
+        kwargs = dict(map_arg(node.kwargs, lambda n: env[self.index[n]]))
+        return args, kwargs
+
+    def call(self, i: int, args: tuple, kwargs: dict) -> Any:
+        """Run node ``i``'s operation on the given args and kwargs."""
+        node = self.nodes[i]
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.op == "call_module":
+            return getattr(*self._resolve(node.target))(*args, **kwargs)
+        if node.op == "get_attr":
+            return getattr(*self._resolve(node.target))
+        return node.target(*args, **kwargs)
+
     def run(self, placeholder_values: list[Any],
             after: Callable[[int, Any], None] | None = None,
-            before: Callable[[int], None] | None = None) -> Any:
+            before: Callable[[int, list[Any]], None] | None = None) -> Any:
         """Run the whole graph; return the output node's value."""
         if len(placeholder_values) != len(self.placeholders):
             raise TypeError(f"graph takes {len(self.placeholders)} inputs, got {len(placeholder_values)}")
@@ -79,7 +94,7 @@ class NodeProgram:
             if self.nodes[i].op == "placeholder":
                 continue
             if before is not None:
-                before(i)
+                before(i, env)
             env[i] = steps[i](env)
             if after is not None:
                 after(i, env[i])
@@ -90,18 +105,14 @@ class NodeProgram:
     # -- compilation -------------------------------------------------------------------------------------------
 
     def _resolve(self, target: str) -> tuple[Any, str]:
-        """(owner object, attribute name) for a dotted target, preferring ``root``."""
+        """(owner object, attribute name) for a dotted target of the graph module."""
         *path, name = target.split(".")
-        for base in (self.root, self.graph_module):
-            owner = base
-            try:
-                for part in path:
-                    owner = getattr(owner, part)
-                getattr(owner, name)
-            except AttributeError:
-                continue
-            return owner, name
-        raise AttributeError(f"graph target {target!r} not found on the module")
+        owner = self.graph_module
+        for part in path:
+            owner = getattr(owner, part)
+        if not hasattr(owner, name):
+            raise AttributeError(f"graph target {target!r} not found on the graph module")
+        return owner, name
 
     def _compile(self, node: Node) -> Callable[[list[Any]], Any]:
         fetch = self._fetcher(node.args)

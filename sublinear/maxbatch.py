@@ -26,7 +26,7 @@ from .baselines import BASELINES
 from .config import SublinearMemoryConfig
 from .measurement import measure
 from .models import ModelSpec
-from .planner import BudgetError
+from .planners import BudgetError
 from .profiler import default_loss
 
 __all__ = ["StrategyResult", "Tuning", "TuningRow", "baseline_costs", "compare", "largest_fitting", "tune"]
@@ -104,7 +104,10 @@ def strategies(genetic_iters: tuple[int, ...], config: SublinearMemoryConfig | N
                     compiled[key] = sublinear_compile(model, args, kwargs, config=cfg)
                 except BudgetError as exc:
                     raise DoesNotFit(str(exc)) from None
-            ratio = compiled[key].sublinear_plan.flops_ratio
+            plan = compiled[key].sublinear_plan
+            if plan is None:
+                raise DoesNotFit(f"{spec.name} cannot be planned ahead on data-less tensors")
+            ratio = plan.flops_ratio
             if ratio > limit:
                 raise DoesNotFit(f"the least-recompute plan within the budget needs FLOPs x{ratio:.3f}")
             return compiled[key]
@@ -228,25 +231,27 @@ def tune(spec: ModelSpec, genetic_iters: tuple[int, ...], budget: int, config: S
          progress: Progress | None = None) -> Tuning:
     """The genetic-iteration sweep: for each ``genetic_nr_iter``, the best peak and search time at the reference
     batch, and the max batch at ``budget``."""
-    from .genetic import genetic_search
-    from .planner import make_plan
+    from .capture import capture
+    from .planners import PlanningProblem, make_plan, objective_for
+    from .planners.genetic import genetic_search
     from .profiler import profile
-    from .tracer import capture
 
     base = config or SublinearMemoryConfig()
     batch = REFERENCE_BATCH["text" if spec.default_seq else "image"]
     with torch.device("meta"):
         model = spec.build().train()
     args, kwargs = spec.example_inputs(batch, device="meta", seq=spec.default_seq)
-    graph = profile(capture(model, args, kwargs), args, kwargs)
+    graph = profile(capture(model, args, kwargs).graph)
     planned = {k: make_plan(graph, replace(base, genetic_nr_iter=k)) for k in genetic_iters}
     longest = planned[max(genetic_iters)]
-    initial = genetic_search(graph, [c.plan for c in longest.candidates], replace(base, genetic_nr_iter=0))
+    start = replace(base, genetic_nr_iter=0)
+    initial = genetic_search(PlanningProblem(graph, objective_for(start, None), start),
+                             [c.plan for c in longest.candidates])
     batches = compare(spec, budget, genetic_iters, seq=spec.default_seq, baselines=False, config=base,
                       progress=progress)[1:]  # the first row is eager
     rows = tuple(TuningRow(k, planned[k].simulation.peak_bytes, planned[k].seconds, r.max_batch, r.planning_seconds)
                  for k, r in zip(genetic_iters, batches))
-    return Tuning(batch, rows, longest.history, initial.logbook[0]["best"])
+    return Tuning(batch, rows, tuple(c.simulation.peak_bytes for c in longest.history), initial.logbook[0]["best"])
 
 
 class _Environment:

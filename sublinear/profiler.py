@@ -1,36 +1,43 @@
-"""Profile: run one eager training step of a captured graph on the meta device and record, per operator, what
-the simulator and rewriter need.
+"""Profile: run one training step of a captured graph on fake tensors and record, per op, per storage and per
+backward node, what the simulator and the rewriter need (:class:`sublinear.core.profile.GraphProfile`).
 
-Units of planning are *ops*: contiguous runs of fx operator nodes that must stay in one block because a node
-mutates in place a storage that an earlier node of the run produced (``ReLU(inplace=True)``, ``out += x``,
-item assignment). Across op boundaries, therefore, a storage is never written again once produced.
+The step runs on fake tensors made from the graph's own input values (parameters included) in a fresh
+``FakeTensorMode``, on the values' own devices: device constants, ``.to(device)`` and tensors created in forward
+behave as in the real step, and no memory is used. Every storage an aten op returns is tracked until it dies
+(:class:`sublinear.tracking.StorageTracker`), so views and in-place results alias their base and a storage saved
+for backward and also kept for another reason counts once.
 
-Everything is counted per storage, so views and in-place results alias their base (trap 4), and a storage that
-autograd saves and that is also kept for another reason is one storage (trap 8).
+Each node's time comes from :mod:`sublinear.costs`: measured on the device (real CPU/CUDA values), or estimated
+from FLOPs and bytes moved (meta). Measuring also reads the allocator's peak per node, so kernel workspace that no
+storage tracker sees (scratch inside ``convolution_backward``) is part of the simulation.
 """
 
 from __future__ import annotations
 
 import bisect
-import copy
+import contextlib
 import itertools
+import logging
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .tracer import CapturedGraph
+from .capture import BUFFER, INPUT, PARAMETER, CapturedGraph, FakeTwin, describe_node
+from .core.profile import AutocastState, GraphProfile, NodeFacts, OpProfile
+from .costs import REFERENCE_GPU, DeviceRates, device_rates, estimate_seconds, measure_node_costs, spec_tree
 from .interpret import NodeProgram
-from .sharding import ShardedParameters
 from .tracking import StorageTracker
 
-__all__ = ["GraphProfile", "NodeFacts", "OpProfile", "profile", "default_loss", "meta_twin", "training_step"]
+__all__ = ["ProfileError", "autocast_state", "default_loss", "profile", "training_step"]
+
+log = logging.getLogger("sublinear.profiler")
 
 _COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "c10d", "c10d_functional", "_dtensor"})
 # Batch-norm kernels update running_mean/var (args 3 and 4) when training (arg 5) without declaring the write in
@@ -38,6 +45,18 @@ _COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "c10d", "c10d_functio
 _BATCH_NORMS = frozenset(getattr(torch.ops.aten, name) for name in (
     "native_batch_norm", "batch_norm", "_batch_norm_impl_index", "cudnn_batch_norm", "miopen_batch_norm",
     "_native_batch_norm_legit", "_batch_norm_with_update"))
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+CUDA_ALLOCATION_GRANULARITY = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
+
+
+class ProfileError(RuntimeError):
+    """The profiled step failed at a node; the message names the node, its module path and source line."""
+
+
+def autocast_state() -> AutocastState:
+    """The autocast modes in force, per device type, as plain data."""
+    return tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d)).removeprefix("torch."))
+                 for d in _AUTOCAST_DEVICES)
 
 
 def _written_tensors(func, args, kwargs) -> list[torch.Tensor]:
@@ -50,6 +69,7 @@ def _written_tensors(func, args, kwargs) -> list[torch.Tensor]:
     if func._overloadpacket in _BATCH_NORMS and len(args) > 5 and args[5] is True:
         written.extend(t for t in args[3:5] if isinstance(t, torch.Tensor))
     return written
+
 
 
 def default_loss(outputs: Any) -> torch.Tensor | None:
@@ -71,166 +91,6 @@ def training_step(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return outputs
 
 
-@dataclass(frozen=True)
-class NodeFacts:
-    """What the rewriter must know about one operator node to recompute it exactly."""
-
-    random: bool = False
-    state_attrs: tuple[str, ...] = ()  # call_module: own parameters/buffers it writes (snapshot, then redirect)
-    state_args: tuple[int | str, ...] = ()  # other nodes: positions/names of tensor args whose state it writes
-    pin_reason: str = ""  # non-empty: the node must never be recomputed
-
-
-@dataclass(frozen=True)
-class OpProfile:
-    """One planning unit: node positions ``nodes`` (contiguous operators of the program)."""
-
-    index: int
-    nodes: tuple[int, ...]
-    name: str
-    flops: int
-    forward_extra_bytes: int  # most bytes the op's own allocations hold at once while it runs
-    snapshot_bytes: int  # state it writes, cloned in forward when the op may be recomputed
-    random: bool
-    mutates_state: bool
-    pin_reason: str
-
-    @property
-    def pinned(self) -> bool:
-        return bool(self.pin_reason)
-
-
-@dataclass
-class GraphProfile:
-    """The planner's view of one training step; plain numbers, no torch objects.
-
-    Storages are indexed 0..S-1. ``storage_last_use[s]`` is the last op that reads a value on ``s`` in forward
-    (``len(ops)`` for graph outputs); ``storage_saved_by[s]`` lists the ops whose autograd saves it; storages
-    that neither outlive their op nor are saved are folded into ``forward_extra_bytes``.
-    ``op_inputs[o]`` lists, per value op ``o`` reads from another op, ``(producer op, storages of the value)``.
-    """
-
-    ops: list[OpProfile]
-    storage_bytes: np.ndarray
-    storage_producer: np.ndarray
-    storage_last_use: np.ndarray
-    storage_saved_by: list[tuple[int, ...]]
-    op_inputs: list[tuple[tuple[int, tuple[int, ...]], ...]]
-    baseline_bytes: int
-    parameter_bytes: int
-    buffer_bytes: int
-    input_bytes: int
-    gradient_bytes: int
-    measured_peak_bytes: int
-    backward_flops: int
-    node_facts: dict[int, NodeFacts] = field(default_factory=dict)
-    op_of_node: dict[int, int] = field(default_factory=dict)
-    node_storages: dict[int, tuple[int, ...]] = field(default_factory=dict)  # node -> storage per tensor leaf (-1: none)
-    reaches_output: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # per op
-    op_storages: list[tuple[int, ...]] = field(default_factory=list)  # per op: storages of the values it outputs
-    held_through_forward: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # autocast's cast cache
-    # Backward runs node by node: operator nodes ("ranks", in program order) with their op, the ranks whose autograd
-    # saves each storage, and per rank the gradient-side bytes at the start of its backward, at the peak before it
-    # frees what it saved, and at the peak after that (plan-independent, from the eager step).
-    storage_saved_at: list[tuple[int, ...]] = field(default_factory=list)
-    node_op: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    grad_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    grad_peak: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    grad_after_release: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    sharding: ShardedParameters | None = None  # FSDP2's per-rank layout; None: full parameters and gradients
-
-    @property
-    def num_ops(self) -> int:
-        return len(self.ops)
-
-    @property
-    def forward_flops(self) -> int:
-        return sum(op.flops for op in self.ops)
-
-    @property
-    def step_flops(self) -> int:
-        """FLOPs of one eager training step (forward and backward)."""
-        return self.forward_flops + self.backward_flops
-
-    def summary(self, top: int = 5) -> str:
-        mib = 2**20
-        order = np.argsort(-self.storage_bytes)[:top]
-        lines = [f"{self.num_ops} ops, forward {self.forward_flops / 1e9:.2f} GFLOP, eager step peak "
-                 f"{self.measured_peak_bytes / mib:.1f} MiB (parameters {self.parameter_bytes / mib:.1f}, "
-                 f"buffers {self.buffer_bytes / mib:.1f}, inputs {self.input_bytes / mib:.1f}, "
-                 f"gradients {self.gradient_bytes / mib:.1f} MiB)"]
-        for s in order:
-            op = self.ops[self.storage_producer[s]]
-            lines.append(f"  {self.storage_bytes[s] / mib:9.2f} MiB  from {op.name}")
-        return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Twins: copies of the model whose tensors hold no data
-
-
-class _Twin:
-    """Turns real tensors into data-less ones: meta tensors, or fake tensors on ``device`` when autocast must
-    apply (autocast dispatches on the device, and meta tensors have none)."""
-
-    def __init__(self, device: str | None = None) -> None:
-        self.device = device
-        self.mode = FakeTensorMode(allow_non_fake_inputs=True) if device else None
-        if self.mode is not None:
-            self.mode.cache_enabled = False  # its dispatch cache keeps tensors alive past their last use
-
-    def tensor(self, t: torch.Tensor) -> torch.Tensor:
-        if self.mode is None:
-            empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        else:
-            with self.mode:
-                empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
-        if isinstance(t, nn.Parameter):
-            return nn.Parameter(empty, requires_grad=t.requires_grad)
-        return empty.requires_grad_(t.requires_grad) if t.is_leaf and t.is_floating_point() else empty
-
-    def value(self, value: Any) -> Any:
-        return tree_map(lambda v: self.tensor(v) if isinstance(v, torch.Tensor) else v, value)
-
-    def modules(self, module: nn.Module, *extra: Any) -> tuple[nn.Module, ...]:
-        """Deep copies of ``module`` (and of ``extra`` objects sharing its submodules) with data-less tensors.
-
-        No tensor data is copied; submodule sharing between ``module`` and ``extra`` is preserved.
-        """
-        memo: dict[int, Any] = {}
-        for owner in [module, *extra]:
-            for sub in owner.modules():
-                for value in itertools.chain(sub._parameters.values(), sub._buffers.values(),
-                                             (v for v in vars(sub).values() if isinstance(v, torch.Tensor))):
-                    if value is not None and id(value) not in memo:
-                        memo[id(value)] = self.tensor(value)
-        try:
-            return copy.deepcopy((module, *extra), memo)
-        except Exception as exc:  # noqa: BLE001
-            raise RuntimeError(f"sublinear plans on a data-less copy of the model, and copying "
-                               f"{type(module).__name__} failed: {exc}") from exc
-
-    def __enter__(self):
-        if self.mode is not None:
-            self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.mode is not None:
-            self.mode.__exit__(*exc)
-
-
-def meta_twin(module: nn.Module, *extra: Any) -> tuple[nn.Module, ...]:
-    """Meta-device deep copies of ``module`` (and ``extra``), sharing submodules as the originals do."""
-    return _Twin().modules(module, *extra)
-
-
-def _autocast_device() -> str | None:
-    """The device type whose autocast is on, if any (CUDA first)."""
-    for device in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device):
-            return device
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -238,7 +98,8 @@ def _autocast_device() -> str | None:
 
 
 class _StepRecorder(StorageTracker):
-    """Storage tracker that attributes every allocation and free to a forward node or a backward autograd node."""
+    """Storage tracker that attributes every allocation and free to a forward node or a backward autograd node,
+    with FLOPs and bytes moved per forward node and per backward autograd node."""
 
     def __init__(self) -> None:
         super().__init__(listener=self._on_event)
@@ -251,6 +112,9 @@ class _StepRecorder(StorageTracker):
         self.comm_nodes: set[int] = set()
         self.writes: dict[int, list[int]] = defaultdict(list)  # node -> serials written in place
         self.flops: dict[int, int] = defaultdict(int)  # node -> forward FLOPs (torch.utils.flop_counter's formulas)
+        self.io_bytes: dict[int, int] = defaultdict(int)  # node -> bytes its aten calls read and write
+        self.calls: dict[int, int] = defaultdict(int)  # node -> aten calls
+        self.backward_work: list[tuple[int, int, int]] = []  # per backward aten call: (sequence nr, FLOPs, bytes)
         self.state_serials: set[int] = set()
         self.backward_flops = 0
         self.autocast_cached: set[int] = set()  # casts of parameters that autocast's cache holds until forward ends
@@ -274,10 +138,13 @@ class _StepRecorder(StorageTracker):
         self.events.append((self.backward, self._context(), kind, serial, nbytes))
 
     def on_op(self, func, args, kwargs, out) -> None:
+        count = flop_registry.get(func._overloadpacket)
+        flops = count(*args, **kwargs, out_val=out) if count is not None else 0
+        moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                    if isinstance(t, torch.Tensor))
         if self.backward:
-            count = flop_registry.get(func._overloadpacket)
-            if count is not None:
-                self.backward_flops += count(*args, **kwargs, out_val=out)
+            self.backward_flops += flops
+            self.backward_work.append((self._context(), flops, moved))
             return
         if self.node is None:
             return
@@ -286,9 +153,9 @@ class _StepRecorder(StorageTracker):
                 and self.serial_of(args[0]) in self.state_serials and args[0].requires_grad):
             self.autocast_cached.update(self.serial_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                                         and t.untyped_storage()._cdata in self.serial)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None:
-            self.flops[self.node] += count(*args, **kwargs, out_val=out)
+        self.flops[self.node] += flops
+        self.io_bytes[self.node] += moved
+        self.calls[self.node] += 1
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.random_nodes.add(self.node)
         if func.namespace in _COMMUNICATION_NAMESPACES:
@@ -304,53 +171,57 @@ class _Trace:
     recorder: _StepRecorder
     node_out: dict[int, list[int]]  # node -> serial of each tensor leaf of its output (-1: untracked)
     node_saved: dict[int, list[int]]  # node -> serials autograd saved while it ran
-    node_flops: dict[int, int]
     node_seq: list[tuple[int, int]]  # (first sequence number, node) in creation order
+    node_modes: dict[int, tuple[bool, AutocastState]]  # node -> grad mode and autocast state it ran under
+    node_inputs: dict[int, tuple[Any, Any]]  # node -> its args and kwargs as TensorSpec trees
     state_serials: dict[int, str]  # serial -> "parameter"/"buffer"/"input"
     output_serials: set[int]
-    module_state: dict[int, dict[int, str]]  # call_module node -> serial -> attribute name
-    gradient_bytes: int
+    gradient_sizes: list[int]  # bytes of each parameter gradient's storage after backward
 
 
-def _trace_step(captured: CapturedGraph, args, kwargs) -> _Trace:
-    twin = _Twin(_autocast_device())
-    module, gm = twin.modules(captured.module, captured.graph_module)
-    program = NodeProgram(gm, root=module)
-    inputs = twin.value(captured.placeholder_values(args, kwargs))
+def _profiling_device(values: Sequence[Any]) -> torch.device | None:
+    """Where fakes must live: the values' device, except that meta values under autocast become fakes on the
+    autocast device (autocast dispatches on the device, and meta has none)."""
+    devices = {t.device for t in tree_leaves(list(values)) if isinstance(t, torch.Tensor)}
+    if devices and all(d.type == "meta" for d in devices):
+        for device in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(device):
+                return torch.device(device)
+    return None
+
+
+def _trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool) -> _Trace:
+    twin = FakeTwin()
+    inputs = twin.value(list(values), _profiling_device(values))
+    program = NodeProgram(graph.graph_module)
     recorder = _StepRecorder()
     state_serials: dict[int, str] = {}
     recorder.listener = None
-    for kind, tensors in (("parameter", list(module.parameters())), ("buffer", list(module.buffers())),
-                          ("input", [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)])):
-        for t in tensors:
+    for kind, value in zip(graph.kinds, inputs):
+        for t in (leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)):
             key = t.untyped_storage()._cdata
             if key not in recorder.live:
                 recorder.track([t])
                 recorder.serial[key] = len(recorder.serial_bytes)
                 recorder.serial_bytes.append(recorder.live[key])
-                state_serials[recorder.serial[key]] = kind
+                state_serials[recorder.serial[key]] = kind if kind in (PARAMETER, BUFFER) else INPUT
                 recorder.state_serials.add(recorder.serial[key])
     recorder.listener = recorder._on_event
-
-    module_state = {}
-    for i in program.operators:
-        node = program.nodes[i]
-        if node.op == "call_module":
-            sub = module.get_submodule(node.target) if _has_submodule(module, node.target) else None
-            if sub is not None:
-                module_state[i] = {recorder.serial_of(t): name for name, t in
-                                   itertools.chain(sub.named_parameters(), sub.named_buffers())
-                                   if t.untyped_storage()._cdata in recorder.serial}
 
     node_out: dict[int, list[int]] = {
         i: [recorder.serial_of(t) for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
         for i, v in zip(program.placeholders, inputs)}
     node_saved: dict[int, list[int]] = defaultdict(list)
     node_seq: list[tuple[int, int]] = []
+    node_modes: dict[int, tuple[bool, AutocastState]] = {}
+    node_inputs: dict[int, tuple[Any, Any]] = {}
 
-    def before(i: int) -> None:
+    def before(i: int, env: list[Any]) -> None:
         recorder.node = i
         node_seq.append((torch._C._autograd._get_sequence_nr(), i))
+        node_modes[i] = (torch.is_grad_enabled(), autocast_state())
+        if keep_inputs:
+            node_inputs[i] = spec_tree(program.arguments(i, env))
 
     def after(i: int, value: Any) -> None:
         node_out[i] = [recorder.serial_of(t) if t.untyped_storage()._cdata in recorder.serial else -1
@@ -362,8 +233,14 @@ def _trace_step(captured: CapturedGraph, args, kwargs) -> _Trace:
             node_saved[recorder.node].append(recorder.serial_of(t))
         return t.detach()
 
-    with twin, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outputs = program.run(inputs, after=after, before=before)
+    with twin.mode, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        try:
+            outputs = program.run(inputs, after=after, before=before)
+        except Exception as exc:
+            node = program.nodes[recorder.node] if recorder.node is not None else None
+            where = describe_node(node) if node is not None else "the graph's inputs"
+            raise ProfileError(f"sublinear could not profile the step: {where} failed on fake tensors: "
+                               f"{type(exc).__name__}: {exc}") from exc
         torch.clear_autocast_cache()  # the step's forward ends here, as when `with torch.autocast()` exits
         node_seq.append((torch._C._autograd._get_sequence_nr(), -1))
         output_serials = {recorder.serial_of(t) for t in tree_leaves(outputs)
@@ -373,18 +250,13 @@ def _trace_step(captured: CapturedGraph, args, kwargs) -> _Trace:
             recorder.backward = True
             loss.backward()
             recorder.backward = False
-        gradient_bytes = sum(p.grad.untyped_storage().nbytes() for p in module.parameters() if p.grad is not None)
+        leaves = [t for kind, v in zip(graph.kinds, inputs) if kind == PARAMETER
+                  for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
+        gradient_sizes = [st.nbytes() for st in {p.grad.untyped_storage()._cdata: p.grad.untyped_storage()
+                                                 for p in leaves if p.grad is not None}.values()]
     del outputs, loss
-    return _Trace(program, recorder, node_out, dict(node_saved), dict(recorder.flops), node_seq, state_serials,
-                  output_serials, module_state, gradient_bytes)
-
-
-def _has_submodule(module: nn.Module, target: str) -> bool:
-    try:
-        module.get_submodule(target)
-    except AttributeError:
-        return False
-    return True
+    return _Trace(program, recorder, node_out, dict(node_saved), node_seq, node_modes, node_inputs, state_serials,
+                  output_serials, gradient_sizes)
 
 
 def _distinct(items):
@@ -395,18 +267,34 @@ def _distinct(items):
 # From the trace to ops
 
 
-def profile(captured: CapturedGraph, args=(), kwargs=None) -> GraphProfile:
-    """Profile one forward+backward step of ``captured`` at the shapes of ``args``/``kwargs`` (real or meta)."""
-    trace = _trace_step(captured, args, kwargs or {})
+def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_model: str = "auto",
+            rates: DeviceRates | None = None) -> GraphProfile:
+    """Profile one forward+backward step of ``graph`` called with ``values`` (its placeholder values, real or fake;
+    by default the values it was captured with).
+
+    ``cost_model``: "measure" times every node on the values' device, "estimate" uses FLOPs and bytes moved over
+    ``rates`` (default: the device's calibrated rates), "auto" measures on CPU and CUDA and estimates on meta.
+    """
+    values = graph.example_values if values is None else list(values)
+    if values is None:
+        raise ValueError("profile() needs the graph's input values: this graph was not captured with examples")
+    device = _device_of(values)
+    measure = cost_model == "measure" or (cost_model == "auto" and device.type in ("cpu", "cuda"))
+    if measure and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"cost_model='measure' needs CPU or CUDA tensors; these are on {device}")
+    trace = _trace_step(graph, values, keep_inputs=measure)
     program, rec = trace.program, trace.recorder
     operators = program.operators
+    granule = CUDA_ALLOCATION_GRANULARITY if device.type == "cuda" else 1
+    if granule > 1:
+        rec.serial_bytes = [-(-b // granule) * granule for b in rec.serial_bytes]
 
     producer_node: dict[int, int] = {}
     for backward, ctx, kind, serial, _ in rec.events:
         if kind == "alloc" and not backward and ctx >= 0:
             producer_node[serial] = ctx
 
-    facts = {i: _node_facts(i, trace, producer_node) for i in operators}
+    facts = {i: _node_facts(i, trace) for i in operators}
     _pin_readers_of_updated_state(facts, trace)
     groups = _merge_in_place_runs(operators, trace, producer_node)
     op_of_node = {node: o for o, group in enumerate(groups) for node in group}
@@ -441,10 +329,12 @@ def profile(captured: CapturedGraph, args=(), kwargs=None) -> GraphProfile:
     for i in range(len(program.nodes) - 1, -1, -1):
         reaches[i] = any(u == program.output or reaches[u] for u in program.users[i])
     windows = _forward_windows(rec.events, op_of_node, n_ops)
-    extra = _forward_extra(rec.events, windows, n_ops)
+    extra = _forward_extra(rec.events, windows, n_ops, rec.serial_bytes)
     rank_of_node = {node: r for r, node in enumerate(operators)}
     grad_start, grad_peak, grad_after = _backward_gradient_profile(rec.events, trace.node_seq, rank_of_node,
-                                                                   len(operators))
+                                                                   len(operators), rec.serial_bytes)
+    forward_seconds, backward_seconds, source = _node_times(trace, rank_of_node, device, measure, rates,
+                                                            extra, op_of_node, grad_start, grad_peak, granule)
 
     # Storages that can outlive the op that produced them.
     storages = sorted(s for s, node in producer_node.items()
@@ -459,12 +349,13 @@ def profile(captured: CapturedGraph, args=(), kwargs=None) -> GraphProfile:
                        if s in trace.state_serials)
         ops.append(OpProfile(
             index=o, nodes=tuple(group), name=_op_name(program, group),
-            flops=sum(trace.node_flops.get(i, 0) for i in group),
+            flops=sum(rec.flops.get(i, 0) for i in group),
             forward_extra_bytes=extra[o],
             snapshot_bytes=snapshot,
             random=any(f.random for f in node_facts),
-            mutates_state=any(f.state_attrs or f.state_args for f in node_facts),
+            mutates_state=any(f.state_args for f in node_facts),
             pin_reason="; ".join(f.pin_reason for f in node_facts if f.pin_reason),
+            forward_seconds=float(sum(forward_seconds.get(i, 0.0) for i in group)),
         ))
 
     def kind_bytes(kind: str) -> int:
@@ -478,12 +369,12 @@ def profile(captured: CapturedGraph, args=(), kwargs=None) -> GraphProfile:
                                   dtype=np.int64),
         storage_saved_by=[tuple(sorted(saved_by.get(s, ()))) for s in storages],
         op_inputs=[tuple((p, tuple(sid[s] for s in ss if s in sid)) for p, ss in ins) for ins in op_inputs],
-        baseline_bytes=kind_bytes("parameter") + kind_bytes("buffer") + kind_bytes("input"),
-        parameter_bytes=kind_bytes("parameter"),
-        buffer_bytes=kind_bytes("buffer"),
-        input_bytes=kind_bytes("input"),
-        gradient_bytes=trace.gradient_bytes,
-        measured_peak_bytes=rec.peak_bytes,
+        baseline_bytes=kind_bytes(PARAMETER) + kind_bytes(BUFFER) + kind_bytes(INPUT),
+        parameter_bytes=kind_bytes(PARAMETER),
+        buffer_bytes=kind_bytes(BUFFER),
+        input_bytes=kind_bytes(INPUT),
+        gradient_bytes=sum(-(-b // granule) * granule for b in trace.gradient_sizes),
+        measured_peak_bytes=_peak(rec.events, rec.serial_bytes, sum(rec.serial_bytes[s] for s in trace.state_serials)),
         backward_flops=rec.backward_flops,
         node_facts=facts,
         op_of_node=op_of_node,
@@ -497,10 +388,79 @@ def profile(captured: CapturedGraph, args=(), kwargs=None) -> GraphProfile:
         grad_start=np.array(grad_start, dtype=np.int64),
         grad_peak=np.array(grad_peak, dtype=np.int64),
         grad_after_release=np.array(grad_after, dtype=np.int64),
+        backward_seconds=np.array([backward_seconds.get(i, 0.0) for i in operators], dtype=float),
+        cost_source=source,
     )
 
 
-def _node_facts(i: int, trace: _Trace, producer_node: dict[int, int]) -> NodeFacts:
+def _device_of(values: Sequence[Any]) -> torch.device:
+    for t in tree_leaves(list(values)):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _peak(events, sizes: list[int], baseline: int) -> int:
+    """The eager step's peak from the recorded events, at the (possibly rounded) storage sizes."""
+    live = peak = baseline
+    for _backward, _ctx, kind, serial, _nbytes in events:
+        if serial < 0:
+            continue
+        live += sizes[serial] if kind == "alloc" else -sizes[serial]
+        peak = max(peak, live)
+    return peak
+
+
+def _node_times(trace: _Trace, rank_of_node: dict[int, int], device: torch.device, measure: bool,
+                rates: DeviceRates | None, extra: list[int], op_of_node: dict[int, int], grad_start: list[int],
+                grad_peak: list[int], granule: int) -> tuple[dict[int, float], dict[int, float], str]:
+    """Forward and backward seconds per operator node; with ``measure``, the allocator's peaks per node also raise
+    ``extra`` (per op) and ``grad_peak`` (per rank) where kernels use workspace that storage tracking misses."""
+    program, rec = trace.program, trace.recorder
+    operators = program.operators
+    if measure:
+        nodes = [i for i in operators if i in trace.node_inputs]
+        grad_mode = {i: trace.node_modes[i] for i in nodes}
+
+        def call(i: int, args: tuple, kwargs: dict) -> Any:
+            enabled, autocast = grad_mode[i]
+            with torch.set_grad_enabled(enabled), autocast_context(autocast):
+                return program.call(i, args, kwargs)
+
+        costs = measure_node_costs(nodes, call, trace.node_inputs, device)
+        round_up = (lambda b: -(-b // granule) * granule) if granule > 1 else (lambda b: b)
+        for i in nodes:
+            o = op_of_node[i]
+            extra[o] = max(extra[o], round_up(costs.forward_peak_bytes.get(i, 0)))
+            r = rank_of_node[i]
+            grad_peak[r] = max(grad_peak[r], grad_start[r] + round_up(costs.backward_peak_bytes.get(i, 0)))
+        return costs.forward_seconds, costs.backward_seconds, f"measured on {device}"
+    rates = rates or (device_rates(str(device)) if device.type in ("cpu", "cuda") else REFERENCE_GPU)
+    forward = {i: estimate_seconds(rec.flops.get(i, 0), rec.io_bytes.get(i, 0), rec.calls.get(i, 0), rates)
+               for i in operators}
+    starts = [s for s, _ in trace.node_seq]
+    owners = [n for _, n in trace.node_seq]
+    backward: dict[int, float] = defaultdict(float)
+    for seq, flops, moved in rec.backward_work:
+        k = bisect.bisect_right(starts, seq) - 1
+        if 0 <= k and seq < 2**62 and owners[k] in rank_of_node:
+            backward[owners[k]] += estimate_seconds(flops, moved, 1, rates)
+    return forward, dict(backward), f"estimated for {rates.describe()}"
+
+
+def autocast_context(state: AutocastState):
+    """Enter the autocast modes of ``state`` (without the cast cache: a replay's inputs are fresh tensors, which the
+    cache would keep alive until the outermost autocast exits)."""
+    stack = contextlib.ExitStack()
+    for device, enabled, dtype in state:
+        if device == "cuda" and not torch.cuda.is_available():
+            continue
+        stack.enter_context(torch.autocast(device, dtype=getattr(torch, dtype), enabled=enabled,
+                                           cache_enabled=False))
+    return stack
+
+
+def _node_facts(i: int, trace: _Trace) -> NodeFacts:
     program, rec = trace.program, trace.recorder
     node = program.nodes[i]
     writes = set(rec.writes.get(i, []))
@@ -508,19 +468,16 @@ def _node_facts(i: int, trace: _Trace, producer_node: dict[int, int]) -> NodeFac
     pin = []
     if i in rec.comm_nodes:
         pin.append(f"{node.name} communicates")
-    attrs: tuple[str, ...] = ()
     arg_slots: tuple[int | str, ...] = ()
     if state_writes:
-        if node.op == "call_module" and i in trace.module_state and state_writes <= set(trace.module_state[i]):
-            attrs = tuple(sorted(trace.module_state[i][s] for s in state_writes))
+        slots = _arg_slots_holding(node, program, trace, state_writes)
+        if slots is None:
+            pin.append(f"{node.name} writes state it does not receive as an argument")
         else:
-            slots = _arg_slots_holding(node, program, trace, state_writes)
-            if slots is None:
-                pin.append(f"{node.name} writes state it does not receive as an argument")
-            else:
-                arg_slots = slots
-    return NodeFacts(random=i in rec.random_nodes, state_attrs=attrs, state_args=arg_slots,
-                     pin_reason="; ".join(pin))
+            arg_slots = slots
+    grad_enabled, autocast = trace.node_modes.get(i, (True, ()))
+    return NodeFacts(random=i in rec.random_nodes, state_args=arg_slots, pin_reason="; ".join(pin),
+                     grad_enabled=grad_enabled, autocast=autocast)
 
 
 def _pin_readers_of_updated_state(facts: dict[int, NodeFacts], trace: _Trace) -> None:
@@ -534,7 +491,7 @@ def _pin_readers_of_updated_state(facts: dict[int, NodeFacts], trace: _Trace) ->
     if not writers:
         return
     for i in facts:
-        reads = set(trace.module_state.get(i, {}))
+        reads: set[int] = set()
         for j in program.inputs[i]:
             reads.update(trace.node_out.get(j, []))
         others = {w for s in reads if s in writers for w in writers[s] if w != i}
@@ -542,8 +499,7 @@ def _pin_readers_of_updated_state(facts: dict[int, NodeFacts], trace: _Trace) ->
             names = ", ".join(sorted(program.nodes[w].name for w in others))
             reason = f"{program.nodes[i].name} reads state that {names} updates in place"
             old = facts[i]
-            facts[i] = NodeFacts(old.random, old.state_attrs, old.state_args,
-                                 "; ".join(r for r in (old.pin_reason, reason) if r))
+            facts[i] = replace(old, pin_reason="; ".join(r for r in (old.pin_reason, reason) if r))
 
 
 def _arg_slots_holding(node, program: NodeProgram, trace: _Trace, serials: set[int]):
@@ -593,7 +549,7 @@ def _forward_windows(events, op_of_node, n_ops) -> list[tuple[int, int]]:
     return list(zip(first, last))
 
 
-def _forward_extra(events, windows, n_ops) -> list[int]:
+def _forward_extra(events, windows, n_ops, sizes: list[int]) -> list[int]:
     """Per op: peak of bytes allocated inside the op and alive at once (frees of older storages ignored)."""
     extra = [0] * n_ops
     for o, (a, b) in enumerate(windows):
@@ -604,15 +560,15 @@ def _forward_extra(events, windows, n_ops) -> list[int]:
         for backward, ctx, kind, serial, nbytes in events[a:b + 1]:
             if kind == "alloc":
                 mine.add(serial)
-                live += nbytes
+                live += sizes[serial]
                 peak = max(peak, live)
             elif serial in mine:
-                live -= nbytes
+                live -= sizes[serial]
         extra[o] = peak
     return extra
 
 
-def _backward_gradient_profile(events, node_seq, rank_of_node, n_ranks):
+def _backward_gradient_profile(events, node_seq, rank_of_node, n_ranks, sizes: list[int]):
     """Per operator node (rank): gradient-side bytes (storages allocated in backward) at the start of its
     backward, at their peak before it frees the activations it saved, and at their peak after that.
 
@@ -645,10 +601,10 @@ def _backward_gradient_profile(events, node_seq, rank_of_node, n_ranks):
                 start[o] = before[o] = after[o] = grad_live
         if kind == "alloc":
             born_in_backward.add(serial)
-            grad_live += nbytes
+            grad_live += sizes[serial]
         elif serial in born_in_backward:
             born_in_backward.discard(serial)
-            grad_live -= nbytes
+            grad_live -= sizes[serial]
         elif current is not None:
             released[current] = True
         if current is not None:
@@ -668,5 +624,5 @@ def _backward_gradient_profile(events, node_seq, rank_of_node, n_ranks):
 
 
 def _op_name(program: NodeProgram, group: list[int]) -> str:
-    first = program.module_path(group[0])
+    first = program.describe(group[0], with_line=False)
     return first if len(group) == 1 else f"{first} +{len(group) - 1}"

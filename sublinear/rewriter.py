@@ -1,22 +1,26 @@
-"""Rewrite: run a captured graph so that only retained values survive forward and each block is rebuilt in backward.
+"""Rewrite: run a captured graph so that only kept values survive forward and each block is rebuilt in backward.
 
-Mechanism (non-reentrant, so ``torch.autograd.grad``, DDP and retain_graph work): while an op of a recomputable
-block runs, a saved-tensor hook stores every tensor autograd saves whose storage is retained (see
-:mod:`sublinear.plan`), and replaces any other by a handle:
+The rewriter reads the plan's :class:`~sublinear.core.analysis.PlanAnalysis` (which ops each block's recompute
+re-runs, which storages are kept, which node values a recompute reads from its frame) and never plans or re-derives
+it. Mechanism (non-reentrant, so ``torch.autograd.grad``, DDP and retain_graph work): while an op of a block other
+than the last runs, a saved-tensor hook stores every tensor autograd saves whose storage is kept, and replaces any
+other by a handle:
 
 - a *view handle* names the node whose output owns the storage and the view's size/stride/offset;
 - an *order handle* names a storage created inside a node that no value owns (BatchNorm's saved mean, dropout's
   mask): the k-th tensor that node saves.
 
-The first unpack of a block's handle re-runs the block's recompute closure under ``enable_grad`` with the same
-autocast state, the same RNG state for random nodes, and state writes redirected to clones of the state as it was
-(BatchNorm running statistics are updated once, in forward). The rebuilt storages fill every handle of the block;
-autograd frees each one after its node's backward, as in eager.
+The first unpack of a block's handle re-runs the block's recompute closure, each node under the grad mode and
+autocast state it ran with in forward, random nodes under their forward RNG state, and state writes redirected to
+clones of the state as it was (BatchNorm running statistics are updated once, in forward). The rebuilt storages fill
+every handle of the block, each checked against forward's shape and dtype; autograd frees each one after its node's
+backward, as in eager.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -25,140 +29,81 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .tracer import CapturedGraph
+from .capture import CapturedGraph
+from .core.analysis import PlanAnalysis, StorageState, analyse
+from .core.plan import Plan
+from .core.profile import GraphProfile, NodeFacts
 from .interpret import NodeProgram
-from .plan import Plan
-from .profiler import GraphProfile, NodeFacts
-from .simulator import analyse
+from .profiler import autocast_context
 
-__all__ = ["CheckpointedModule", "RecomputeError", "rewrite", "share_module_state"]
+__all__ = ["RecomputeError", "RewrittenGraph", "rewrite"]
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+log = logging.getLogger("sublinear.rewriter")
 
 
 class RecomputeError(RuntimeError):
-    """A node failed while its block was recomputed in backward."""
+    """A block's recompute failed or gave something other than what forward saved; the message names the block,
+    the node and what differs."""
 
 
-def rewrite(captured: CapturedGraph, profile: GraphProfile, plan: Plan) -> CheckpointedModule:
-    """A module computing ``captured.module`` that recomputes per ``plan`` in training, sharing its tensors."""
-    return CheckpointedModule(captured, _Schedule(captured, profile, plan))
+def rewrite(graph: CapturedGraph, profile: GraphProfile, plan: Plan) -> RewrittenGraph:
+    """A callable computing ``graph`` on its placeholder values that recomputes per ``plan``."""
+    return RewrittenGraph(_Schedule(graph, profile, analyse(profile, plan)))
 
 
 class _Schedule:
-    """Static, per-plan facts about every node, computed once."""
+    """Per-node lookups of the plan's analysis, computed once per plan."""
 
-    def __init__(self, captured: CapturedGraph, profile: GraphProfile, plan: Plan) -> None:
-        plan.validate(profile.num_ops)
-        self.plan = plan
-        program = NodeProgram(captured.graph_module, root=captured.module)
-        self.program = program
+    def __init__(self, graph: CapturedGraph, profile: GraphProfile, analysis: PlanAnalysis) -> None:
+        self.analysis = analysis
+        program = self.program = NodeProgram(graph.graph_module)
         if len(program.operators) != sum(len(op.nodes) for op in profile.ops):
             raise ValueError("profile and graph disagree on the operators; profile the same captured graph")
         n_nodes = len(program.nodes)
-        block_of_op = plan.block_of(profile.num_ops)
-        group_of_block = self.group_of_block = plan.group_of_blocks()
-        last_block = plan.num_blocks - 1
-        self.op_of_node = [-1] * n_nodes
-        self.block_of_node = [-1] * n_nodes
-        self.group_of_node = [-1] * n_nodes
-        for op in profile.ops:
-            for i in op.nodes:
-                self.op_of_node[i] = op.index
-                self.block_of_node[i] = block_of_op[op.index]
-                self.group_of_node[i] = group_of_block[block_of_op[op.index]]
-        kept_ops = set(plan.kept) | {op.index for op in profile.ops if op.pinned}
-        # recomputable[i]: node i belongs to an op that may be re-run in backward.
-        self.recomputable = [self.op_of_node[i] >= 0 and self.block_of_node[i] != last_block
-                             and self.op_of_node[i] not in kept_ops for i in range(n_nodes)]
-        self.in_frame_block = [self.op_of_node[i] >= 0 and self.block_of_node[i] != last_block
-                               for i in range(n_nodes)]
-        self.block_end = {profile.ops[ops[-1]].nodes[-1] for ops in plan.blocks()}
-        self.group_end = {profile.ops[ops[-1]].nodes[-1] for b, ops in enumerate(plan.blocks())
-                          if b == last_block or group_of_block[b + 1] != group_of_block[b]}
+        self.op_of_node = [profile.op_of_node.get(i, -1) for i in range(n_nodes)]
+        self.block_of_node = [int(analysis.block_of[o]) if o >= 0 else -1 for o in self.op_of_node]
+        self.group_of_block = [int(g) for g in analysis.group_of]
+        self.group_of_node = [self.group_of_block[b] if b >= 0 else -1 for b in self.block_of_node]
+        self.recomputable = [o >= 0 and bool(analysis.recomputed[o]) for o in self.op_of_node]
+        self.in_frame_block = [o >= 0 and bool(analysis.framed[o]) for o in self.op_of_node]
+        blocks = analysis.plan.blocks()
+        self.block_end = {profile.ops[ops[-1]].nodes[-1] for ops in blocks}
+        self.group_end = {profile.ops[analysis.group_end[b]].nodes[-1] for b in range(len(blocks))}
         self.nodes_of_op = [op.nodes for op in profile.ops]
         self.op_names = [op.name for op in profile.ops]
-        # Inputs of each op read from outside it: (node, producer op or -1 for state/inputs).
-        self.op_inputs: list[list[tuple[int, int]]] = []
-        for op in profile.ops:
-            members = set(op.nodes)
-            ins: dict[int, int] = {}
-            for i in op.nodes:
-                for j in program.inputs[i]:
-                    if j not in members:
-                        ins[j] = self.op_of_node[j]
-            self.op_inputs.append(list(ins.items()))
         self.facts: dict[int, NodeFacts] = profile.node_facts
         # Ops whose values never reach the outputs: autograd frees what they save in forward; store it as is.
-        self.stores_all = [self.op_of_node[i] < 0 or not profile.reaches_output[self.op_of_node[i]]
-                           for i in range(n_nodes)]
-        # Per tensor leaf of each node's output: is its storage retained under the plan (None: not profiled).
-        retained_storage = analyse(profile, plan).retained
-        self.leaf_retained: dict[int, tuple[bool | None, ...]] = {
-            i: tuple(bool(retained_storage[sid]) if sid >= 0 else None for sid in sids)
-            for i, sids in profile.node_storages.items()}
-        # retained[i]: node i's value survives its group, so a recompute reads it from the frame instead of
-        # re-running node i. Placeholders and get_attr (inputs, state) always; otherwise every storage of the value
-        # is retained; for storages the profile did not see, the value is read by a later group or kept.
-        self.retained = [True] * n_nodes
-        for i in range(n_nodes):
-            if self.op_of_node[i] < 0:
-                continue
-            static = self.leaf_retained.get(i)
-            if static is not None and None not in static:  # also non-tensor values: () is all retained
-                self.retained[i] = all(static)
-            else:
-                self.retained[i] = (not self.recomputable[i]) or any(
-                    u == program.output or self.group_of_node[u] > self.group_of_node[i] for u in program.users[i])
-        self.num_blocks = plan.num_blocks
+        self.stores_all = [o < 0 or not profile.reaches_output[o] for o in self.op_of_node]
+        self.leaf_kept: dict[int, tuple[bool | None, ...]] = {
+            i: tuple(bool(analysis.state[s] == StorageState.KEPT) if s >= 0 else None for s in storages)
+            for i, storages in profile.node_storages.items()}
+        self.node_retained = [True] * n_nodes
+        for i, kept in analysis.node_retained.items():
+            self.node_retained[i] = kept
+        # Per block: the nodes its recompute re-runs (in order) and the values it reads from the frame.
+        self.closure_nodes: list[list[int]] = []
+        self.closure_inputs: list[set[int]] = []
+        for members in analysis.closure:
+            nodes = [i for o in members for i in self.nodes_of_op[o]]
+            inside = set(nodes)
+            self.closure_nodes.append(nodes)
+            self.closure_inputs.append({j for i in nodes for j in program.inputs[i] if j not in inside})
+        self.closure_ops = [set(members) for members in analysis.closure]
+        self.num_blocks = len(blocks)
 
 
-def share_module_state(wrapper: nn.Module, original: nn.Module) -> None:
-    """``wrapper`` holds ``original``'s own parameter, buffer and submodule dicts (so the same tensors, state_dict
-    keys and optimizer targets) and follows its training flag; ``wrapper.original_module`` is ``original``."""
-    wrapper._parameters = original._parameters
-    wrapper._buffers = original._buffers
-    wrapper._non_persistent_buffers_set = original._non_persistent_buffers_set
-    wrapper._modules = original._modules
-    wrapper.training = original.training
-    object.__setattr__(wrapper, "original_module", original)
+class RewrittenGraph:
+    """The graph under one plan: call it with the graph's placeholder values, as the graph itself."""
 
+    def __init__(self, schedule: _Schedule) -> None:
+        self.schedule = schedule
 
-class CheckpointedModule(nn.Module):
-    """The rewritten module.
+    @property
+    def plan(self) -> Plan:
+        return self.schedule.analysis.plan
 
-    It shares the original module's parameter, buffer and submodule dictionaries, so ``state_dict()``,
-    ``parameters()`` and optimizers see exactly the original's objects. In training with grad enabled it runs the
-    captured graph under the plan; otherwise it calls the original module's forward unchanged.
-    """
-
-    def __init__(self, captured: CapturedGraph, schedule: _Schedule) -> None:
-        super().__init__()
-        share_module_state(self, captured.module)
-        object.__setattr__(self, "_captured", captured)
-        object.__setattr__(self, "_schedule", schedule)
-
-    def train(self, mode: bool = True) -> CheckpointedModule:
-        self.original_module.train(mode)
-        return super().train(mode)
-
-    def extra_repr(self) -> str:
-        s = self._schedule
-        return f"{type(self.original_module).__name__}, {s.num_blocks} blocks, captured by {self._captured.method}"
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.training and torch.is_grad_enabled()) or torch.is_inference_mode_enabled():
-            return self.original_module(*args, **kwargs)
-        values = self._captured.placeholder_values(args, kwargs)
-        if not _any_requires_grad(values, self.original_module):
-            return self.original_module(*args, **kwargs)
-        return self._captured.outputs(_ForwardCall(self._schedule, self.original_module).run(values))
-
-
-def _any_requires_grad(values: list[Any], module: nn.Module) -> bool:
-    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(values)):
-        return True
-    return any(p.requires_grad for p in module.parameters())
+    def __call__(self, *values: Any) -> Any:
+        return _ForwardCall(self.schedule).run(list(values))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,26 +141,34 @@ def _unpack(saved: _Saved) -> torch.Tensor:
         return t
     if saved.tensor is None:
         saved.frame.recompute()
+    if saved.tensor is None:
+        frame = saved.frame
+        size, _stride, _offset, dtype, _nbytes = saved.view
+        what = f"its {saved.order + 1}. saved tensor" if saved.order >= 0 else f"output leaf {saved.leaf}"
+        raise RecomputeError(
+            f"sublinear: recomputing block {frame.block} did not rebuild {what} of "
+            f"{frame.schedule.program.describe(saved.node)} (forward saved a {size} {dtype} tensor): the recompute "
+            "took another path than forward. Were module attributes, flags or parameters changed between forward "
+            "and backward?")
     t, saved.tensor = saved.tensor, None
     return t
 
 
 class _Group:
-    """Blocks of one forward call joined by soft split points: the retained inputs, RNG states and state snapshots
+    """Blocks of one forward call joined by soft split points: the kept inputs, RNG states and state snapshots
     that recomputing any of them needs."""
 
-    def __init__(self, call: _ForwardCall) -> None:
+    def __init__(self) -> None:
         self.inputs: dict[int, Any] = {}
         self.rng: dict[int, tuple] = {}
         self.snapshots: dict[int, dict[Any, torch.Tensor]] = {}
-        self.autocast = call.autocast
         self.frames: list[_Frame] = []
 
     def close(self) -> None:
         """Keep only what the closures of the group's used frames read."""
-        used = [f for f in self.frames if f.closure]
-        wanted = set().union(*(f.wanted for f in used))
-        nodes = set().union(*(f.nodes for f in used))
+        used = [f for f in self.frames if f.used]
+        wanted = set().union(*(f.schedule.closure_inputs[f.block] for f in used))
+        nodes = set().union(*(f.schedule.closure_nodes[f.block] for f in used))
         self.inputs = {j: v for j, v in self.inputs.items() if j in wanted}
         self.rng = {i: v for i, v in self.rng.items() if i in nodes}
         self.snapshots = {i: v for i, v in self.snapshots.items() if i in nodes}
@@ -223,36 +176,18 @@ class _Group:
 
 
 class _Frame:
-    """One block of one forward call: the handles it fills and the closure that rebuilds them."""
+    """One block of one forward call: the handles it fills, rebuilt by the block's recompute closure."""
 
-    def __init__(self, call: _ForwardCall, block: int, group: _Group) -> None:
-        self.schedule = call.schedule
+    def __init__(self, schedule: _Schedule, block: int, group: _Group) -> None:
+        self.schedule = schedule
         self.block = block
         self.group = group
         group.frames.append(self)
         self.handles: list[weakref.ref] = []
-        self.closure: list[int] = []
-        self.nodes: set[int] = set()
-        self.wanted: set[int] = set()
 
-    def close(self) -> None:
-        """Fix the recompute closure from the handles made: the ops producing them and, through values the group
-        does not retain, their producers (possibly in earlier blocks of the group)."""
-        s = self.schedule
-        live = [h for h in (r() for r in self.handles) if h is not None]
-        if not live:
-            return
-        needed = {s.op_of_node[h.node] for h in live}
-        stack = list(needed)
-        while stack:
-            o = stack.pop()
-            for j, p in s.op_inputs[o]:
-                if p >= 0 and p not in needed and not s.retained[j]:
-                    needed.add(p)
-                    stack.append(p)
-        self.closure = sorted(needed)
-        self.nodes = {i for o in self.closure for i in s.nodes_of_op[o]}
-        self.wanted = {j for o in self.closure for j, _ in s.op_inputs[o] if j not in self.nodes}
+    @property
+    def used(self) -> bool:
+        return any(r() is not None for r in self.handles)
 
     def recompute(self) -> None:
         s = self.schedule
@@ -263,64 +198,61 @@ class _Frame:
         for h in handles:
             if h.order < 0:
                 by_node.setdefault(h.node, []).append(h)
-        env: dict[int, Any] = {j: _detached(self.group.inputs[j]) for j in self.wanted}  # fresh leaves per recompute
+        nodes = s.closure_nodes[self.block]
+        env: list[Any] = [None] * len(program.nodes)
+        for j in s.closure_inputs[self.block]:
+            env[j] = _detached(self.group.inputs[j])  # fresh leaves per recompute
         current = [-1, 0]
 
         def harvest(t: torch.Tensor) -> None:
             h = by_order.get((current[0], current[1]))
             current[1] += 1
             if h is not None:
-                _check_same(h, t, program.module_path(current[0]), self.block)
+                _check_same(h, t, program.describe(current[0]), self.block)
                 h.tensor = t.detach()
 
         def never_unpacked(_: Any) -> torch.Tensor:
             raise AssertionError("sublinear: recompute graph is never differentiated")
 
-        nodes = [i for o in self.closure for i in s.nodes_of_op[o]]
         last_read: dict[int, int] = {}
         for i in nodes:
             for j in program.inputs[i]:
                 last_read[j] = i
-        env_list: list[Any] = [None] * len(program.nodes)
-        for j, v in env.items():
-            env_list[j] = v
-        with torch.enable_grad(), _autocast(self.group.autocast), \
-                torch.autograd.graph.saved_tensors_hooks(harvest, never_unpacked):
+        modes = _ModeSwitch()
+        with modes, torch.autograd.graph.saved_tensors_hooks(harvest, never_unpacked):
             for i in nodes:
                 current[0], current[1] = i, 0
+                modes.enter(s.facts.get(i))
                 try:
-                    out = self._replay(i, env_list)
+                    out = self._replay(i, env)
                 except Exception as exc:
-                    names = ", ".join(s.op_names[o] for o in self.closure[:3])
+                    names = ", ".join(s.op_names[o] for o in s.analysis.closure[self.block][:3])
                     raise RecomputeError(
                         f"sublinear: recomputing block {self.block} (ops {names}"
-                        f"{', ...' if len(self.closure) > 3 else ''}) failed at "
-                        f"{program.module_path(i)}: {type(exc).__name__}: {exc}") from exc
-                env_list[i] = out
+                        f"{', ...' if len(s.analysis.closure[self.block]) > 3 else ''}) failed at "
+                        f"{program.describe(i)}: {type(exc).__name__}: {exc}") from exc
+                env[i] = out
                 for h in by_node.get(i, ()):
-                    h.tensor = _view_of(out, h.leaf, h.view, program.module_path(i), self.block)
+                    h.tensor = _view_of(out, h.leaf, h.view, program.describe(i), self.block)
                 for j in program.inputs[i]:
                     if last_read.get(j) == i:
-                        env_list[j] = None
+                        env[j] = None
                 if last_read.get(i) is None:
-                    env_list[i] = None
+                    env[i] = None
                 del out  # the next node must not run while this value is still referenced here
 
     def _replay(self, i: int, env: list[Any]) -> Any:
-        s = self.schedule
-        program = s.program
-        facts = s.facts.get(i)
+        program = self.schedule.program
         snapshot = self.group.snapshots.get(i)
         if snapshot is not None:
-            node = program.nodes[i]
-            if facts.state_attrs:
-                args = program._fetcher(node.args)(env)
-                kwargs = program._fetcher(node.kwargs)(env) if node.kwargs else {}
-                module = program._resolve(node.target)
-                module = getattr(*module)
-                fresh = {name: t.clone() for name, t in snapshot.items()}
-                return torch.func.functional_call(module, fresh, args, kwargs, strict=False)
-            return _call_with_args(program, i, env, {slot: t.clone() for slot, t in snapshot.items()})
+            args, kwargs = program.arguments(i, env)
+            args = list(args)
+            for slot, t in snapshot.items():
+                if isinstance(slot, int):
+                    args[slot] = t.clone()
+                else:
+                    kwargs[slot] = t.clone()
+            return program.call(i, tuple(args), kwargs)
         rng = self.group.rng.get(i)
         if rng is not None:
             cpu_state, cuda_states = rng
@@ -332,20 +264,28 @@ class _Frame:
         return program.run_node(i, env)
 
 
-def _call_with_args(program: NodeProgram, i: int, env: list[Any], substitute: dict[Any, torch.Tensor]) -> Any:
-    node = program.nodes[i]
-    args = list(program._fetcher(node.args)(env))
-    kwargs = dict(program._fetcher(node.kwargs)(env)) if node.kwargs else {}
-    for slot, t in substitute.items():
-        if isinstance(slot, int):
-            args[slot] = t
-        else:
-            kwargs[slot] = t
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    if node.op == "call_module":
-        return getattr(*program._resolve(node.target))(*args, **kwargs)
-    return node.target(*args, **kwargs)
+class _ModeSwitch:
+    """Grad mode and autocast state for a run of replayed nodes, switched only where consecutive nodes differ."""
+
+    def __init__(self) -> None:
+        self.stack = contextlib.ExitStack()
+        self.current: tuple | None = None
+
+    def enter(self, facts: NodeFacts | None) -> None:
+        mode = (True, ()) if facts is None else (facts.grad_enabled, facts.autocast)
+        if mode == self.current:
+            return
+        self.stack.close()
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(torch.set_grad_enabled(mode[0]))
+        self.stack.enter_context(autocast_context(mode[1]))
+        self.current = mode
+
+    def __enter__(self) -> _ModeSwitch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
 
 
 def _detached(value: Any) -> Any:
@@ -360,51 +300,36 @@ def _detached(value: Any) -> Any:
 
 
 def _check_same(saved: _Saved, t: torch.Tensor, where: str, block: int) -> None:
-    size, stride, offset, dtype, _ = saved.view
+    size, _stride, _offset, dtype, _ = saved.view
     if tuple(t.shape) != size or t.dtype != dtype:
         raise RecomputeError(
-            f"sublinear: recomputing block {block} at {where} gave a {tuple(t.shape)} {t.dtype} tensor that differs "
-            f"from forward's {size} {dtype}; were parameters or the module changed between forward and backward?")
+            f"sublinear: recomputing block {block} at {where}: its {saved.order + 1}. saved tensor is a "
+            f"{tuple(t.shape)} {t.dtype} tensor, but forward saved a {size} {dtype} one. Were parameters, flags or "
+            "the module changed between forward and backward?")
 
 
 def _view_of(value: Any, leaf: int, view: tuple, where: str, block: int) -> torch.Tensor:
     tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
     size, stride, offset, dtype, nbytes = view
-    if leaf >= len(tensors) or tensors[leaf].untyped_storage().nbytes() != nbytes:
+    if leaf >= len(tensors) or tensors[leaf].untyped_storage().nbytes() != nbytes or tensors[leaf].dtype != dtype:
+        got = "no tensor" if leaf >= len(tensors) else \
+            f"a {tuple(tensors[leaf].shape)} {tensors[leaf].dtype} tensor on {tensors[leaf].untyped_storage().nbytes()} bytes"
         raise RecomputeError(
-            f"sublinear: recomputing block {block} at {where} gave a value that differs from forward's "
-            f"(it no longer holds a {size} {dtype} view); were parameters or the module changed between forward "
-            "and backward?")
+            f"sublinear: recomputing block {block} at {where}: output leaf {leaf} is {got}, but forward saved a "
+            f"{size} {dtype} view of a {nbytes}-byte storage. Were parameters, flags or the module changed between "
+            "forward and backward?")
     base = tensors[leaf]
     with torch.no_grad():
         return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
 
 
-@contextlib.contextmanager
-def _autocast(state: dict[str, tuple[bool, torch.dtype, bool]]):
-    """Re-enter the autocast state of the forward pass, without its cast cache: the recompute's inputs are
-    detached leaves, which the cache would keep (as if they were weights) until the outermost autocast exits."""
-    with contextlib.ExitStack() as stack:
-        for device_type, (enabled, dtype, _cache) in state.items():
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False))
-        yield
-
-
-def _autocast_state() -> dict[str, tuple[bool, torch.dtype, bool]]:
-    cache = torch.is_autocast_cache_enabled()
-    return {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d), cache) for d in _AUTOCAST_DEVICES
-            if d == "cpu" or torch.cuda.is_available()}
-
-
 class _ForwardCall:
-    """State of one training forward: value ownership, retained storages, open frames."""
+    """State of one training forward: value ownership, kept storages, open frames."""
 
-    def __init__(self, schedule: _Schedule, root: nn.Module) -> None:
+    def __init__(self, schedule: _Schedule) -> None:
         self.schedule = schedule
-        self.root = root
-        self.autocast = _autocast_state()
         self.owner: dict[int, tuple[int, int, weakref.ref]] = {}  # storage key -> (node, leaf, storage ref)
-        self.retained: set[int] = set()
+        self.kept: set[int] = set()
         self.frames: dict[int, _Frame] = {}
         self.groups: dict[int, _Group] = {}
         self.node = -1
@@ -412,23 +337,23 @@ class _ForwardCall:
         self.pending: list[tuple[_Saved, torch.Tensor, int]] = []
 
     def _own(self, tensors: Iterable[Any], node: int) -> None:
-        """Register the storages of a node's output (node -1: state and inputs) and whether they are retained."""
-        static = self.schedule.leaf_retained.get(node, ())
+        """Register the storages of a node's output (node -1: inputs and constants) and whether they are kept."""
+        known_leaves = self.schedule.leaf_kept.get(node, ())
         for leaf, t in enumerate(t for t in tree_leaves(list(tensors)) if isinstance(t, torch.Tensor)):
             st = t.untyped_storage()
             key = st._cdata
             entry = self.owner.get(key)
             if entry is None or entry[2]() is not st:
                 self.owner[key] = (node, leaf, weakref.ref(st))
-                self.retained.discard(key)  # the address may have belonged to a storage that is gone
-            known = static[leaf] if leaf < len(static) else None
-            if node < 0 or (known if known is not None else self.schedule.retained[node]):
-                self.retained.add(key)
+                self.kept.discard(key)  # the address may have belonged to a storage that is gone
+            known = known_leaves[leaf] if leaf < len(known_leaves) else None
+            if node < 0 or (known if known is not None else self.schedule.node_retained[node]):
+                self.kept.add(key)
 
     def run(self, values: list[Any]) -> Any:
         s = self.schedule
         program = s.program
-        self._own([*self.root.parameters(), *self.root.buffers(), *values], -1)
+        self._own(values, -1)
         env: list[Any] = [None] * len(program.nodes)
         for i, v in zip(program.placeholders, values):
             env[i] = v
@@ -455,7 +380,6 @@ class _ForwardCall:
                     env[j] = None
                 if frame is not None and i in s.block_end:
                     del self.frames[s.block_of_node[i]]
-                    frame.close()
                     if i in s.group_end:
                         self.groups.pop(s.group_of_node[i]).close()
         raise AssertionError("graph has no output node")
@@ -469,8 +393,8 @@ class _ForwardCall:
         if frame is None:
             group = self.groups.get(s.group_of_node[i])
             if group is None:
-                group = self.groups[s.group_of_node[i]] = _Group(self)
-            frame = self.frames[b] = _Frame(self, b, group)
+                group = self.groups[s.group_of_node[i]] = _Group()
+            frame = self.frames[b] = _Frame(s, b, group)
         return frame
 
     def _prepare(self, frame: _Frame, i: int, env: list[Any]) -> None:
@@ -479,7 +403,7 @@ class _ForwardCall:
         program = s.program
         op = s.op_of_node[i]
         for j in program.inputs[i]:
-            if s.op_of_node[j] != op and s.retained[j] and j not in frame.group.inputs:
+            if s.op_of_node[j] != op and s.node_retained[j] and j not in frame.group.inputs:
                 frame.group.inputs[j] = _detached(env[j])  # data and requires_grad only: no autograd history kept
         facts = s.facts.get(i)
         if facts is None:
@@ -487,17 +411,13 @@ class _ForwardCall:
         if facts.random:
             devices = sorted({t.device.index or 0 for t in tree_leaves([env[j] for j in program.inputs[i]])
                               if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+            if not devices and torch.cuda.is_available() and torch.cuda.is_initialized():
+                devices = [torch.cuda.current_device()]
             frame.group.rng[i] = (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices})
-        if facts.state_attrs:
-            module = getattr(*program._resolve(program.nodes[i].target))
-            state = dict(module.named_parameters()) | dict(module.named_buffers())
-            frame.group.snapshots[i] = {name: state[name].detach().clone() for name in facts.state_attrs}
-        elif facts.state_args:
-            node = program.nodes[i]
-            args = program._fetcher(node.args)(env)
-            kwargs = program._fetcher(node.kwargs)(env) if node.kwargs else {}
+        if facts.state_args:
+            args, kwargs = program.arguments(i, env)
             frame.group.snapshots[i] = {slot: (args[slot] if isinstance(slot, int) else kwargs[slot]).detach().clone()
-                                  for slot in facts.state_args}
+                                        for slot in facts.state_args}
 
     def pack(self, t: torch.Tensor) -> _Saved:
         saved = _Saved()
@@ -508,32 +428,45 @@ class _ForwardCall:
         self.pending.append((saved, t, order))  # decided when the node returns and its outputs are known
         return saved
 
-    def _as_view_handle(self, saved: _Saved, node: int, leaf: int, t: torch.Tensor, frame: _Frame) -> None:
-        """The saving node's block rebuilds the storage by re-running its producer ``node`` (same group)."""
+    def _handle(self, saved: _Saved, t: torch.Tensor, frame: _Frame, node: int, leaf: int = -1,
+                order: int = -1) -> None:
+        """Make ``saved`` a handle that ``frame``'s recompute fills, when the plan rebuilds ``node``'s op there;
+        otherwise store the tensor (more memory than planned, never a wrong gradient)."""
         s = self.schedule
-        if node < 0 or s.group_of_node[node] != s.group_of_block[frame.block]:  # produced outside the group
+        if node < 0 or s.op_of_node[node] not in s.closure_ops[frame.block]:
+            if node >= 0:
+                _warn_unplanned(s, frame.block, node)
             saved.keep(t)
             return
-        saved.frame, saved.node, saved.leaf = frame, node, leaf
+        saved.frame, saved.node, saved.leaf, saved.order = frame, node, leaf, order
         saved.view = (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
         frame.handles.append(weakref.ref(saved))
 
     def _after(self, i: int, value: Any, frame: _Frame | None) -> None:
-        s = self.schedule
         if frame is None:
             return
+        s = self.schedule
         self._own([value], i)
         pending, self.pending = self.pending, []
         for saved, t, order in pending:
             st = t.untyped_storage()
             entry = self.owner.get(st._cdata)
             owned = entry is not None and entry[2]() is st
-            if (owned and st._cdata in self.retained) or (not owned and not s.recomputable[i]):
+            if (owned and st._cdata in self.kept) or (not owned and not s.recomputable[i]):
                 saved.keep(t)
             elif owned:
-                self._as_view_handle(saved, entry[0], entry[1], t, frame)
+                self._handle(saved, t, frame, entry[0], leaf=entry[1])
             else:
-                saved.frame, saved.node, saved.order = frame, i, order
-                saved.view = (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype,
-                              t.untyped_storage().nbytes())
-                frame.handles.append(weakref.ref(saved))
+                self._handle(saved, t, frame, i, order=order)
+
+
+_warned: set[tuple[int, int]] = set()
+
+
+def _warn_unplanned(schedule: _Schedule, block: int, node: int) -> None:
+    key = (id(schedule), node)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("sublinear: %s saved a tensor in block %d that the plan does not rebuild there; it is kept "
+                    "instead (correct gradients, more memory than predicted). The profiled step and this call "
+                    "differ.", schedule.program.describe(node), block)

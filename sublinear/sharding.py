@@ -1,49 +1,19 @@
-"""How FSDP2 lays out a rank's parameters and gradients across one training step, in plain numbers.
+"""How FSDP2 lays out a rank's parameters and gradients, read from FSDP's own state.
 
-``fully_shard(compiled)`` makes the compiled module one FSDP unit. Per rank, the step then holds: the parameter
-shards, always; the all-gathered (unsharded) parameters from the forward's start until FSDP reshards them after
-backward; the all-gather output buffer through the forward; and, after backward, the reduce-scatter input and
-output buffers that turn the full gradients into gradient shards. Gloo, which lacks native reduce-scatter and
-in-place all-gather, also copies each collective's full buffer; NCCL does not. The simulator adds these to the
-step it profiled (:func:`sublinear.simulator.timeline`); this module reads them from FSDP's own state.
+``fully_shard(compiled)`` makes the compiled module one FSDP unit. The layout (:class:`ShardedParameters`, plain
+numbers in the planning core) replaces the profiled full parameters and gradients in the simulation
+(:func:`sublinear.simulator.timeline`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from torch import nn
 
+from .core.profile import ShardedParameters
+
 __all__ = ["ShardedParameters", "fsdp_sharding", "refuse_nested_fsdp"]
-
-
-@dataclass(frozen=True)
-class ShardedParameters:
-    """One rank's parameter and gradient bytes under FSDP2 (shards are padded to equal size, as FSDP stores them)."""
-
-    world_size: int
-    sharded_bytes: int  # the rank's parameter shards, held across steps
-    unsharded_bytes: int  # the all-gathered parameters (padded), held from forward until reshard after backward
-    reduce_scatter_bytes: int  # the reduce-scatter input: every rank's padded gradients, in the reduce dtype
-    sharded_gradient_bytes: int  # the rank's gradient shards the step leaves behind
-    collective_workspace: bool  # the backend copies a collective's full buffer while it runs (gloo)
-    reshard_after_forward: bool  # parameters freed after forward and gathered again for backward
-    casts_inputs: bool  # a MixedPrecisionPolicy casts floating inputs; the caller's originals are not counted
-
-    @property
-    def all_gather_bytes(self) -> int:
-        """The all-gather output buffer, held through the forward: every rank's shard at the gathered dtype."""
-        return self.unsharded_bytes
-
-    def workspace(self, buffer_bytes: int) -> int:
-        """The backend's copy of a collective's buffer while the collective runs."""
-        return buffer_bytes if self.collective_workspace else 0
-
-    def __str__(self) -> str:
-        mib = 2**20
-        return (f"FSDP over {self.world_size} ranks: parameter shards {self.sharded_bytes / mib:.1f} MiB, "
-                f"gathered {self.unsharded_bytes / mib:.1f} MiB")
 
 
 def refuse_nested_fsdp(module: nn.Module) -> None:

@@ -1,135 +1,56 @@
-"""Simulate: predicted peak memory and recompute FLOPs of one training step under a plan.
+"""Simulate: predicted peak memory and step time of one training step under a plan.
 
-The one scoring function every planner uses. It needs only a :class:`GraphProfile` (plain numbers) and follows
-the plan semantics in :mod:`sublinear.plan` to the storage: each storage lives from the op that produced it until
+The one scoring function every planner uses. It needs only a :class:`GraphProfile` (plain numbers, no torch) and
+follows the plan's analysis (:func:`sublinear.core.analysis.analyse`) to the storage: each storage lives from the op that produced it until
 its last holder lets go (the forward values reading it, autograd for retained saves, a block's frame, the
 recompute of its block, the caller for outputs). The gradient side of backward is plan-independent and taken
 from the profiled eager step. Under FSDP2 the parameters and gradients are counted as FSDP holds them per rank
-(:mod:`sublinear.sharding`).
+(:class:`sublinear.core.profile.ShardedParameters`). Time is the eager step's predicted time plus the forward time
+of every op a recompute closure re-runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from .plan import Plan
-from .profiler import GraphProfile
+from .core.analysis import PlanAnalysis, analyse
+from .core.objective import Simulation
+from .core.plan import Plan
+from .core.profile import GraphProfile
 
-__all__ = ["PlanAnalysis", "Simulation", "analyse", "simulate", "timeline"]
-
-
-@dataclass(frozen=True)
-class Simulation:
-    peak_bytes: int  # everything live at the peak: parameters, buffers, inputs, gradients, activations
-    recompute_flops: int
-    forward_peak_bytes: int
-    backward_peak_bytes: int
-    peak_slot: str  # where the peak happens, for humans
-
-    @property
-    def activation_peak_bytes(self) -> int:
-        return self.peak_bytes
-
-
-@dataclass(frozen=True)
-class PlanAnalysis:
-    """Derived facts of a plan that both the simulator and ``sublinear plan`` report."""
-
-    block_of: np.ndarray
-    group_of: np.ndarray  # per block: its group (blocks joined by soft split points share retained inputs)
-    recomputed: np.ndarray  # per op: may be recomputed (not kept, not pinned, not in the last block)
-    retained: np.ndarray  # per storage
-    dropped: np.ndarray  # per storage: saved by autograd but not retained (rebuilt in backward)
-    closure: list[list[int]]  # per block: ops re-run in backward, ascending (may reach into earlier blocks of its group)
-    trigger: list[int]  # per block: operator node (rank) whose backward first needs a dropped storage (-1: none)
-    frame_end: list[int]  # per block: rank after whose backward its group's frame is released (-1: none)
-    group_end: list[int]  # per block: the last op of its group
-
-
-def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
-    n = profile.num_ops
-    plan.validate(n)
-    splits = np.asarray(plan.split_points, dtype=np.int64)
-    ops = np.arange(n)
-    block_of = np.searchsorted(splits, ops) if n else np.zeros(0, dtype=np.int64)
-    last_block = len(splits) - 1
-    recomputed = block_of != last_block
-    for o in plan.kept:
-        recomputed[o] = False
-    for op in profile.ops:
-        if op.pinned:
-            recomputed[op.index] = False
-
-    group_of = np.asarray(plan.group_of_blocks(), dtype=np.int64)
-    group_of_op = group_of[block_of] if n else block_of
-    last_group = int(group_of[-1]) if len(group_of) else 0
-    producer = profile.storage_producer
-    last_use = profile.storage_last_use
-    producer_group = group_of_op[producer] if len(producer) else producer
-    reader_group = np.where(last_use >= n, last_group + 1, group_of_op[np.minimum(last_use, max(n - 1, 0))]) \
-        if len(producer) else producer
-    retained = (~recomputed[producer]) | (reader_group > producer_group) if len(producer) else producer.astype(bool)
-    for o in np.flatnonzero(~recomputed):  # a kept op's values stay, and so do the storages they view
-        retained[list(profile.op_storages[o])] = True
-    reaches = profile.reaches_output
-    saved = np.array([any(reaches[o] for o in ops_) for ops_ in profile.storage_saved_by], dtype=bool)
-    dropped = saved & ~retained
-
-    num_blocks = len(splits)
-    closure_sets: list[set[int]] = [set() for _ in range(num_blocks)]
-    trigger = [-1] * num_blocks
-    group_frame_end: dict[int, int] = {}
-    node_op = profile.node_op
-    for s in np.flatnonzero(dropped):
-        for r in profile.storage_saved_at[s]:  # each saving block rebuilds its own copy
-            if not reaches[node_op[r]]:
-                continue
-            b = int(block_of[node_op[r]])
-            closure_sets[b].add(int(producer[s]))
-            trigger[b] = max(trigger[b], r)
-            g = int(group_of[b])
-            group_frame_end[g] = min(group_frame_end.get(g, r), r)
-    frame_end = [group_frame_end.get(int(g), -1) for g in group_of]
-    group_last = {int(g): splits[b] for b, g in enumerate(group_of)}
-    group_end = [int(group_last[int(g)]) for g in group_of]
-    closure = []
-    for members in closure_sets:
-        stack = list(members)
-        while stack:
-            j = stack.pop()
-            for p, storages in profile.op_inputs[j]:
-                if p not in members and any(not retained[s] for s in storages):
-                    members.add(p)
-                    stack.append(p)
-        closure.append(sorted(members))
-    return PlanAnalysis(block_of, group_of, recomputed, retained, dropped, closure, trigger, frame_end, group_end)
+__all__ = ["Simulation", "simulate", "timeline"]
 
 
 def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
-    """Predict the step's peak bytes and recompute FLOPs under ``plan``."""
+    """Predict the step's peak bytes, recompute FLOPs and recompute time under ``plan``."""
     n = profile.num_ops
     if n == 0:
         base = profile.baseline_bytes + profile.gradient_bytes
-        return Simulation(base, 0, base, base, "empty graph")
+        return Simulation(base, 0, 0.0, profile.step_seconds, base, base, "empty graph", 0)
     a = analyse(profile, plan)
-    totals, labels = timeline(profile, plan, a)
+    totals, labels, held_after_forward = _timeline(profile, plan, a)
     peak_at = int(np.argmax(totals))
-    recompute_flops = sum(profile.ops[j].flops for members in a.closure for j in members)
     return Simulation(
         peak_bytes=int(totals[peak_at]),
-        recompute_flops=int(recompute_flops),
+        recompute_flops=a.recompute_flops(profile),
+        recompute_seconds=a.recompute_seconds(profile),
+        eager_seconds=profile.step_seconds,
         forward_peak_bytes=int(totals[:n].max()),
         backward_peak_bytes=int(totals[n:].max()),
         peak_slot=labels[peak_at],
+        held_after_forward_bytes=held_after_forward,
     )
 
 
 def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -> tuple[np.ndarray, list[str]]:
     """Predicted live bytes at every slot of the step (forward ops, recomputes, backward ops), with labels."""
+    totals, labels, _ = _timeline(profile, plan, a or analyse(profile, plan))
+    return totals, labels
+
+
+def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.ndarray, list[str], int]:
+    """The timeline, and the activation bytes still held when backward starts."""
     n = profile.num_ops
-    a = a or analyse(profile, plan)
     ops = profile.ops
 
     # Timeline: forward slots 0..n-1, then backward node by node (two slots each: before and after it frees what
@@ -217,8 +138,8 @@ def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -
     live = np.cumsum(held)[: end + 1]
     totals = live + np.asarray(extra, dtype=np.int64) + profile.baseline_bytes
     if profile.sharding is not None:
-        return _with_sharded_parameters(profile, totals, int(live[n]) + profile.baseline_bytes, labels, n)
-    return totals, labels
+        totals, labels = _with_sharded_parameters(profile, totals, int(live[n]) + profile.baseline_bytes, labels, n)
+    return totals, labels, int(live[n])
 
 
 def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_forward: int, labels: list[str],

@@ -55,6 +55,12 @@ class StorageTracker(TorchDispatchMode):
     Subclasses may override :meth:`on_op` to inspect each aten call.
     """
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """TorchDynamo compiles under the tracker, which sees the compiled artifact's operators at run time (all
+        of them, for sublinear's backend, which runs the graph's operators one by one)."""
+        return True
+
     def __init__(self, listener: EventListener | None = None) -> None:
         super().__init__()
         self.live: dict[int, int] = {}

@@ -1,13 +1,48 @@
-"""Shared fixtures: small models that exercise the traps (in-place ops, views, BatchNorm, dropout, branches)."""
+"""Shared fixtures: small models that exercise the traps (in-place ops, views, BatchNorm, dropout, branches), and
+helpers that capture, profile and plan them."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from sublinear.profiler import default_loss
+import sublinear
+from sublinear.capture import capture
+from sublinear.config import SublinearMemoryConfig
+from sublinear.profiler import default_loss, profile
+
+# The suite compiles hundreds of models of a few classes in one process; TorchDynamo must not give up on them.
+torch._dynamo.config.recompile_limit = 10_000
+torch._dynamo.config.accumulated_recompile_limit = 100_000
+
+# Plans for exactness tests: no budget, no time cap, no disk cache, op costs estimated (fast, deterministic).
+PLAIN = SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf, cache_dir="", cost_model="estimate")
+
+
+def profile_of(module: nn.Module, *args, **kwargs):
+    """The profile of ``module(*args, **kwargs)``'s only graph, in training mode, with estimated op costs."""
+    return profile(capture(module.train(), args, kwargs).graph, cost_model="estimate")
+
+
+def problem_for(p, **config):
+    """A planning problem for profile ``p`` under ``SublinearMemoryConfig(**config)`` (no time cap by default)."""
+    from sublinear.planners import PlanningProblem, objective_for
+
+    config = SublinearMemoryConfig(**{"max_time_ratio": math.inf, "memory_budget": None, **config})
+    budget = config.memory_budget if isinstance(config.memory_budget, int) else None
+    return PlanningProblem(p, objective_for(config, budget), config)
+
+
+def compile_with(module: nn.Module, plan_for, args, kwargs=None, config=PLAIN):
+    """``module`` compiled at ``args``/``kwargs`` and made to run ``plan_for(num_ops)``; with its profile."""
+    compiled = sublinear.compile(module, args, kwargs, config=config)
+    p = compiled.sublinear_profile
+    compiled.use(plan_for(p.num_ops))
+    return compiled, p
 
 
 class ResidualNet(nn.Module):
@@ -184,11 +219,9 @@ def _private_plan_cache(tmp_path, monkeypatch):
 def meta_resnet50():
     """ResNet-50 at batch 32 on the meta device: (model, example args, profile)."""
     from sublinear.models import get_model
-    from sublinear.profiler import profile
-    from sublinear.tracer import capture
 
     spec = get_model("resnet50")
     with torch.device("meta"):
         model = spec.build().train()
     args, _ = spec.example_inputs(32, device="meta")
-    return model, args, profile(capture(model, args), args)
+    return model, args, profile_of(model, *args)

@@ -9,7 +9,7 @@ import sublinear
 from sublinear.models import get_model
 from sublinear.profiler import default_loss
 
-from conftest import assert_same_training
+from conftest import PLAIN, assert_same_training
 
 
 def amp_step(module, *args):
@@ -44,7 +44,7 @@ def test_bf16_autocast_training_is_bit_for_bit_eager_and_predicted(name):
     eager = amp_training(copy.deepcopy(base), args)
     model = copy.deepcopy(base)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        compiled = sublinear.compile(model, args)
+        compiled = sublinear.compile(model, args, config=PLAIN)
     plan = compiled.sublinear_plan
     assert plan.num_blocks > 1
     assert_same_training(eager, amp_training(compiled, args))
@@ -57,9 +57,9 @@ def test_plan_counts_half_precision_activations_at_two_bytes():
     spec = get_model("tiny-resnet")
     model = spec.build().train()
     args, _ = spec.example_inputs(16)
-    fp32 = sublinear.compile(model, args).sublinear_plan.baseline_peak_bytes
+    fp32 = sublinear.compile(model, args, config=PLAIN).sublinear_plan.baseline_peak_bytes
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        bf16 = sublinear.compile(model, args).sublinear_plan.baseline_peak_bytes
+        bf16 = sublinear.compile(model, args, config=PLAIN).sublinear_plan.baseline_peak_bytes
     fixed = sum(p.numel() * 4 * 2 for p in model.parameters())  # parameters and their fp32 gradients
     assert bf16 - fixed < 0.7 * (fp32 - fixed)
 
@@ -70,7 +70,7 @@ def test_grad_scaler_works_unchanged():
     model = spec.build().train()
     args, _ = spec.example_inputs(8, seq=32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        compiled = sublinear.compile(model, args)
+        compiled = sublinear.compile(model, args, config=PLAIN)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     before = model.classifier.weight.detach().clone()

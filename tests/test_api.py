@@ -1,7 +1,12 @@
-"""compile() and the @sublinear.trace decorator."""
+"""compile(), apply(), the backend and the @sublinear.trace decorator on the patterns users bring: custom
+autograd.Functions, state stored on modules, attribute and forward changes, optional arguments, dict outputs,
+graph breaks, torch.compile around a compiled module, pickling."""
 
 import copy
+import io
 import logging
+import math
+import pickle
 
 import pytest
 import torch
@@ -10,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import sublinear
+from sublinear.core import Plan
 from sublinear.models import get_model
 
-from conftest import ResidualNet
+from conftest import PLAIN, Chain, ResidualNet, assert_same_training, train_steps
 
 
 def _eager_losses(model, batches, steps):
@@ -34,6 +40,298 @@ def _batches(n, batch=16, seed=1):
             for _ in range(n)]
 
 
+def _every_op(compiled):
+    """Make ``compiled`` (planned for one graph) recompute everything it can: one block per op."""
+    compiled.use(Plan.every_op(compiled.sublinear_profile.num_ops))
+    return compiled
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Silent failures of the symbolic_trace capture, each a regression test
+
+
+class GradientReversal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.scale * grad, None
+
+
+class StraightThroughRound(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class WithFunctions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = GradientReversal.apply(self.b(h), 0.5)
+        return self.c(StraightThroughRound.apply(h * 4) / 4)
+
+
+def test_custom_autograd_functions_keep_their_backward():
+    torch.manual_seed(0)
+    base = WithFunctions()
+    x = torch.randn(6, 8)
+    eager = train_steps(copy.deepcopy(base), (x,), steps=2)
+    compiled = _every_op(sublinear.compile(copy.deepcopy(base), (x,), config=PLAIN))
+    assert_same_training(eager, train_steps(compiled, (x,), steps=2))
+    # The reversed gradient really is reversed: b's gradient has the opposite sign of a plain layer's.
+    plain = copy.deepcopy(base)
+    plain.forward = lambda x: plain.c(torch.round(plain.b(torch.tanh(plain.a(x))) * 4) / 4)
+    assert not torch.equal(eager[1]["b.weight"], train_steps(plain, (x,), steps=2)[1]["b.weight"])
+
+
+class Router(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+        self.calls = 0
+        self.history = []
+
+    def forward(self, x):
+        self.calls += 1
+        probs = torch.softmax(self.gate(x), dim=-1)
+        self.aux_loss = (probs.mean(0) ** 2).sum() * 4  # the MoE load-balancing pattern
+        self.history.append(x.shape[0])
+        return probs
+
+
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = Router()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        probs = self.router(x)
+        out = sum(probs[:, i:i + 1] * self.drop(torch.relu(e(x))) for i, e in enumerate(self.experts))
+        return out.sum(-1)
+
+
+def test_auxiliary_loss_counters_and_lists_stored_in_forward_behave_as_in_eager():
+    torch.manual_seed(0)
+    base = MoE().train()
+    x = torch.randn(16, 8)
+
+    def run(model, steps=2):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(0)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean() + 0.1 * router_of(model).aux_loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+    def router_of(model):
+        return getattr(model, "original_module", model).router
+
+    eager_model, planned = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = _every_op(sublinear.compile(planned, (x,), config=PLAIN))
+    (losses_a, params_a), (losses_b, params_b) = run(eager_model), run(compiled)
+    assert all(torch.equal(a, b) for a, b in zip(losses_a, losses_b))
+    assert all(torch.equal(params_a[k], params_b[k]) for k in params_a)
+    assert isinstance(planned.router.aux_loss, torch.Tensor) and planned.router.aux_loss.grad_fn is not None
+    assert planned.router.calls == eager_model.router.calls == 2  # the planning dry run touched nothing
+    assert planned.router.history == [16, 16]
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = 1.0
+        self.activation = "gelu"
+
+    def forward(self, x):
+        act = F.gelu if self.activation == "gelu" else torch.tanh
+        return act(self.lin(x) * self.scale)
+
+
+def test_attribute_and_forward_changes_after_compile_are_seen():
+    torch.manual_seed(0)
+    model = Scaled()
+    x = torch.randn(4, 8)
+    compiled = sublinear.compile(model, (x,), config=PLAIN)
+    for change in (lambda m: setattr(m, "scale", 3.0), lambda m: setattr(m, "activation", "tanh"),
+                   lambda m: setattr(m, "forward", lambda x: m.lin(x).sin())):
+        change(model)
+        out = compiled(x)
+        expected = model(x)
+        assert torch.equal(out, expected)
+
+
+class SetsItsConfigOnFirstCall(nn.Module):
+    """Like Hugging Face's classification heads: the first forward writes a config field that forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.problem_type = None
+
+    def forward(self, x):
+        if self.problem_type is None:
+            self.problem_type = "regression"
+        return self.lin(x).relu()
+
+
+def test_plan_describes_the_latest_call_once_per_graph_after_a_recompile():
+    model = SetsItsConfigOnFirstCall()
+    x = torch.randn(4, 8)
+    compiled = sublinear.compile(model, (x,), config=PLAIN)
+    for _ in range(3):
+        compiled(x).sum().backward()
+    assert model.problem_type == "regression"
+    plan = compiled.sublinear_plan
+    assert [g.graph for g in plan.graphs] == [0]  # TorchDynamo captured it again after the write: still one graph
+
+
+def test_plan_is_keyed_on_parameter_shapes_and_a_hit_is_checked_against_the_budget(tmp_path):
+    x = torch.randn(64, 32)
+    config = sublinear.SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf, cost_model="estimate",
+                                             cache_dir=str(tmp_path))
+    narrow = sublinear.compile(Chain(12, 32), (x,), config=config).sublinear_plan
+    wide = sublinear.compile(Chain(12, 32), (x,), config=config)
+    assert wide.sublinear_plan.from_cache  # same graph, same shapes: the stored plan
+    wide_model = Chain(12, 32)
+    wide_model.layers[5] = nn.Linear(32, 32, bias=False)  # another graph: a miss
+    assert not sublinear.compile(wide_model, (x,), config=config).sublinear_plan.from_cache
+    tight = sublinear.SublinearMemoryConfig(**{**config.__dict__, "memory_budget": narrow.predicted_peak_bytes - 1})
+    with pytest.raises(sublinear.BudgetError):
+        sublinear.compile(Chain(12, 32), (x,), config=tight)
+    grown = sublinear.compile(Chain(12, 256), (torch.randn(64, 256),), config=config).sublinear_plan
+    assert not grown.from_cache and grown.predicted_peak_bytes > narrow.predicted_peak_bytes
+
+
+def test_optional_tensor_given_at_call_time_only_and_the_other_way_round():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, mask=None, *, temperature=1.0):
+            h = self.lin(x) / temperature
+            if mask is not None:
+                h = h.masked_fill(~mask, 0.0)
+            return torch.relu(h)
+
+    torch.manual_seed(0)
+    model = Masked()
+    x, mask = torch.randn(4, 8), torch.rand(4, 8) > 0.3
+    without = sublinear.compile(copy.deepcopy(model), (x,), config=PLAIN)
+    assert torch.equal(without(x, mask), model(x, mask))
+    with_mask = sublinear.compile(copy.deepcopy(model), (x, mask), config=PLAIN)
+    assert torch.equal(with_mask(x, temperature=2.0), model(x, temperature=2.0))
+    assert len(with_mask.sublinear_plan.graphs) == 1
+
+
+def test_dict_and_model_output_results_can_be_mutated_like_eager():
+    from dataclasses import dataclass
+
+    from transformers.utils import ModelOutput
+
+    @dataclass
+    class Out(ModelOutput):
+        logits: torch.Tensor = None
+        hidden: torch.Tensor = None
+
+    class DictModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, **kwargs):
+            h = self.lin(x)
+            return {"dict": {"h": h, "n": kwargs.get("n", 0)}, "out": Out(logits=h.sum(-1), hidden=h)}
+
+    model = DictModel()
+    x = torch.randn(3, 8)
+    compiled = sublinear.compile(model, (x,), {"n": 2}, config=PLAIN)
+    result = compiled(x, n=2)
+    assert result["dict"]["n"] == 2 and isinstance(result["out"], Out)
+    result["out"].logits = None  # ModelOutput stays mutable
+    result["dict"]["extra"] = 1
+    result["out"].hidden.sum().backward()
+    assert model.lin.weight.grad is not None
+
+
+class Breaks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if h.sum().item() > 0:  # data-dependent: TorchDynamo breaks the graph here
+            h = h * 2
+        return self.b(h)
+
+
+def test_graph_breaks_are_planned_per_graph_and_reported_once(caplog):
+    torch.manual_seed(0)
+    model = Breaks()
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.INFO, logger="sublinear"):
+        compiled = sublinear.compile(copy.deepcopy(model), (x,), config=PLAIN)  # needs data: planned at the call
+        assert compiled.sublinear_plan is None and "cannot plan Breaks ahead" in caplog.text
+        out = compiled(x)
+        compiled(x)
+    warnings = [r.getMessage() for r in caplog.records if "graph break" in r.getMessage()]
+    assert len(warnings) == 1 and "test_api.py" in warnings[0] and "2 graphs" in warnings[0]
+    plan = compiled.sublinear_plan
+    assert len(plan.graphs) == 2 and plan.breaks and "test_api.py" in str(plan)
+    assert torch.equal(out, model(x))
+
+
+def test_torch_compile_around_a_compiled_module_trains_like_eager(caplog):
+    torch.manual_seed(0)
+    base = Chain(6, 16)
+    x = torch.randn(8, 16)
+    eager = train_steps(copy.deepcopy(base), (x,), steps=2)
+    inner = sublinear.compile(copy.deepcopy(base), (x,), config=PLAIN)
+    with caplog.at_level(logging.WARNING, logger="sublinear"):
+        outer = torch.compile(inner, backend="eager")
+        losses_b, _, _, _ = train_steps(outer, (x,), steps=2)
+    grads_b = {k: p.grad for k, p in inner.named_parameters()}
+    losses_a, grads_a, state_a, _ = eager
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(losses_a, losses_b))
+    assert all(torch.allclose(grads_a[k], grads_b[k], atol=1e-6) for k in grads_a)
+    assert "inside torch.compile" in caplog.text
+
+
+def test_capture_failure_names_file_line_and_reason():
+    class Unsupported(nn.Module):
+        def forward(self, x):
+            return x + undefined_name  # noqa: F821
+
+    with pytest.raises(sublinear.CaptureError, match=r"test_api.py:\d+.*undefined_name"):
+        sublinear.compile(Unsupported(), (torch.randn(2),), config=PLAIN)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compile, apply, trace
+
+
 def test_decorator_trains_exactly_like_eager_and_leaves_the_module_alone():
     spec = get_model("tiny-resnet")
     torch.manual_seed(0)
@@ -44,7 +342,7 @@ def test_decorator_trains_exactly_like_eager_and_leaves_the_module_alone():
     net = copy.deepcopy(base)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
 
-    @sublinear.trace(sublinear_memory_config=sublinear.SublinearMemoryConfig())
+    @sublinear.trace(sublinear_memory_config=PLAIN)
     def train_func(data, label, *, net, optimizer):
         loss = F.cross_entropy(net(data), label)
         optimizer.zero_grad()
@@ -55,10 +353,62 @@ def test_decorator_trains_exactly_like_eager_and_leaves_the_module_alone():
     torch.manual_seed(0)
     losses = [train_func(d, l, net=net, optimizer=optimizer).detach() for d, l in batches]
     assert all(torch.equal(a, b) for a, b in zip(expected, losses))
-    assert type(net) is type(base) and not hasattr(net, "sublinear_plan")
+    assert type(net) is type(base) and "forward" not in net.__dict__
     compiled = train_func.sublinear_modules[net]
     assert compiled.sublinear_plan.num_blocks > 1
     assert list(compiled.state_dict()) == list(net.state_dict())
+
+
+class LightningStyle(nn.Module):
+    """A LightningModule's shape: the network is an attribute and training_step is a method."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = ResidualNet()
+
+    def forward(self, x):
+        return self.net(x)
+
+    @sublinear.trace(sublinear_memory_config=PLAIN)
+    def training_step(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    @sublinear.trace(sublinear_memory_config=PLAIN)
+    def training_step_via_self(self, batch):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+
+@pytest.mark.parametrize("method", ["training_step", "training_step_via_self"])
+def test_decorated_method_plans_the_modules_reached_through_self(method, caplog):
+    torch.manual_seed(0)
+    module = LightningStyle()
+    reference = copy.deepcopy(module)
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
+    with caplog.at_level(logging.INFO, logger="sublinear"):
+        torch.manual_seed(0)
+        getattr(module, method)(batch).backward()
+    assert "planning self.net (ResNet" in caplog.text or "planning self.net (ResidualNet)" in caplog.text
+    compiled = getattr(LightningStyle, method).sublinear_modules[module.net]
+    assert compiled.sublinear_plan is not None
+    assert type(module.net) is ResidualNet  # restored after the call
+    torch.manual_seed(0)
+    F.cross_entropy(reference(batch[0]), batch[1]).backward()
+    for (name, a), b in zip(reference.named_parameters(), module.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_decorator_plans_modules_inside_lists_and_dicts():
+    models = {"a": Chain(4, 8), "b": Chain(3, 8)}
+
+    @sublinear.trace(sublinear_memory_config=PLAIN)
+    def step(nets, x):
+        return sum(net(x).sum() for net in nets.values())
+
+    step(models, torch.randn(2, 8)).backward()
+    assert set(step.sublinear_modules) == set(models.values())
+    assert all(step.sublinear_modules[m].sublinear_plan is not None for m in models.values())
 
 
 def test_bare_form_and_call_form_and_pass_through():
@@ -80,41 +430,84 @@ def test_bare_form_and_call_form_and_pass_through():
     assert g(lin, torch.randn(2, 4)).shape == (2, 4)
 
 
-def test_replans_when_the_signature_changes(caplog):
+def test_apply_plans_in_place_and_keeps_class_state_dict_and_optimizer():
+    torch.manual_seed(0)
+    base = ResidualNet()
+    x = torch.randn(4, 3, 8, 8)
+    eager = train_steps(copy.deepcopy(base), (x,), steps=2)
+    model = copy.deepcopy(base)
+    keys = list(model.state_dict())
+    assert sublinear.apply(model, PLAIN, example_inputs=(x,)) is model
+    assert type(model) is ResidualNet and list(model.state_dict()) == keys
+    assert_same_training(eager, train_steps(model, (x,), steps=2))
+    assert model.forward.sublinear_plan.num_blocks > 1
+    clone = pickle.loads(pickle.dumps(model))  # the planned forward pickles with the module
+    assert clone(x).shape == (4, 5)
+    sublinear.remove(model)
+    assert "forward" not in model.__dict__
+    with pytest.raises(ValueError, match="already"):
+        sublinear.apply(sublinear.apply(model, PLAIN), PLAIN)
+
+
+def test_plan_says_which_layers_end_blocks_are_recomputed_or_kept_at_which_signature():
+    torch.manual_seed(0)
+    model = ResidualNet()
+    compiled = sublinear.compile(model, (torch.randn(2, 3, 8, 8),), config=PLAIN)
+    _every_op(compiled)
+    compiled(torch.randn(2, 3, 8, 8)).sum().backward()
+    text = compiled.sublinear_plan.describe()
+    assert "(2, 3, 8, 8):float32@cpu" in text
+    assert "blocks.0.c1 (conv2d_1)" in text and "recomputes" in text
+    compiled(torch.randn(6, 3, 8, 8)).sum().backward()  # another batch: its own plan
+    assert "(6, 3, 8, 8):float32@cpu" in str(compiled.sublinear_plan)
+
+
+def test_replans_when_the_signature_changes():
     model = ResidualNet()
 
-    @sublinear.trace
+    @sublinear.trace(sublinear_memory_config=PLAIN)
     def step(model, x):
         model(x).sum().backward()
 
     step(model, torch.randn(2, 3, 8, 8))
     compiled = step.sublinear_modules[model]
-    first = compiled.sublinear_plan
+    first = compiled.sublinear_plan.graphs[0]
     step(model, torch.randn(2, 3, 8, 8))
-    assert compiled.sublinear_plan is first  # same signature: no new plan
+    assert compiled.sublinear_plan.graphs[0] == first  # same signature: no new plan
     step(model, torch.randn(6, 3, 8, 8))
-    assert compiled.sublinear_plan is not first
-    assert len(compiled._variants) == 2
+    assert compiled.sublinear_plan.graphs[0].signature == "(6, 3, 8, 8):float32@cpu" != first.signature
 
 
-def test_compile_accepts_other_batch_sizes_without_replanning():
+def test_pareto_point_applies_in_one_call():
+    torch.manual_seed(0)
+    model = Chain(20, 32)
+    x = torch.randn(256, 32)
+    points = sublinear.pareto(model, (x,), config=PLAIN, budgets=3)
+    point = points[len(points) // 2]
+    compiled = sublinear.compile(model, (x,), config=PLAIN, plan=point)
+    compiled(x).sum().backward()
+    assert compiled.sublinear_plan.to_plan() == point.plan
+    assert compiled.sublinear_plan.predicted_peak_bytes == point.peak_bytes
+    other = points[0]
+    compiled.use(other)
+    compiled(x).sum().backward()
+    assert compiled.sublinear_plan.to_plan() == other.plan
+
+
+def test_pickle_and_torch_save_keep_the_model_and_plan_again():
+    torch.manual_seed(0)
     model = ResidualNet()
-    compiled = sublinear.compile(model, torch.randn(2, 3, 8, 8))
-    plan = compiled.sublinear_plan
-    compiled(torch.randn(5, 3, 8, 8)).sum().backward()
-    assert compiled.sublinear_plan is plan
-
-
-def test_module_changed_after_compile_is_detected_and_planned_again(caplog):
-    model = ResidualNet()
-    compiled = sublinear.compile(model, torch.randn(2, 3, 8, 8))
-    plan = compiled.sublinear_plan
-    model.fc = nn.Linear(8, 7)  # the old graph would still call the old fc
-    with caplog.at_level(logging.WARNING, logger="sublinear"):
-        out = compiled(torch.randn(2, 3, 8, 8))
-    assert out.shape == (2, 7)
-    assert compiled.sublinear_plan is not plan
-    assert "changed since it was planned" in caplog.text
+    x = torch.randn(2, 3, 8, 8)
+    compiled = sublinear.compile(model, (x,), config=PLAIN)
+    buffer = io.BytesIO()
+    torch.save(compiled, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert isinstance(loaded, sublinear.SublinearModule) and loaded.config == PLAIN
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), compiled.state_dict().values()))
+    loaded(x).sum().backward()
+    assert loaded.sublinear_plan is not None
+    assert isinstance(pickle.loads(pickle.dumps(compiled)), sublinear.SublinearModule)
 
 
 @pytest.fixture
@@ -131,7 +524,7 @@ def test_decorator_inside_ddp_keeps_ddp_and_its_hooks(single_process_group):
     net = nn.parallel.DistributedDataParallel(base)
     x = torch.randn(4, 3, 8, 8)
 
-    @sublinear.trace
+    @sublinear.trace(sublinear_memory_config=PLAIN)
     def step(net, x):
         net(x).sum().backward()
 
@@ -149,7 +542,7 @@ def test_no_trainable_parameters():
     for p in model.parameters():
         p.requires_grad_(False)
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
-    compiled = sublinear.compile(model, x)
+    compiled = sublinear.compile(model, x, config=PLAIN)
     torch.manual_seed(0)
     compiled(x).sum().backward()
     reference_x = x.detach().clone().requires_grad_()
@@ -162,7 +555,7 @@ def test_no_trainable_parameters():
 
 def test_other_dtype_and_device_work():
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
-    compiled = sublinear.compile(model, torch.empty(4, 8, device="meta"))
+    compiled = sublinear.compile(model, torch.empty(4, 8, device="meta"), config=PLAIN)
     model.double()
     x = torch.randn(5, 8, dtype=torch.float64)
     compiled(x).sum().backward()
@@ -181,3 +574,7 @@ def test_bad_config_and_arguments():
         sublinear.trace(3)
     with pytest.raises(TypeError, match="compile the plain module"):
         sublinear.compile(sublinear.compile(nn.Linear(2, 2), torch.randn(1, 2)), torch.randn(1, 2))
+    with pytest.raises(ValueError, match="ParetoPoint"):
+        compiled = sublinear.compile(Breaks(), config=PLAIN)
+        compiled(torch.randn(2, 8))
+        compiled.use(Plan.no_split(3))

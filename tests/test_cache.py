@@ -12,49 +12,77 @@ from sublinear.cache import cache_dir
 from conftest import Chain
 
 
+def _config(folder, **changes):
+    return sublinear.SublinearMemoryConfig(cache_dir=str(folder), **changes)
+
+
 def _compile(config=None):
     return sublinear.compile(Chain(30, width=16), torch.randn(256, 16), config=config)
 
 
-def test_miss_then_hit_skips_the_search(caplog, tmp_path):
-    config = sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path / "c"))
+def test_miss_then_hit_skips_the_search_and_the_timing_runs(caplog, tmp_path, monkeypatch):
+    config = _config(tmp_path / "c")
     first = _compile(config).sublinear_plan
-    assert not first.from_cache
+    assert not first.from_cache and first.graphs[0].cost_source == "measured on cpu"
     assert len(list((tmp_path / "c").glob("*.json"))) == 1
+    import sublinear.profiler as profiler
+
+    monkeypatch.setattr(profiler, "measure_node_costs", lambda *a, **k: pytest.fail("timed again"))
     with caplog.at_level(logging.INFO, logger="sublinear"):
         second = _compile(config).sublinear_plan
     assert second.from_cache and "plan cache hit" in caplog.text
-    assert second.split_points == first.split_points
+    assert second.graphs[0].cost_source == "measured on cpu"  # the stored measurements
+    assert second.to_plan() == first.to_plan()
     assert second.predicted_peak_bytes == first.predicted_peak_bytes
 
 
 def test_another_config_or_shape_misses(tmp_path):
-    config = sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path))
+    config = _config(tmp_path)
     _compile(config)
-    assert not _compile(sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path), thresh_nr_try=3)) \
-        .sublinear_plan.from_cache
+    assert not _compile(_config(tmp_path, thresh_nr_try=3)).sublinear_plan.from_cache
     other = sublinear.compile(Chain(30, width=16), torch.randn(64, 16), config=config)
     assert not other.sublinear_plan.from_cache
 
 
-@pytest.mark.parametrize("damage", ["garbage", "wrong plan", "other graph"])
-def test_corrupt_or_stale_entries_are_ignored_with_a_warning(tmp_path, damage):
-    config = sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path))
+@pytest.mark.parametrize("damage", ["garbage", "wrong plan", "other graph", "null", "a list", "no history",
+                                    "costs of another graph"])
+def test_corrupt_or_stale_entries_are_ignored_with_a_warning_and_replaced(tmp_path, damage):
+    config = _config(tmp_path, cost_model="estimate")
     good = _compile(config).sublinear_plan
     (entry,) = tmp_path.glob("*.json")
     data = json.loads(entry.read_text())
     if damage == "garbage":
-        entry.write_text("{not json")
-    elif damage == "wrong plan":
-        data["split_points"] = [5, 3]
-        entry.write_text(json.dumps(data))
+        text = "{not json"
+    elif damage == "null":
+        text = "null"
+    elif damage == "a list":
+        text = "[1, 2]"
     else:
-        data["num_ops"] += 1
-        entry.write_text(json.dumps(data))
-    with pytest.warns(UserWarning, match="ignoring unusable plan cache entry"):
-        replanned = _compile(config).sublinear_plan
-    assert not replanned.from_cache and replanned.split_points == good.split_points
-    assert json.loads(entry.read_text())["split_points"] == list(good.split_points)  # repaired
+        if damage == "wrong plan":
+            data["split_points"] = [5, 3]
+        elif damage == "other graph":
+            data["num_ops"] += 1
+        elif damage == "no history":
+            del data["history"]
+        else:
+            data["costs"]["forward_seconds"].append(0.0)
+        text = json.dumps(data)
+    entry.write_text(text)
+    for _ in range(2):  # every later compile works, the first one repairs the entry
+        with pytest.warns(UserWarning, match="ignoring unusable plan cache entry") if _ == 0 else _no_warning():
+            replanned = _compile(config).sublinear_plan
+        assert replanned.to_plan() == good.to_plan()
+    assert json.loads(entry.read_text())["split_points"] == list(good.to_plan().split_points)  # repaired
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("error")
+    return stack
 
 
 def test_second_process_skips_the_search(tmp_path):

@@ -26,14 +26,15 @@ def test_maxbatch_end_to_end(capsys):
 def test_plan_and_profile_end_to_end(capsys):
     assert main(["plan", "--model", "tiny-bert", "--batch", "8", "--seq", "32"]) == 0
     out = capsys.readouterr().out
-    assert "block   0" in out and "predicted peak" in out
+    assert "block 0:" in out and "predicted peak" in out
     assert main(["profile", "--model", "tiny-gpt", "--batch", "2"]) == 0
     assert "per sample" in capsys.readouterr().out
 
 
 def test_user_model_factory(capsys):
-    assert main(["plan", "--model", "torch.nn:Identity", "--input-shape", "8", "--batch", "4"]) == 0
-    assert "0 blocks over 0 ops" in capsys.readouterr().out
+    assert main(["plan", "--model", "torch.nn:Linear", "--input-shape", "8", "--batch", "4"]) == 2  # needs args
+    assert main(["plan", "--model", "torch.nn:Identity", "--input-shape", "8", "--batch", "4"]) == 2
+    assert "cannot be planned" in capsys.readouterr().err
 
 
 def test_python_dash_m():

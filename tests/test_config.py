@@ -3,11 +3,27 @@ import pytest
 from sublinear import SublinearMemoryConfig, parse_size
 
 
-def test_defaults_are_megengines():
+def test_defaults_are_megengines_with_the_device_budget_and_a_time_cap():
     c = SublinearMemoryConfig()
-    assert (c.thresh_nr_try, c.genetic_nr_iter, c.genetic_pool_size, c.lb_memory, c.num_worker, c.memory_budget,
-            c.seed) == (10, 0, 20, 0, None, None, 0)
+    assert (c.thresh_nr_try, c.genetic_nr_iter, c.genetic_pool_size, c.lb_memory, c.num_worker, c.seed) == \
+        (10, 0, 20, 0, None, 0)
+    assert (c.memory_budget, c.memory_headroom, c.max_time_ratio, c.cost_model) == ("auto", 0.1, 1.35, "auto")
+    assert c.max_time_ratio <= 1.5  # no default makes a step more than 1.5x slower than eager
     assert c.workers >= 1
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("thresh_nr_try", 10**9, "thresh_nr_try must be <= 1000"),
+    ("genetic_pool_size", 10**8, "genetic_pool_size must be <= 1000"),
+    ("genetic_nr_iter", 10**6, "genetic_nr_iter must be <= 10000"),
+    ("max_time_ratio", 0.9, "max_time_ratio must be a number >= 1.0"),
+    ("memory_headroom", 1.0, "memory_headroom must be a fraction"),
+    ("cost_model", "flops", "cost_model must be one of"),
+    ("planners", "grid", "planners must be a tuple"),
+])
+def test_bounds_give_a_clear_error_instead_of_hanging(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SublinearMemoryConfig(**{field: value})
 
 
 @pytest.mark.parametrize("field,value", [

@@ -3,13 +3,20 @@ import math
 import pytest
 import torch
 
-from sublinear.grid import grid_search, greedy_plan, score
-from sublinear.plan import Plan
-from sublinear.profiler import profile
+from sublinear.core import Plan
+from sublinear.planners.grid import greedy_plan, grid_plans, keep_variants
 from sublinear.simulator import simulate
-from sublinear.tracer import capture
 
-from conftest import Chain
+from conftest import Chain, problem_for, profile_of
+
+
+def grid_search(p, tries=10):
+    return grid_plans(problem_for(p, thresh_nr_try=tries))
+
+
+def score(c):
+    """The objective without a budget or time cap: lowest peak, then least time, then fewer blocks."""
+    return 0, c.simulation.peak_bytes, c.simulation.recompute_seconds, c.plan.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +27,7 @@ def resnet_profile(meta_resnet50):
 @pytest.fixture(scope="module")
 def chain_profile():
     x = torch.randn(64, 8)
-    return profile(capture(Chain(50), (x,)), (x,))
+    return profile_of(Chain(50), x)
 
 
 def test_infinite_threshold_is_one_block_and_tiny_threshold_splits_everywhere(chain_profile):
@@ -58,3 +65,14 @@ def test_grid_beats_eager_on_resnet50(resnet_profile):
     fixed = resnet_profile.baseline_bytes + resnet_profile.gradient_bytes
     assert best.simulation.peak_bytes - fixed < 0.45 * (eager.peak_bytes - fixed)
     assert best.simulation.recompute_flops <= resnet_profile.forward_flops
+    assert best.simulation.recompute_seconds <= resnet_profile.forward_seconds
+
+
+def test_grid_ranks_by_the_objective_and_keep_variants_keep_expensive_ops(chain_profile):
+    problem = problem_for(chain_profile)
+    candidates = grid_plans(problem)
+    assert [problem.objective(c) for c in candidates] == sorted(problem.objective(c) for c in candidates)
+    plan = candidates[0].plan
+    for variant in keep_variants(chain_profile, plan):
+        assert variant.split_points == plan.split_points and variant.kept > plan.kept
+        assert simulate(chain_profile, variant).recompute_seconds < simulate(chain_profile, plan).recompute_seconds

@@ -1,7 +1,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from sublinear.plan import Plan, PlanError
+from sublinear.core.plan import Plan, PlanError
 
 
 @given(st.integers(1, 60), st.lists(st.integers(-5, 80)))

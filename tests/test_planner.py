@@ -1,18 +1,23 @@
-"""Planner objectives: lowest peak, least recompute under a memory budget, lb_memory, the Pareto front."""
+"""Planner objectives: lowest peak within a time cap, least time under a memory budget, lb_memory, the Pareto
+front, and the planner interface."""
 
 import copy
+import math
+import sys
+import subprocess
 
 import pytest
 import torch
 
 import sublinear
 from sublinear.config import SublinearMemoryConfig
+from sublinear.core import Candidate, Plan, Simulation
 from sublinear.models import get_model
-from sublinear.planner import BudgetError, make_plan, pareto_front
-from sublinear.profiler import profile
-from sublinear.tracer import capture
+from sublinear.planners import PLANNERS, BudgetError, make_plan, pareto_front, register_planner
 
-from conftest import assert_same_training, train_steps
+from conftest import PLAIN, assert_same_training, profile_of, train_steps
+
+UNCAPPED = SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf)
 
 
 @pytest.fixture(scope="module")
@@ -22,31 +27,55 @@ def resnet(meta_resnet50):
 
 def test_budget_below_anything_reachable_names_the_minimum(resnet):
     _, _, p = resnet
-    lowest = make_plan(p).simulation.peak_bytes
+    lowest = make_plan(p, UNCAPPED).simulation.peak_bytes
     with pytest.raises(BudgetError) as info:
-        make_plan(p, SublinearMemoryConfig(memory_budget=lowest // 2))
+        make_plan(p, SublinearMemoryConfig(memory_budget=lowest // 2, max_time_ratio=math.inf))
     assert info.value.smallest <= lowest
     assert f"{info.value.smallest:,} bytes" in str(info.value) and "memory_budget" in str(info.value)
 
 
-def test_budget_gives_least_recompute_that_fits(resnet):
+def test_budget_the_time_cap_cannot_meet_says_which_ratio_it_needs(resnet):
     _, _, p = resnet
-    lowest = make_plan(p)
+    lowest = make_plan(p, UNCAPPED)
+    tight = lowest.simulation.peak_bytes * 1.05
+    with pytest.raises(BudgetError, match=r"fastest plan that fits needs time x[\d.]+: raise max_time_ratio"):
+        make_plan(p, SublinearMemoryConfig(memory_budget=int(tight), max_time_ratio=1.0001))
+
+
+def test_budget_gives_least_time_that_fits(resnet):
+    _, _, p = resnet
+    lowest = make_plan(p, UNCAPPED)
     budget = (lowest.simulation.peak_bytes + lowest.baseline.peak_bytes) // 2
-    fitted = make_plan(p, SublinearMemoryConfig(memory_budget=budget))
+    fitted = make_plan(p, SublinearMemoryConfig(memory_budget=budget, max_time_ratio=math.inf))
     assert fitted.simulation.peak_bytes <= budget
-    assert fitted.simulation.recompute_flops < lowest.simulation.recompute_flops
-    generous = make_plan(p, SublinearMemoryConfig(memory_budget=lowest.baseline.peak_bytes))
-    assert generous.simulation.recompute_flops == 0  # eager fits: nothing to recompute
+    assert fitted.simulation.recompute_seconds < lowest.simulation.recompute_seconds
+    for budget in (lowest.baseline.peak_bytes, 10 * lowest.baseline.peak_bytes):
+        generous = make_plan(p, SublinearMemoryConfig(memory_budget=budget))
+        assert generous.plan == Plan.no_split(p.num_ops)  # eager fits: no blocks, no recompute
+        assert generous.simulation.time_ratio == 1.0
+
+
+def test_the_default_never_trades_more_than_the_time_cap(resnet):
+    _, _, p = resnet
+    unbounded = make_plan(p, dataclasses_replace(UNCAPPED, genetic_nr_iter=5))
+    default = make_plan(p, SublinearMemoryConfig(genetic_nr_iter=5))
+    assert default.simulation.time_ratio <= 1.35 < unbounded.simulation.time_ratio
+    assert default.simulation.peak_bytes >= unbounded.simulation.peak_bytes
+
+
+def dataclasses_replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
 
 
 def test_lb_memory_hands_memory_back_for_speed(resnet):
     _, _, p = resnet
-    lowest = make_plan(p)
+    lowest = make_plan(p, UNCAPPED)
     floor = int(lowest.simulation.peak_bytes * 1.3)
-    relaxed = make_plan(p, SublinearMemoryConfig(lb_memory=floor))
+    relaxed = make_plan(p, dataclasses_replace(UNCAPPED, lb_memory=floor))
     assert lowest.simulation.peak_bytes <= relaxed.simulation.peak_bytes <= floor
-    assert relaxed.simulation.recompute_flops < lowest.simulation.recompute_flops
+    assert relaxed.simulation.recompute_seconds < lowest.simulation.recompute_seconds
     assert relaxed.plan.kept  # memory handed back by keeping recomputed ops
 
 
@@ -55,21 +84,60 @@ def test_pareto_points_are_non_dominated_and_span_the_trade_off(resnet):
     points = sublinear.pareto(model, args, budgets=4)
     assert len(points) >= 3
     peaks = [pt.peak_bytes for pt in points]
-    flops = [pt.recompute_flops for pt in points]
-    assert peaks == sorted(peaks) and flops == sorted(flops, reverse=True)
-    assert flops[-1] == 0 or points[-1].flops_ratio < points[0].flops_ratio
+    times = [pt.time_ratio for pt in points]
+    assert peaks == sorted(peaks) and times == sorted(times, reverse=True)
+    assert times[-1] == 1.0 or points[-1].time_ratio < points[0].time_ratio
+
+
+def test_pareto_runs_one_grid_search(resnet, monkeypatch):
+    import sublinear.planners.grid as grid
+
+    calls = []
+    original = grid.grid_plans
+    monkeypatch.setattr(grid, "grid_plans", lambda problem: calls.append(1) or original(problem))
+    model, args, _ = resnet
+    sublinear.pareto(model, args, budgets=3)
+    assert len(calls) == 1
+
+
+def _candidate(peak, seconds):
+    return Candidate(Plan((peak,)), Simulation(peak, 0, seconds, 1.0, peak, peak, "", 0))
 
 
 def test_pareto_front_filter():
-    from sublinear.grid import Candidate
-    from sublinear.plan import Plan
-    from sublinear.simulator import Simulation
-
-    def c(peak, flops):
-        return Candidate(Plan((peak,)), Simulation(peak, flops, peak, peak, ""), 0.0)
-
+    c = _candidate
     front = pareto_front([c(3, 5), c(1, 9), c(2, 9), c(4, 1), c(5, 1), c(2, 4)])
-    assert [(x.simulation.peak_bytes, x.simulation.recompute_flops) for x in front] == [(1, 9), (2, 4), (4, 1)]
+    assert [(x.simulation.peak_bytes, x.simulation.recompute_seconds) for x in front] == [(1, 9), (2, 4), (4, 1)]
+
+
+def test_a_registered_planner_plugs_in_and_competes(resnet):
+    _, _, p = resnet
+
+    class EveryOther:
+        name = "every-other"
+
+        def enabled(self, config):
+            return True
+
+        def propose(self, problem, pool):
+            n = problem.profile.num_ops
+            return [problem.candidate(Plan.of(range(1, n, 2), n), self.name)]
+
+    register_planner("every-other", EveryOther)
+    try:
+        result = make_plan(p, SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf,
+                                                    planners=("every-other",)))
+        assert result.origin == "every-other" and result.plan == Plan.of(range(1, p.num_ops, 2), p.num_ops)
+        with pytest.raises(ValueError, match="unknown planner"):
+            SublinearMemoryConfig(planners=("nope",))
+    finally:
+        del PLANNERS["every-other"]
+
+
+def test_the_planning_core_imports_without_torch():
+    code = ("import sys; import sublinear.core, sublinear.simulator, sublinear.planners, sublinear.config; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_compile_with_a_budget_runs_exactly_and_within_it():
@@ -77,11 +145,11 @@ def test_compile_with_a_budget_runs_exactly_and_within_it():
     torch.manual_seed(0)
     model = spec.build().train()
     args, _ = spec.example_inputs(32, seq=64)
-    eager = make_plan(profile(capture(model, args), args))
+    eager = make_plan(profile_of(model, *args), UNCAPPED)
     budget = (eager.simulation.peak_bytes + eager.baseline.peak_bytes) // 2
     reference = copy.deepcopy(model)
-    compiled = sublinear.compile(model, args, config=SublinearMemoryConfig(memory_budget=budget))
-    assert compiled.sublinear_plan.kept_ops  # the budget leaves room to keep expensive ops
+    config = SublinearMemoryConfig(memory_budget=budget, max_time_ratio=math.inf, cache_dir="", cost_model="estimate")
+    compiled = sublinear.compile(model, args, config=config)
     measured = sublinear.measure(sublinear.profiler.training_step, compiled, *args).peak_bytes
     assert compiled.sublinear_plan.predicted_peak_bytes <= budget
     assert abs(measured - compiled.sublinear_plan.predicted_peak_bytes) / measured < 0.03

@@ -4,23 +4,22 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import sublinear
-from sublinear.tracer import capture
+from sublinear.capture import capture
 from sublinear.models import get_model
-from sublinear.profiler import meta_twin, profile, training_step
+from sublinear.profiler import ProfileError, profile, training_step
 
-from conftest import Branchy, ResidualNet
+from conftest import Branchy, ResidualNet, profile_of
 
-
-def _profile(module, *args, **kwargs):
-    return profile(capture(module.train(), args, kwargs), args, kwargs)
+_profile = profile_of
 
 
 def test_in_place_writes_stay_in_the_producing_op():
     p = _profile(ResidualNet(), torch.randn(2, 3, 8, 8))
     names = [op.name for op in p.ops]
-    # BatchNorm followed by ReLU(inplace=True) is one op; so is the residual add followed by the in-place ReLU.
-    assert any("b1" in n and n.endswith("+1") for n in names)
-    assert any(n.startswith("add") and n.endswith("+1") for n in names)
+    # BatchNorm followed by ReLU(inplace=True) is one op; so are BatchNorm, the in-place residual add (out += x) on
+    # its output and the in-place ReLU after it.
+    assert any("b1 (batch_norm" in n and n.endswith("+1") for n in names)
+    assert sum("b2 (out" in n and n.endswith("+2") for n in names) == 3
     for op in p.ops:
         assert list(op.nodes) == list(range(op.nodes[0], op.nodes[-1] + 1)) or len(op.nodes) == 1
 
@@ -28,7 +27,7 @@ def test_in_place_writes_stay_in_the_producing_op():
 def test_flags():
     p = _profile(ResidualNet(), torch.randn(2, 3, 8, 8))
     by_name = {op.name: op for op in p.ops}
-    assert by_name["drop (drop)"].random
+    assert by_name["drop (dropout)"].random
     bn_ops = [op for op in p.ops if "b2" in op.name]
     assert bn_ops and all(op.mutates_state and op.snapshot_bytes > 0 for op in bn_ops)
     assert not any(op.pinned for op in p.ops)
@@ -65,10 +64,9 @@ def test_forward_flops_match_flop_counter():
     torch.manual_seed(0)
     model = spec.build().train()
     args, _ = spec.example_inputs(2)
-    p = profile(capture(model, args), args)
-    twin, = meta_twin(model)
+    p = profile_of(model, *args)
     with FlopCounterMode(display=False) as counter:
-        twin(*[a.to("meta") for a in args])
+        model(*args)
     assert p.forward_flops == counter.get_total_flops() > 0
 
 
@@ -78,17 +76,85 @@ def test_profiled_eager_peak_equals_measured_step(name):
     torch.manual_seed(0)
     model = spec.build().train()
     args, _ = spec.example_inputs(3)
-    p = profile(capture(model, args), args)
+    p = profile(capture(model, args).graph, cost_model="estimate")
 
     measured = sublinear.measure(training_step, model, *args)
     assert abs(p.measured_peak_bytes - measured.peak_bytes) / measured.peak_bytes < 0.01
     assert p.parameter_bytes == measured.parameter_bytes
 
 
-def test_profile_does_not_touch_the_users_module():
+@pytest.mark.parametrize("values", ["fake (captured)", "real"])
+def test_profile_does_not_touch_the_users_module(values):
     model = ResidualNet()
+    x = torch.randn(2, 3, 8, 8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    _profile(model, torch.randn(2, 3, 8, 8))
+    graph = capture(model, (x,)).graph
+    if values == "real":  # the graph's inputs as a real call passes them: the module's own tensors
+        named = dict(model.named_parameters()) | dict(model.named_buffers())
+        real = [x if source.startswith("L['args']") else named[_dotted(source)] for source in graph.sources]
+        profile(graph, real, cost_model="measure")
+    else:
+        profile(graph, cost_model="measure")
     for k, v in model.state_dict().items():
         assert torch.equal(before[k], v), k
     assert all(p.grad is None for p in model.parameters())
+
+
+def _dotted(source: str) -> str:
+    """L['self']._modules['blocks']._modules['0']._parameters['weight'] -> blocks.0.weight"""
+    import re
+
+    return ".".join(re.findall(r"\['([^']+)'\]", source)[1:])
+
+
+def test_measured_costs_time_every_node_and_see_kernel_workspace():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3))
+    x = torch.randn(8, 3, 32, 32)
+    graph = capture(model.train(), (x,)).graph
+    measured = profile(graph, cost_model="measure")
+    estimated = profile(graph, cost_model="estimate")
+    assert measured.cost_source == "measured on cpu" and estimated.cost_source.startswith("estimated")
+    assert all(op.forward_seconds > 0 for op in measured.ops)
+    assert all(op.forward_seconds > 0 for op in estimated.ops)  # elementwise ops are never free
+    assert (measured.backward_seconds > 0).sum() >= 3
+    # The allocator sees at least what storage tracking sees, per op and per backward node.
+    assert all(m.forward_extra_bytes >= e.forward_extra_bytes for m, e in zip(measured.ops, estimated.ops))
+    assert (measured.grad_peak >= estimated.grad_peak).all()
+
+
+def test_device_constants_to_device_and_tensors_created_in_forward():
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            pos = torch.arange(x.shape[1], device=x.device)[None, :, None].float()
+            bias = torch.tensor([0.5]).to(x.device)
+            return self.lin(x + pos) + bias
+
+    x = torch.randn(2, 5, 8)
+    p = profile_of(Positions(), x)
+    assert p.num_ops > 3
+    meta = profile_of(Positions().to("meta"), x.to("meta"))
+    assert meta.num_ops == p.num_ops
+
+
+def test_a_failing_node_is_named_with_its_module_and_line():
+    from torch import fx
+
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model = Broken()
+    graph = capture(model, (torch.randn(2, 4),)).graph
+    with pytest.raises(ProfileError, match=r"lin \(linear\) at .*test_profiler.py:\d+ failed on fake tensors"):
+        profile(graph, [torch.randn(2, 4) if v.dim() == 2 and v.shape[0] == 2 else torch.randn(3, 3)
+                        for v in graph.example_values], cost_model="estimate")
+    assert isinstance(graph.graph_module, fx.GraphModule)

@@ -6,15 +6,20 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import sublinear
-from sublinear.tracer import capture
-from sublinear.grid import grid_search
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core import Plan
 from sublinear.models import get_model
-from sublinear.plan import Plan
-from sublinear.profiler import profile, training_step
-from sublinear.rewriter import rewrite
+from sublinear.planners import PlanningProblem, objective_for
+from sublinear.planners.grid import grid_plans
+from sublinear.profiler import training_step
 from sublinear.simulator import simulate
 
-from conftest import RandomDAG, assert_same_training, train_steps
+from conftest import PLAIN, RandomDAG, assert_same_training, compile_with, profile_of, train_steps
+
+
+def _grid_best(p, tries=4):
+    config = SublinearMemoryConfig(thresh_nr_try=tries, memory_budget=None, max_time_ratio=float("inf"))
+    return grid_plans(PlanningProblem(p, objective_for(config, None), config))[0]
 
 TOLERANCE = 0.03
 
@@ -35,7 +40,7 @@ def _close(predicted, measured):
 def test_eager_prediction_matches_measured_eager_step(name, batches):
     for batch in batches:
         model, args, kwargs = _meta_model(name, batch)
-        p = profile(capture(model, args, kwargs), args, kwargs)
+        p = profile_of(model, *args, **kwargs)
         predicted = simulate(p, Plan.no_split(p.num_ops)).peak_bytes
         measured = sublinear.measure(training_step, model, *args, **kwargs).peak_bytes
         assert _close(predicted, measured), (name, batch, predicted, measured)
@@ -44,12 +49,12 @@ def test_eager_prediction_matches_measured_eager_step(name, batches):
 @pytest.mark.parametrize("name,batch", [("resnet50", 4), ("bert-base", 1), ("gpt", 1), ("tiny-bert", 4)])
 def test_plans_prediction_matches_measured_rewritten_step(name, batch):
     model, args, kwargs = _meta_model(name, batch)
-    captured = capture(model, args, kwargs)
-    p = profile(captured, args, kwargs)
+    compiled = sublinear.compile(model, args, kwargs, config=PLAIN)
+    p = compiled.sublinear_profile
     n = p.num_ops
     rng = random.Random(0)
     plans = {
-        "grid best": grid_search(p, 4)[0].plan,
+        "grid best": _grid_best(p).plan,
         "random": Plan.of(rng.sample(range(n), max(1, int(n ** 0.5))), n),
         "one op per block": Plan.every_op(n),
         "random with kept ops": Plan.of(rng.sample(range(n), 5), n, kept=rng.sample(range(n), n // 4)),
@@ -57,16 +62,17 @@ def test_plans_prediction_matches_measured_rewritten_step(name, batch):
     }
     for label, plan in plans.items():
         predicted = simulate(p, plan).peak_bytes
-        measured = sublinear.measure(training_step, rewrite(captured, p, plan), *args, **kwargs).peak_bytes
+        compiled.use(plan)
+        measured = sublinear.measure(training_step, compiled, *args, **kwargs).peak_bytes
         model.zero_grad(set_to_none=True)
         assert _close(predicted, measured), (label, predicted, measured)
 
 
 def test_one_block_predicts_no_recompute_and_more_blocks_predict_less_memory():
     model, args, kwargs = _meta_model("resnet50", 8)
-    p = profile(capture(model, args, kwargs), args, kwargs)
+    p = profile_of(model, *args, **kwargs)
     eager = simulate(p, Plan.no_split(p.num_ops))
-    best = grid_search(p, 4)[0].simulation
+    best = _grid_best(p).simulation
     assert eager.recompute_flops == 0
     fixed = p.baseline_bytes + p.gradient_bytes
     assert best.peak_bytes - fixed < 0.5 * (eager.peak_bytes - fixed)
@@ -79,14 +85,14 @@ def test_random_dags_random_plans_exact_and_predicted(seed, plan_seed, batch):
     torch.manual_seed(seed)
     model = RandomDAG(seed).train()
     x = torch.randn(batch, 64)
-    captured = capture(model, (x,))
-    p = profile(captured, (x,))
+    compiled = sublinear.compile(model, (x,), config=PLAIN)
+    p = compiled.sublinear_profile
     n = p.num_ops
     rng = random.Random(plan_seed)
     points = rng.sample(range(n), rng.randint(0, n))
     plan = Plan.of(points, n, kept=rng.sample(range(n), rng.randint(0, n // 3)),
                    soft=rng.sample(points, rng.randint(0, len(points))))
-    compiled = rewrite(captured, p, plan)
+    compiled.use(plan)
     reference = RandomDAG(seed).train()
     reference.load_state_dict(model.state_dict())
     assert_same_training(train_steps(reference, (x,), steps=1), train_steps(compiled, (x,), steps=1))
@@ -103,11 +109,11 @@ def test_sharded_parameters_replace_full_parameters_in_the_timeline(reshard_afte
     import numpy as np
 
     from conftest import Chain
-    from sublinear.sharding import ShardedParameters
+    from sublinear.core import ShardedParameters
     from sublinear.simulator import timeline
 
     x = torch.randn(32, 16)
-    graph_profile = profile(capture(Chain(4, 16), (x,)), (x,))
+    graph_profile = profile_of(Chain(4, 16), x)
     plan = Plan.no_split(graph_profile.num_ops)
     full, _ = timeline(graph_profile, plan)
     layout = ShardedParameters(world_size=4, sharded_bytes=1000, unsharded_bytes=4000, reduce_scatter_bytes=4100,

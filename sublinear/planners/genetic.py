@@ -1,4 +1,4 @@
-"""Genetic refinement of checkpoint plans (MegEngine's search, REFERENCE §1), written with DEAP.
+"""Genetic refinement of checkpoint plans (MegEngine's search), written with DEAP.
 
 A genome is a plan: the sorted split points (the last op always ends a block), the ``kept`` ops and the ``soft``
 split points (nested blocks). The population starts from every seed plan (the grid's candidates), the eager plan,
@@ -8,11 +8,11 @@ plans of k equal blocks (:func:`uniform_plans`) and the best 16 of those cut int
 two children: one by two random mutations (split a block, merge two blocks, move a boundary, toggle a kept op,
 toggle a soft point, or nothing, equally likely), one by one-point crossover with a random survivor. Every operator returns a valid plan.
 
-Fitness is an objective over the simulated candidate, by default :func:`sublinear.grid.score` (simulated peak
-bytes, then recompute FLOPs, then fewer blocks); the planner passes its budget objective instead. There are
+Fitness is the problem's :class:`~sublinear.core.objective.Objective` over the simulated candidate (MegEngine's is
+the simulated peak alone; ours also weighs predicted time under a cap, or time under a memory budget). There are
 no invalid plans to penalise: every plan the rewriter can run is exact (random ops replay their RNG state, state
-writes are redirected, pinned ops are never recomputed; see :func:`sublinear.simulator.analyse`). The best plan
-ever seen is kept apart in a hall of fame, so the result is never worse than the best seed.
+writes are redirected, pinned ops are never recomputed). The best plan ever seen is kept apart in a hall of fame,
+so the result is never worse than the best seed.
 
 The uniform seeds are our addition to MegEngine's search: on graphs of repeated layers (BERT) the threshold grid's
 plans straddle layer boundaries, and mutations that move one boundary at a time rarely fix that within 20
@@ -27,25 +27,26 @@ for 20 generations of 20 (ResNet-50: ~1 ms each, BERT-base: ~3 ms on one core).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import multiprocessing
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from deap import base, creator, tools
 
-from .config import SublinearMemoryConfig
-from .grid import Candidate, Objective, score
-from .plan import Plan
-from .profiler import GraphProfile
-from .simulator import Simulation, simulate
+from ..config import SublinearMemoryConfig
+from ..core.objective import Candidate, Simulation
+from ..core.plan import Plan
+from ..core.profile import GraphProfile
+from ..simulator import simulate
+from .base import PlanningProblem, register_planner
 
-__all__ = ["GeneticResult", "crossover", "genetic_search", "merge_blocks", "move_boundary", "split_block",
-           "toggle_kept", "toggle_soft", "uniform_plans"]
+__all__ = ["GeneticPlanner", "GeneticResult", "crossover", "genetic_search", "merge_blocks", "move_boundary",
+           "split_block", "toggle_kept", "toggle_soft", "uniform_plans"]
 
 log = logging.getLogger("sublinear.genetic")
 
@@ -54,7 +55,7 @@ MUTATIONS_PER_CHILD = 2
 NESTED_SEEDS = 16  # the best flat starting plans also start the search nested (nested_plans)
 
 if not hasattr(creator, "SublinearFitness"):
-    creator.create("SublinearFitness", base.Fitness, weights=(-1.0, -1.0, -1.0))  # minimise a 3-key objective
+    creator.create("SublinearFitness", base.Fitness, weights=(-1.0, -1.0, -1.0, -1.0))  # minimise the objective
 if not hasattr(creator, "SublinearIndividual"):
     creator.create("SublinearIndividual", list, fitness=creator.SublinearFitness, kept=frozenset, soft=frozenset)
 
@@ -62,7 +63,7 @@ if not hasattr(creator, "SublinearIndividual"):
 @dataclass(frozen=True)
 class GeneticResult:
     best: Candidate
-    history: tuple[int, ...]  # best simulated peak bytes after each generation
+    history: tuple[Candidate, ...]  # the best candidate so far after each generation
     evaluations: int  # distinct plans simulated
     logbook: tools.Logbook  # gen (0: initial population), evals so far, best and median peak bytes of the population
 
@@ -210,6 +211,10 @@ def _simulate_in_worker(plan: Plan) -> Simulation:
     return simulate(_worker_profile, plan)
 
 
+def _simulate_here(profile: GraphProfile) -> Callable[[Plan], Simulation]:
+    return lambda plan: simulate(profile, plan)
+
+
 def _individual(plan: Plan):
     """DEAP's view of a plan: the split points as the list, the kept ops as an attribute."""
     ind = creator.SublinearIndividual(plan.split_points)
@@ -225,30 +230,30 @@ def _plan_of(ind) -> Plan:
 # The search
 
 
-def genetic_search(profile: GraphProfile, seeds: list[Plan], config: SublinearMemoryConfig,
-                   objective: Objective = score) -> GeneticResult:
-    """Refine ``seeds`` for ``config.genetic_nr_iter`` generations; the plan ever simulated that ``objective``
-    ranks lowest wins."""
+def genetic_search(problem: PlanningProblem, seeds: Sequence[Plan]) -> GeneticResult:
+    """Refine ``seeds`` for ``config.genetic_nr_iter`` generations; the plan ever simulated that the objective ranks
+    lowest wins."""
+    config = problem.config
     caller_state = random.getstate()
     random.setstate(random.Random(config.seed).getstate())
     try:
         if config.workers > 1:
             context = multiprocessing.get_context(
                 "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-            with context.Pool(config.workers, _init_worker, (profile,)) as pool:
-                return _search(profile, seeds, config, objective, pool.map, _simulate_in_worker)
-        return _search(profile, seeds, config, objective, map, functools.partial(simulate, profile))
+            with context.Pool(config.workers, _init_worker, (problem.profile,)) as pool:
+                return _search(problem, seeds, pool.map)
+        return _search(problem, seeds, map)
     finally:
         random.setstate(caller_state)
 
 
-def _search(profile: GraphProfile, seeds: list[Plan], config: SublinearMemoryConfig, objective: Objective,
-            map_: Callable, evaluate: Callable[[Plan], Simulation]) -> GeneticResult:
+def _search(problem: PlanningProblem, seeds: Sequence[Plan], map_: Callable) -> GeneticResult:
+    profile, config, objective = problem.profile, problem.config, problem.objective
     pool_size = config.genetic_pool_size
     pinned = frozenset(op.index for op in profile.ops if op.pinned)
     toolbox = base.Toolbox()
     toolbox.register("map", map_)
-    toolbox.register("evaluate", evaluate)
+    toolbox.register("evaluate", _simulate_in_worker if map_ is not map else _simulate_here(profile))
     # Every operator draws from the global generator, the one DEAP's tools use (seeded by genetic_search).
     toolbox.register("split_block", split_block, rng=random)
     toolbox.register("merge_blocks", merge_blocks, rng=random)
@@ -260,17 +265,20 @@ def _search(profile: GraphProfile, seeds: list[Plan], config: SublinearMemoryCon
     toolbox.register("mutate", _mutate, mutations=mutations, times=MUTATIONS_PER_CHILD, rng=random)
     toolbox.register("mate", crossover, rng=random)
 
-    cache: dict[Plan, Simulation] = {}
+    cache = problem.simulations
+    evaluations = 0
 
     def evaluated(plans: Sequence[Plan]) -> list:
         """Individuals for ``plans`` with fitness, distinct plans only, simulating each new plan once."""
+        nonlocal evaluations
         unique = list(dict.fromkeys(plans))
         new = [p for p in unique if p not in cache]
         cache.update(zip(new, toolbox.map(toolbox.evaluate, new)))
+        evaluations += len(new)
         individuals = []
         for plan in unique:
             ind = _individual(plan)
-            ind.fitness.values = objective(Candidate(plan, cache[plan], math.nan))
+            ind.fitness.values = objective(Candidate(plan, cache[plan]))
             individuals.append(ind)
         return individuals
 
@@ -297,8 +305,9 @@ def _search(profile: GraphProfile, seeds: list[Plan], config: SublinearMemoryCon
     stats.register("best", min)
     stats.register("median", np.median)
     logbook = tools.Logbook()
-    logbook.record(gen=0, evals=len(cache), **stats.compile(population))
+    logbook.record(gen=0, evals=evaluations, **stats.compile(population))
     history = []
+    started = time.perf_counter()
     for generation in range(1, config.genetic_nr_iter + 1):
         survivors = select(population)
         children = []
@@ -308,10 +317,30 @@ def _search(profile: GraphProfile, seeds: list[Plan], config: SublinearMemoryCon
             children.append(toolbox.mate(plan, _plan_of(random.choice(survivors))))
         population = evaluated([*map(_plan_of, survivors), *children])
         hall.update(population)
-        history.append(cache[_plan_of(hall[0])].peak_bytes)
+        best = problem.candidate(_plan_of(hall[0]), "genetic")
+        history.append(best)
         record = stats.compile(population)
-        logbook.record(gen=generation, evals=len(cache), **record)
-        log.debug("generation %d: best peak %.1f MiB, median %.1f MiB, %d evaluations", generation,
-                  record["best"] / 2**20, record["median"] / 2**20, len(cache))
+        logbook.record(gen=generation, evals=evaluations, **record)
+        log.info("genetic generation %d/%d: best peak %.1f MiB at predicted time x%.3f (population median %.1f "
+                 "MiB), %d plans simulated, %.1f s", generation, config.genetic_nr_iter,
+                 best.simulation.peak_bytes / 2**20, best.simulation.time_ratio, record["median"] / 2**20,
+                 evaluations, time.perf_counter() - started)
     best = _plan_of(hall[0])
-    return GeneticResult(Candidate(best, cache[best], math.nan), tuple(history), len(cache), logbook)
+    return GeneticResult(problem.candidate(best, "genetic"), tuple(history), evaluations, logbook)
+
+
+class GeneticPlanner:
+    """MegEngine's genetic refinement, seeded with every candidate found so far."""
+
+    name = "genetic"
+
+    def enabled(self, config: SublinearMemoryConfig) -> bool:
+        return config.genetic_nr_iter > 0
+
+    def propose(self, problem: PlanningProblem, pool: Sequence[Candidate]) -> list[Candidate]:
+        found = genetic_search(problem, [c.plan for c in pool])
+        problem.history.extend(found.history)
+        return [found.best]
+
+
+register_planner("genetic", GeneticPlanner)

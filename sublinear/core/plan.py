@@ -1,6 +1,6 @@
 """Plan: which ops end a block, and which ops inside recomputed blocks are kept rather than recomputed.
 
-Semantics shared by the simulator and the rewriter (see docs/algorithm.md):
+Semantics shared by the simulator and the rewriter (read once, in :func:`sublinear.core.analysis.analyse`):
 
 - Ops run in order; ``split_points`` are the ops that end a block. The last op always ends a block.
 - A storage is *retained* when it is produced by a kept op or read by a later block (or returned). Autograd

@@ -1,0 +1,426 @@
+"""Capture: TorchDynamo turns the user's forward into torch.fx graphs; sublinear plans each graph it receives.
+
+Dynamo keeps Python's semantics where a graph cannot: guards re-capture when a Python-level fact a graph depends on
+changes (an attribute, a flag, a swapped submodule or forward), side effects (module attributes, counters, lists)
+are replayed in Python after the graph runs, a ``torch.autograd.Function`` stays one node with its own backward,
+and code it cannot put in a graph (``.item()``, data-dependent branches, prints) runs eagerly between graphs.
+
+A :class:`CapturedGraph` is one graph as a backend receives it: an fx ``GraphModule`` whose placeholders are the
+graph's inputs (parameters and buffers are lifted to inputs, so the graph holds no module state), with each
+placeholder's kind and where every node comes from in the user's code.
+
+:func:`capture` runs Dynamo once on a data-less twin of a module (fake tensors on the module's own device), so
+graphs can be planned before training without running the model or touching it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import dataclasses
+import itertools
+import logging
+import re
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                          FakeTensorMode)
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = ["DISPATCH", "Capture", "CaptureError", "CapturedGraph", "FakeTwin", "GraphBreak", "GraphReceiver",
+           "InputSignature", "NeedsData", "SharedGraph", "capture", "compile_entry", "graph_breaks",
+           "input_signature", "receiving"]
+
+log = logging.getLogger("sublinear.capture")
+
+PARAMETER, BUFFER, INPUT, SYMBOL = "parameter", "buffer", "input", "symbol"
+
+
+class CaptureError(RuntimeError):
+    """TorchDynamo could not capture the forward; the message names the file, line and reason."""
+
+
+class NeedsData(CaptureError):
+    """Code that runs eagerly between graphs needs tensor values, which a data-less capture does not have; such a
+    model is planned at its first real call instead."""
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """Shapes, dtypes, devices and requires_grad of a call's tensor leaves, and its other leaves."""
+
+    tensors: tuple[tuple[tuple[int, ...], str, str, bool], ...]
+    constants: tuple[str, ...]
+
+    def describe(self) -> str:
+        parts = [f"{tuple(shape)}:{dtype.removeprefix('torch.')}@{dev}" for shape, dtype, dev, _ in self.tensors]
+        return ", ".join(parts) or "no tensors"
+
+
+def input_signature(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> InputSignature:
+    tensors, constants = [], []
+    for leaf in tree_leaves((tuple(args), dict(kwargs or {}))):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append((tuple(leaf.shape), str(leaf.dtype), str(leaf.device), leaf.requires_grad))
+        else:
+            constants.append(repr(leaf))
+    return InputSignature(tuple(tensors), tuple(constants))
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    """Where Dynamo ended a graph and ran code eagerly, and why."""
+
+    location: str  # file:line
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.reason}"
+
+
+@dataclass
+class CapturedGraph:
+    """One Dynamo graph: ``graph_module`` with one placeholder per input, in the order the backend receives them.
+
+    ``kinds[i]`` is the kind of placeholder ``i`` (parameter, buffer, input or symbol, i.e. a SymInt size);
+    ``sources[i]`` names it in the user's terms (``L['self'].encoder.layer[0]...weight``). ``example_values`` are
+    data-less values of the call it was captured at (fake tensors), when captured by :func:`capture`.
+    """
+
+    graph_module: fx.GraphModule
+    kinds: tuple[str, ...]
+    sources: tuple[str, ...]
+    example_values: list[Any] | None = None
+
+    @staticmethod
+    def from_dynamo(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CapturedGraph:
+        """The graph a Dynamo backend received (without holding on to the example inputs)."""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        kinds, sources = [], []
+        for node, value in itertools.zip_longest(placeholders, example_inputs):
+            grapharg = node.meta.get("grapharg") if node is not None else None
+            source = grapharg.source.name if grapharg is not None and grapharg.source is not None else \
+                (node.name if node is not None else "?")
+            sources.append(str(source))
+            if not isinstance(value, torch.Tensor):
+                kinds.append(SYMBOL)
+            elif isinstance(value, nn.Parameter) or "._parameters[" in str(source):
+                kinds.append(PARAMETER)
+            elif "._buffers[" in str(source):
+                kinds.append(BUFFER)
+            else:
+                kinds.append(INPUT)
+        return CapturedGraph(gm, tuple(kinds), tuple(sources))
+
+    @property
+    def code(self) -> str:
+        """The graph's Python code without the placeholders' type annotations (which name the example values'
+        classes): equal for every capture of the same forward, real or fake."""
+        head, _, body = self.graph_module.code.partition("\n    ")
+        return re.sub(r" : [\w.]+", "", head) + "\n    " + body
+
+    @property
+    def num_operators(self) -> int:
+        return sum(1 for n in self.graph_module.graph.nodes if n.op not in ("placeholder", "output", "get_attr"))
+
+    def describe(self) -> str:
+        counts = {k: self.kinds.count(k) for k in (PARAMETER, BUFFER, INPUT, SYMBOL) if k in self.kinds}
+        return f"{self.num_operators} operators, inputs " + ", ".join(f"{v} {k}s" for k, v in counts.items())
+
+
+def module_path(node: fx.Node) -> str:
+    """The user's module path of ``node`` (``encoder.layer.0.attention``), or ``""`` at the top level."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['self'\]\.?|^L\['[^']*'\]\.?", "", str(path))
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line`` of the user code that made ``node`` (the innermost frame of its stack trace), or ``""``."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    if not frames:
+        return ""
+    path, line = frames[-1]
+    return f"{path}:{line}"
+
+
+def describe_node(node: fx.Node) -> str:
+    """For messages: ``module.path (node name) at file:line``."""
+    where = source_line(node)
+    path = module_path(node)
+    text = f"{path} ({node.name})" if path else node.name
+    return f"{text} at {where}" if where else text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Graph breaks
+
+
+@contextlib.contextmanager
+def graph_breaks() -> Iterator[list[GraphBreak]]:
+    """Collect the graph breaks Dynamo reports while the block runs (each distinct break once)."""
+    from torch._dynamo.utils import graph_break_dup_warning_checker
+
+    found: list[GraphBreak] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage()
+            where = re.search(r"Graph break in user code at (\S+)", text)
+            if where:
+                found.append(GraphBreak(where.group(1), _break_reason(text)))
+
+    loggers = [torch._logging.getArtifactLogger(name, "graph_breaks")
+               for name in ("torch._dynamo.symbolic_convert", "torch._dynamo.convert_frame")]
+    saved = [(lg, lg.level, lg.propagate, list(lg.handlers), lg.disabled) for lg in loggers]
+    handler = _Collect()
+    graph_break_dup_warning_checker.reset()
+    for lg in loggers:
+        lg.handlers = [handler]
+        lg.propagate = False
+        lg.disabled = False
+        lg.setLevel(logging.DEBUG)
+    try:
+        yield found
+    finally:
+        for lg, level, propagate, handlers, disabled in saved:
+            lg.setLevel(level)
+            lg.propagate = propagate
+            lg.handlers = handlers
+            lg.disabled = disabled
+        unique = list(dict.fromkeys(found))
+        found[:] = unique
+
+
+def _break_reason(text: str) -> str:
+    """The most specific line of Dynamo's graph-break message: its explanation, else its stated reason."""
+    explanation = re.search(r"Explanation: ([^\n]*)", text)
+    if explanation:
+        return explanation.group(1).strip()
+    reason = re.search(r"Graph Break Reason: ([^\n]*)", text)
+    return reason.group(1).strip() if reason else "unknown"
+
+
+def capture_error(exc: BaseException, what: str) -> CaptureError:
+    """A :class:`CaptureError` naming the user's file and line for an exception Dynamo raised."""
+    frames = getattr(exc, "real_stack", None) or []
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    if not where:
+        match = re.findall(r'File "([^"]+)", line (\d+)', str(exc))
+        user = [m for m in match if "/torch/" not in m[0]]
+        if user:
+            where = f"{user[-1][0]}:{user[-1][1]}"
+    if not where:
+        tb = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename
+              and "/sublinear/" not in f.filename]
+        where = f"{tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)):
+        return NeedsData(f"{what}{f' at {where}' if where else ''} needs tensor values ({type(exc).__name__}: "
+                         f"{first}) in code TorchDynamo runs eagerly between graphs; a data-less capture cannot run "
+                         "it, so the model is planned at its first training call, on real inputs.")
+    return CaptureError(f"TorchDynamo could not capture {what}{f' at {where}' if where else ''}: "
+                        f"{type(exc).__name__}: {first}. Make that code traceable (or move it out of forward); "
+                        "sublinear plans only what TorchDynamo captures.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data-less twins and the dry-run capture
+
+
+class FakeTwin:
+    """Fake tensors on the real tensors' own devices, from one FakeTensorMode: shapes, dtypes, strides and
+    ``requires_grad`` of the originals, no data. Parameters stay parameters."""
+
+    def __init__(self) -> None:
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.mode.cache_enabled = False  # its dispatch cache keeps tensors alive past their last use
+        self._memo: dict[int, torch.Tensor] = {}
+
+    def tensor(self, t: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+        key = id(t)
+        if key in self._memo:
+            return self._memo[key]
+        if self._is_scalar_value(t, device):
+            # A Python number TorchDynamo passes as a tensor and reads with .item() in the graph: keep its value
+            # (a copy: in-place ops on a constant fake reach the tensor it holds).
+            fake = self.mode.fake_tensor_converter.from_real_tensor(self.mode, t.clone(), make_constant=True)
+            self._memo[key] = fake
+            return fake
+        with self.mode:
+            empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device or t.device)
+        if isinstance(t, nn.Parameter):
+            fake = nn.Parameter(empty, requires_grad=t.requires_grad)
+        elif t.requires_grad and t.is_leaf:
+            fake = empty.requires_grad_(True)
+        else:
+            fake = empty
+        self._memo[key] = fake
+        return fake
+
+    @staticmethod
+    def _is_scalar_value(t: torch.Tensor, device: torch.device | str | None) -> bool:
+        return (t.numel() == 1 and t.dim() == 0 and t.device.type == "cpu" and not t.requires_grad
+                and device is None and not isinstance(t, (FakeTensor, nn.Parameter)))
+
+    def value(self, value: Any, device: torch.device | str | None = None) -> Any:
+        return tree_map(lambda v: self.tensor(v, device) if isinstance(v, torch.Tensor) else v, value)
+
+    def module(self, module: nn.Module) -> nn.Module:
+        """A deep copy of ``module`` whose parameters, buffers and tensor attributes are fakes (no data copied)."""
+        memo: dict[int, Any] = {}
+        for sub in module.modules():
+            for value in itertools.chain(sub._parameters.values(), sub._buffers.values(),
+                                         (v for v in vars(sub).values() if isinstance(v, torch.Tensor))):
+                if value is not None and id(value) not in memo:
+                    memo[id(value)] = self.tensor(value)
+        return copy.deepcopy(module, memo)
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    return next((t.device for t in itertools.chain(module.parameters(), module.buffers())), torch.device("cpu"))
+
+
+@dataclass
+class Capture:
+    """The graphs of one call, in the order they ran, and the graph breaks between them."""
+
+    graphs: list[CapturedGraph]
+    breaks: list[GraphBreak] = field(default_factory=list)
+
+    @property
+    def graph(self) -> CapturedGraph:
+        """The only graph; an error naming the breaks when there are several."""
+        if len(self.graphs) != 1:
+            where = "; ".join(str(b) for b in self.breaks[:5]) or "no graph was captured"
+            raise CaptureError(f"this needs one graph, and TorchDynamo captured {len(self.graphs)} ({where})")
+        return self.graphs[0]
+
+
+class GraphReceiver(Protocol):
+    """What runs a captured graph at call time: a dry run's recorder, or a compiled model's session."""
+
+    def run_graph(self, shared: SharedGraph, values: Sequence[Any]) -> Any: ...
+
+
+_RECEIVER: contextvars.ContextVar[GraphReceiver | None] = contextvars.ContextVar("sublinear_receiver", default=None)
+
+
+@contextlib.contextmanager
+def receiving(receiver: GraphReceiver) -> Iterator[None]:
+    """Run the captured graphs of the calls inside the block through ``receiver``."""
+    token = _RECEIVER.set(receiver)
+    try:
+        yield
+    finally:
+        _RECEIVER.reset(token)
+
+
+class SharedGraph:
+    """A captured graph as TorchDynamo's cache holds it: run by whichever receiver is active at call time (plain,
+    when none is)."""
+
+    def __init__(self, graph: CapturedGraph) -> None:
+        self.graph = graph
+
+    def __call__(self, *values: Any) -> Any:
+        receiver = _RECEIVER.get()
+        if receiver is None:
+            return self.graph.graph_module(*values)
+        return receiver.run_graph(self, values)
+
+
+class _Dispatch:
+    """The one backend object sublinear hands TorchDynamo.
+
+    TorchDynamo's cache entries outlive the ``torch.compile`` call that made them and are shared by every later
+    call whose guards match, whichever model or capture they belong to. So the compiled artifact decides nothing
+    itself: each run goes to the receiver active at call time (:func:`receiving`). One shared backend also lets
+    every model of a class reuse compiled graphs instead of filling the code object's recompile limit.
+    """
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        return SharedGraph(CapturedGraph.from_dynamo(gm, example_inputs))
+
+
+DISPATCH = _Dispatch()
+
+
+def compile_entry(target: Callable[..., Any], name: str, dynamic: bool | None) -> Callable[..., Any]:
+    """``target`` (a module or a function) under TorchDynamo with the shared backend, entered through a function
+    whose code object belongs to this call alone.
+
+    TorchDynamo keeps its cache and its "skip this frame" marks on code objects. ``torch.compile`` enters a
+    ``torch.nn`` module (``nn.Sequential``, ``nn.Linear``) through one wrapper whose code object every such compile
+    in the process shares, and a forward with no tensor ops (``nn.Identity``) marks that code skipped: every
+    ``torch.nn`` model compiled afterwards would then run eagerly, unplanned. A code object of its own confines
+    each mark and each cache to one model.
+    """
+
+    self = target  # the graphs' sources then read L['self'].<module path>, as for a module compiled directly
+
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        return self(*args, **kwargs)
+
+    entry.__code__ = entry.__code__.replace(co_name="sublinear_entry_" + re.sub(r"\W", "_", name))
+    return torch.compile(entry, backend=DISPATCH, dynamic=dynamic)
+
+
+class _Recorder:
+    """A dry run's receiver: collects each graph with the values it ran on."""
+
+    def __init__(self) -> None:
+        self.graphs: list[CapturedGraph] = []
+
+    def run_graph(self, shared: SharedGraph, values: Sequence[Any]) -> Any:
+        self.graphs.append(dataclasses.replace(shared.graph, example_values=list(values)))
+        return shared.graph.graph_module(*values)
+
+
+def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Capture:
+    """The graphs TorchDynamo captures for ``module(*args, **kwargs)`` in training mode, captured on a data-less
+    twin of the module: the module, its tensors and its Python state are left as they were.
+
+    ``args``/``kwargs`` may hold real or meta tensors; meta tensors stand for tensors on the module's device.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"capture() needs an nn.Module, got {type(module).__name__}")
+    twin = FakeTwin()
+    device = _module_device(module)
+    try:
+        copy_ = twin.module(module)
+    except Exception as exc:  # noqa: BLE001 - reported with the reason
+        raise CaptureError(f"sublinear captures a data-less copy of the model before training, and copying "
+                           f"{type(module).__name__} failed: {type(exc).__name__}: {exc}. Call the compiled "
+                           "module without example inputs: it then plans at its first training call.") from exc
+    copy_.train()
+
+    def on_device(t: torch.Tensor) -> torch.Tensor:
+        return twin.tensor(t, device if t.device.type == "meta" and device.type != "meta" else None)
+
+    fake_args, fake_kwargs = tree_map(lambda v: on_device(v) if isinstance(v, torch.Tensor) else v,
+                                      (tuple(args), dict(kwargs or {})))
+    recorder = _Recorder()
+    compiled = compile_entry(copy_, type(module).__name__, dynamic=False)
+    try:
+        with graph_breaks() as breaks, receiving(recorder), \
+                torch._dynamo.config.patch(recompile_limit=10**6, accumulated_recompile_limit=10**6):
+            compiled(*fake_args, **fake_kwargs)
+    except CaptureError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - Dynamo's and the model's errors, with the user's line
+        raise capture_error(exc, f"{type(module).__name__}.forward") from exc
+    graphs = recorder.graphs
+    log.debug("captured %s: %d graph(s), %d graph break(s)", type(module).__name__, len(graphs), len(breaks))
+    return Capture(graphs, list(breaks))

@@ -1,0 +1,188 @@
+"""The profile of one training step: plain numbers per op, per storage and per backward node (no torch objects).
+
+Units of planning are *ops*: contiguous runs of operator nodes that stay in one block because a node writes in
+place a storage that an earlier node of the run produced (``ReLU(inplace=True)``, ``out += x``). Across op
+boundaries a storage is therefore never written again once produced. Memory is counted per storage, so views and
+in-place results alias their base, and a storage that autograd saves and that is also kept for another reason is
+one storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+__all__ = ["AutocastState", "GraphProfile", "NodeFacts", "OpProfile", "ShardedParameters"]
+
+AutocastState = tuple[tuple[str, bool, str], ...]  # per device type: (device, enabled, dtype name)
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the rewriter must know about one operator node to recompute it exactly.
+
+    ``grad_enabled`` and ``autocast`` are the modes the node ran under in forward (a graph may switch them, as
+    ``torch.no_grad()`` or ``torch.autocast(enabled=False)`` inside a forward do); a recompute replays the node
+    under the same modes.
+    """
+
+    random: bool = False
+    state_args: tuple[int | str, ...] = ()  # positions/names of tensor args whose state it writes (snapshot, redirect)
+    pin_reason: str = ""  # non-empty: the node must never be recomputed
+    grad_enabled: bool = True
+    autocast: AutocastState = ()
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """One planning unit: node positions ``nodes`` (contiguous operators of the graph)."""
+
+    index: int
+    nodes: tuple[int, ...]
+    name: str  # module path and node name, for people
+    flops: int
+    forward_extra_bytes: int  # most bytes the op's own allocations (and kernel workspace) hold at once while it runs
+    snapshot_bytes: int  # state it writes, cloned in forward when the op may be recomputed
+    random: bool
+    mutates_state: bool
+    pin_reason: str
+    forward_seconds: float = 0.0  # device time of the op's forward (measured, or estimated from FLOPs and bytes)
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.pin_reason)
+
+
+@dataclass(frozen=True)
+class ShardedParameters:
+    """One rank's parameter and gradient bytes under FSDP2 (shards are padded to equal size, as FSDP stores them).
+
+    Per rank, a step holds the parameter shards, always; the all-gathered (unsharded) parameters from the forward's
+    start until FSDP reshards them after backward; the all-gather output buffer through the forward; and, after
+    backward, the reduce-scatter input and output buffers that turn the full gradients into gradient shards. Gloo,
+    which lacks native reduce-scatter and in-place all-gather, also copies each collective's full buffer.
+    """
+
+    world_size: int
+    sharded_bytes: int  # the rank's parameter shards, held across steps
+    unsharded_bytes: int  # the all-gathered parameters (padded), held from forward until reshard after backward
+    reduce_scatter_bytes: int  # the reduce-scatter input: every rank's padded gradients, in the reduce dtype
+    sharded_gradient_bytes: int  # the rank's gradient shards the step leaves behind
+    collective_workspace: bool  # the backend copies a collective's full buffer while it runs (gloo)
+    reshard_after_forward: bool  # parameters freed after forward and gathered again for backward
+    casts_inputs: bool  # a MixedPrecisionPolicy casts floating inputs; the caller's originals are not counted
+
+    @property
+    def all_gather_bytes(self) -> int:
+        """The all-gather output buffer, held through the forward: every rank's shard at the gathered dtype."""
+        return self.unsharded_bytes
+
+    def workspace(self, buffer_bytes: int) -> int:
+        """The backend's copy of a collective's buffer while the collective runs."""
+        return buffer_bytes if self.collective_workspace else 0
+
+    def __str__(self) -> str:
+        mib = 2**20
+        return (f"FSDP over {self.world_size} ranks: parameter shards {self.sharded_bytes / mib:.1f} MiB, "
+                f"gathered {self.unsharded_bytes / mib:.1f} MiB")
+
+
+def _empty(dtype=np.int64) -> np.ndarray:
+    return np.zeros(0, dtype=dtype)
+
+
+@dataclass
+class GraphProfile:
+    """The planner's view of one training step of one captured graph.
+
+    Storages are indexed 0..S-1. ``storage_last_use[s]`` is the last op that reads a value on ``s`` in forward
+    (``len(ops)`` for graph outputs); ``storage_saved_by[s]`` lists the ops whose autograd saves it; storages that
+    neither outlive their op nor are saved are folded into ``forward_extra_bytes``. ``op_inputs[o]`` lists, per
+    value op ``o`` reads from another op, ``(producer op, storages of the value)``.
+
+    Backward runs node by node: operator nodes (*ranks*, in graph order) with their op (``node_op``), the ranks
+    whose autograd saves each storage (``storage_saved_at``), and per rank the gradient-side bytes at the start of
+    its backward, at the peak before it frees what it saved, and at the peak after that (plan-independent, from the
+    eager step, kernel workspace included), and its backward time.
+    """
+
+    ops: list[OpProfile]
+    storage_bytes: np.ndarray
+    storage_producer: np.ndarray
+    storage_last_use: np.ndarray
+    storage_saved_by: list[tuple[int, ...]]
+    op_inputs: list[tuple[tuple[int, tuple[int, ...]], ...]]
+    baseline_bytes: int  # parameters, buffers and inputs: live before the step starts
+    parameter_bytes: int
+    buffer_bytes: int
+    input_bytes: int
+    gradient_bytes: int
+    measured_peak_bytes: int  # the profiled eager step's peak (storage tracking)
+    backward_flops: int
+    node_facts: dict[int, NodeFacts] = field(default_factory=dict)
+    op_of_node: dict[int, int] = field(default_factory=dict)
+    node_storages: dict[int, tuple[int, ...]] = field(default_factory=dict)  # node -> storage per tensor leaf (-1: none)
+    reaches_output: np.ndarray = field(default_factory=lambda: _empty(bool))  # per op
+    op_storages: list[tuple[int, ...]] = field(default_factory=list)  # per op: storages of the values it outputs
+    held_through_forward: np.ndarray = field(default_factory=lambda: _empty(bool))  # autocast's cast cache
+    storage_saved_at: list[tuple[int, ...]] = field(default_factory=list)
+    node_op: np.ndarray = field(default_factory=_empty)
+    grad_start: np.ndarray = field(default_factory=_empty)
+    grad_peak: np.ndarray = field(default_factory=_empty)
+    grad_after_release: np.ndarray = field(default_factory=_empty)
+    backward_seconds: np.ndarray = field(default_factory=lambda: _empty(float))  # per rank
+    cost_source: str = "none"  # how op times were obtained: "measured on <device>" or "estimated: <rates>"
+    sharding: ShardedParameters | None = None  # FSDP2's per-rank layout; None: full parameters and gradients
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+    @property
+    def forward_flops(self) -> int:
+        return sum(op.flops for op in self.ops)
+
+    @property
+    def step_flops(self) -> int:
+        """FLOPs of one eager training step (forward and backward)."""
+        return self.forward_flops + self.backward_flops
+
+    @property
+    def forward_seconds(self) -> float:
+        return float(sum(op.forward_seconds for op in self.ops))
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted time of one eager training step (forward and backward)."""
+        return self.forward_seconds + float(np.sum(self.backward_seconds))
+
+    def costs(self) -> dict:
+        """The device-dependent part of the profile, as JSON-ready lists (for the plan cache)."""
+        return {"cost_source": self.cost_source,
+                "forward_seconds": [op.forward_seconds for op in self.ops],
+                "forward_extra_bytes": [op.forward_extra_bytes for op in self.ops],
+                "backward_seconds": [float(v) for v in self.backward_seconds],
+                "grad_peak": [int(v) for v in self.grad_peak]}
+
+    def with_costs(self, costs: dict) -> GraphProfile:
+        """This profile with the costs of :meth:`costs` (taken earlier for the same graph and signature)."""
+        if len(costs["forward_seconds"]) != self.num_ops or len(costs["grad_peak"]) != len(self.grad_peak):
+            raise ValueError("costs belong to another graph")
+        ops = [replace(op, forward_seconds=float(t), forward_extra_bytes=int(b))
+               for op, t, b in zip(self.ops, costs["forward_seconds"], costs["forward_extra_bytes"])]
+        return replace(self, ops=ops, backward_seconds=np.asarray(costs["backward_seconds"], dtype=float),
+                       grad_peak=np.asarray(costs["grad_peak"], dtype=np.int64), cost_source=costs["cost_source"])
+
+    def summary(self, top: int = 5) -> str:
+        mib = 2**20
+        order = np.argsort(-self.storage_bytes)[:top]
+        lines = [f"{self.num_ops} ops, forward {self.forward_flops / 1e9:.2f} GFLOP, eager step peak "
+                 f"{self.measured_peak_bytes / mib:.1f} MiB (parameters {self.parameter_bytes / mib:.1f}, "
+                 f"buffers {self.buffer_bytes / mib:.1f}, inputs {self.input_bytes / mib:.1f}, "
+                 f"gradients {self.gradient_bytes / mib:.1f} MiB); step time {self.step_seconds * 1e3:.1f} ms "
+                 f"({self.cost_source})"]
+        for s in order:
+            op = self.ops[self.storage_producer[s]]
+            lines.append(f"  {self.storage_bytes[s] / mib:9.2f} MiB  from {op.name}")
+        return "\n".join(lines)

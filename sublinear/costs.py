@@ -1,0 +1,254 @@
+"""Op costs: how long each operator node takes on the device, forward and backward, and how many bytes the
+allocator hands it while it runs (kernel workspace included).
+
+Two sources:
+
+- :func:`measure_node_costs` runs every node alone on the device, on random tensors of the shapes, dtypes and
+  strides it saw in the profiled step (integers are zeros, so indices stay in range), forward then backward.
+  Time: CPU wall clock, or CUDA events on a GPU; the fastest of ``repeats`` runs after one warm-up. Memory: the
+  allocator's peak during the node (CPU: the profiler's memory events; CUDA: ``max_memory_allocated``). One node at
+  a time, so it needs the memory of one node's inputs and outputs, not of the step.
+- :func:`estimate_seconds` charges every aten call FLOPs over the device's matmul rate plus bytes moved over its
+  memory bandwidth plus a fixed per-call overhead, with :class:`DeviceRates` calibrated once per process on the
+  device (on meta, a reference GPU's published rates). Elementwise ops are never free.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = ["DeviceRates", "NodeCosts", "TensorSpec", "device_rates", "estimate_seconds", "measure_node_costs"]
+
+log = logging.getLogger("sublinear.costs")
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """Throughputs that turn FLOPs and bytes into seconds on one device."""
+
+    device: str
+    flops_per_second: float
+    bytes_per_second: float
+    seconds_per_call: float  # launch and dispatch overhead of one aten call
+
+    def describe(self) -> str:
+        return (f"{self.device}: {self.flops_per_second / 1e12:.2f} TFLOP/s, "
+                f"{self.bytes_per_second / 1e9:.0f} GB/s, {self.seconds_per_call * 1e6:.0f} us per call")
+
+
+# The GPU MegEngine's published figures were taken on (NVIDIA RTX 2080 Ti: 13.4 TFLOP/s fp32, 616 GB/s), used
+# when planning on the meta device, where nothing can be timed.
+REFERENCE_GPU = DeviceRates("reference GPU (RTX 2080 Ti)", 13.4e12, 616e9, 5e-6)
+
+
+def estimate_seconds(flops: float, io_bytes: float, calls: int, rates: DeviceRates) -> float:
+    """Roofline-style time of ``calls`` aten calls doing ``flops`` and moving ``io_bytes``."""
+    return flops / rates.flops_per_second + io_bytes / rates.bytes_per_second + calls * rates.seconds_per_call
+
+
+@functools.lru_cache(maxsize=None)
+def device_rates(device: str) -> DeviceRates:
+    """The device's matmul rate, copy bandwidth and per-call overhead, measured once per process (0.1-0.5 s)."""
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        return REFERENCE_GPU
+    dev = torch.device(device)
+    n = 1024 if kind == "cpu" else 4096
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
+    matmul = _fastest(lambda: torch.mm(a, b), dev)
+    big = torch.empty(32 * 2**20 // 4, device=dev)
+    out = torch.empty_like(big)
+    copy = _fastest(lambda: out.copy_(big), dev)
+    one = torch.ones(1, device=dev)
+    call = _fastest(lambda: one.add(one), dev, repeats=50)
+    rates = DeviceRates(str(dev), 2 * n**3 / matmul, 2 * big.nbytes / copy, call)
+    log.info("device rates %s", rates.describe())
+    return rates
+
+
+def _fastest(fn: Callable[[], Any], device: torch.device, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        times.append(_timed(fn, device))
+    return max(min(times), 1e-9)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measuring nodes
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's metadata, enough to make a random stand-in for it."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorSpec:
+        return TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
+
+    def make(self, device: torch.device) -> torch.Tensor:
+        """A random tensor with this metadata; a non-leaf when it requires grad (so in-place ops may write it)."""
+        size = sum((s - 1) * st for s, st in zip(self.shape, self.stride)) + 1 if all(self.shape) else 0
+        if self.dtype.is_floating_point or self.dtype.is_complex:
+            base = torch.randn(size, dtype=self.dtype, device=device) * 0.1
+        else:
+            base = torch.zeros(size, dtype=self.dtype, device=device)
+        t = base.as_strided(self.shape, self.stride)
+        if self.requires_grad and (self.dtype.is_floating_point or self.dtype.is_complex):
+            leaf = t.detach().requires_grad_(True)
+            return leaf * 1
+        return t
+
+
+def spec_tree(value: Any) -> Any:
+    """``value`` with every tensor replaced by its :class:`TensorSpec` (holds no tensor alive)."""
+    return tree_map(lambda v: TensorSpec.of(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+@dataclass
+class NodeCosts:
+    """Per operator node: forward and backward seconds, and the allocator's peak bytes above what was allocated
+    before the node's forward (its outputs and workspace) and before its backward (gradients and workspace)."""
+
+    forward_seconds: dict[int, float]
+    backward_seconds: dict[int, float]
+    forward_peak_bytes: dict[int, int]
+    backward_peak_bytes: dict[int, int]
+
+
+def measure_node_costs(nodes: Sequence[int], call: Callable[[int, tuple, dict], Any],
+                       inputs: dict[int, tuple[Any, Any]], device: torch.device, repeats: int = 2) -> NodeCosts:
+    """Time and allocator peaks of every node in ``nodes``, each run alone by ``call(node, args, kwargs)`` on random
+    stand-ins for ``inputs[node]`` (its args and kwargs as :class:`TensorSpec` trees)."""
+    costs = NodeCosts({}, {}, {}, {})
+    for i in nodes:
+        args, kwargs = inputs[i]
+        forward, backward = [], []
+        for _ in range(repeats + 1):
+            a, k = _materialise((args, kwargs), device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            out, seconds = _timed_call(lambda: call(i, a, k), device)
+            forward.append(seconds)
+            grads = _backward_pair(out, (a, k))
+            if grads is not None:
+                backward.append(_timed(lambda: torch.autograd.grad(*grads, allow_unused=True), device))
+            del out, grads, a, k
+        costs.forward_seconds[i] = min(forward[1:])
+        costs.backward_seconds[i] = min(backward[1:]) if len(backward) > 1 else 0.0
+    peaks = _cpu_peaks if device.type == "cpu" else _cuda_peaks
+    costs.forward_peak_bytes, costs.backward_peak_bytes = peaks(nodes, call, inputs, device)
+    return costs
+
+
+def _materialise(tree: Any, device: torch.device) -> Any:
+    return tree_map(lambda v: v.make(device) if isinstance(v, TensorSpec) else v, tree)
+
+
+def _timed_call(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    result: list[Any] = []
+    seconds = _timed(lambda: result.append(fn()), device)
+    return result[0], seconds
+
+
+def _backward_pair(out: Any, inputs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None:
+    """(outputs, inputs, grad_outputs) for the node's backward, or None when nothing is differentiable."""
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+    ins = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outs or not ins:
+        return None
+    return outs, ins, [torch.ones_like(t) for t in outs]
+
+
+def _cpu_peaks(nodes, call, inputs, device) -> tuple[dict[int, int], dict[int, int]]:
+    """Allocator peaks per node from one profiler session, each node's forward and backward in a named range."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i in nodes:
+            a, k = _materialise(inputs[i], device)
+            with record_function(f"sublinear-forward-{i}"):
+                out = call(i, a, k)
+            grads = _backward_pair(out, (a, k))
+            if grads is not None:
+                with record_function(f"sublinear-backward-{i}"):
+                    torch.autograd.grad(*grads, allow_unused=True)
+            del out, grads, a, k
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events
+                    if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
+    ranges = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+              if e.name().startswith("sublinear-")}
+    forward, backward = {}, {}
+    for i in nodes:
+        for table, label in ((forward, "forward"), (backward, "backward")):
+            window = ranges.get(f"sublinear-{label}-{i}")
+            table[i] = _window_peak(memory, window) if window else 0
+    return forward, backward
+
+
+def _window_peak(memory: list[tuple[int, int]], window: tuple[int, int]) -> int:
+    live = peak = 0
+    for t, nbytes in memory:
+        if t < window[0]:
+            continue
+        if t > window[1]:
+            break
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _cuda_peaks(nodes, call, inputs, device) -> tuple[dict[int, int], dict[int, int]]:
+    forward, backward = {}, {}
+    for i in nodes:
+        a, k = _materialise(inputs[i], device)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = call(i, a, k)
+        torch.cuda.synchronize(device)
+        forward[i] = torch.cuda.max_memory_allocated(device) - before
+        grads = _backward_pair(out, (a, k))
+        backward[i] = 0
+        if grads is not None:
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            torch.autograd.grad(*grads, allow_unused=True)
+            torch.cuda.synchronize(device)
+            backward[i] = torch.cuda.max_memory_allocated(device) - before
+        del out, grads, a, k
+    return forward, backward
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0

@@ -1,0 +1,12 @@
+"""Plan: planners behind one interface (:class:`Planner`), registered by name, run in order by :func:`make_plan`.
+
+Built in: ``grid`` (Chen's greedy blocks over MegEngine's threshold grid, with keep variants) and ``genetic``
+(MegEngine's genetic refinement, with DEAP).
+"""
+
+from . import genetic, grid  # noqa: F401  (register the built-in planners)
+from .base import PLANNERS, Planner, PlanningProblem, register_planner
+from .driver import BudgetError, PlanningResult, hand_back, make_plan, objective_for, pareto_front
+
+__all__ = ["BudgetError", "PLANNERS", "Planner", "PlanningProblem", "PlanningResult", "hand_back", "make_plan",
+           "objective_for", "pareto_front", "register_planner"]

@@ -1,0 +1,138 @@
+"""Plan stage driver: run the configured planners in order over one problem and keep the best candidate.
+
+Every planner sees the candidates found before it (the genetic search is seeded with them all), and every
+candidate is scored by the one simulator under the config's objective (:class:`sublinear.core.objective.Objective`).
+Afterwards ``lb_memory`` hands memory back: when the chosen plan's peak is below this floor, recomputed ops are
+kept again, most recompute time first, while the peak stays within the floor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from ..config import SublinearMemoryConfig
+from ..core.analysis import analyse
+from ..core.objective import Candidate, Objective, Simulation
+from ..core.plan import Plan
+from ..core.profile import GraphProfile
+from .base import PLANNERS, PlanningProblem
+
+__all__ = ["BudgetError", "PlanningResult", "hand_back", "make_plan", "objective_for", "pareto_front"]
+
+log = logging.getLogger("sublinear.planners")
+
+
+class BudgetError(ValueError):
+    """No plan found meets the memory budget within the time cap."""
+
+    def __init__(self, objective: Objective, smallest: Candidate, fastest_fitting: Candidate | None) -> None:
+        budget = objective.memory_budget or 0
+        gib = 2**30
+        text = (f"no plan fits memory_budget={budget:,} bytes ({budget / gib:.2f} GiB) within max_time_ratio="
+                f"{objective.max_time_ratio:g}: the smallest predicted peak found is "
+                f"{smallest.simulation.peak_bytes:,} bytes ({smallest.simulation.peak_bytes / gib:.2f} GiB, time "
+                f"x{smallest.simulation.time_ratio:.2f})")
+        if fastest_fitting is not None and not objective.within_time(fastest_fitting):
+            text += (f"; the fastest plan that fits needs time x{fastest_fitting.simulation.time_ratio:.2f}: raise "
+                     f"max_time_ratio to allow it")
+        text += ". Raise the budget, lower the batch size, or search longer (genetic_nr_iter)."
+        super().__init__(text)
+        self.budget, self.smallest = budget, smallest.simulation.peak_bytes
+
+
+@dataclass(frozen=True)
+class PlanningResult:
+    plan: Plan
+    simulation: Simulation
+    baseline: Simulation  # eager: the one-block plan
+    objective: Objective
+    candidates: tuple[Candidate, ...]  # every candidate the planners returned, best first under the objective
+    history: tuple[Candidate, ...]  # the best candidate so far after each planner and each genetic generation
+    seconds: float
+    origin: str  # the planner whose candidate won
+
+
+def objective_for(config: SublinearMemoryConfig, memory_budget: int | None) -> Objective:
+    """The config's objective with its memory budget resolved to bytes (``"auto"`` is resolved by the caller)."""
+    return Objective(memory_budget, config.max_time_ratio)
+
+
+_FROM_CONFIG = object()
+
+
+def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None, *,
+              memory_budget: int | None | object = _FROM_CONFIG, pool: Sequence[Candidate] = ()) -> PlanningResult:
+    """The best plan for ``profile`` under ``config``.
+
+    ``memory_budget``: the budget in bytes (None: no budget); by default the config's when it is a number of
+    bytes, and none for ``"auto"`` (which the caller resolves on the device). ``pool``: candidates found earlier
+    for the same profile (they seed the planners and compete)."""
+    config = config or SublinearMemoryConfig()
+    if memory_budget is _FROM_CONFIG:
+        memory_budget = config.memory_budget if isinstance(config.memory_budget, int) else None
+    problem = PlanningProblem(profile, objective_for(config, memory_budget), config)
+    eager = problem.candidate(Plan.no_split(profile.num_ops), "eager")
+    found: dict[Plan, Candidate] = {eager.plan: eager}
+    for c in pool:
+        problem.simulations.setdefault(c.plan, c.simulation)
+        found.setdefault(c.plan, c)
+    for name in config.planners:
+        planner = PLANNERS[name]()
+        if not planner.enabled(config):
+            continue
+        ranked = sorted(found.values(), key=problem.objective)
+        for c in planner.propose(problem, ranked):
+            found.setdefault(c.plan, c)
+        best = problem.best(found.values())
+        problem.history.append(best)
+        log.info("%s: %d candidates, best peak %.1f MiB at predicted time x%.3f (eager %.1f MiB), %.2f s", name,
+                 len(found), best.simulation.peak_bytes / 2**20, best.simulation.time_ratio,
+                 eager.simulation.peak_bytes / 2**20, problem.seconds)
+    ranked = sorted(found.values(), key=problem.objective)
+    best = ranked[0]
+    if not problem.objective.accepts(best):
+        fitting = [c for c in ranked if problem.objective.fits(c)]
+        raise BudgetError(problem.objective, min(ranked, key=lambda c: c.simulation.peak_bytes),
+                          min(fitting, key=lambda c: c.simulation.recompute_seconds) if fitting else None)
+    if config.lb_memory and best.simulation.peak_bytes < config.lb_memory:
+        best = hand_back(problem, best, config.lb_memory)
+    history = _running_best(problem.history, problem.objective)
+    return PlanningResult(best.plan, best.simulation, eager.simulation, problem.objective, tuple(ranked),
+                          history, problem.seconds, best.origin)
+
+
+def _running_best(history: Iterable[Candidate], objective: Objective) -> tuple[Candidate, ...]:
+    out: list[Candidate] = []
+    for c in history:
+        out.append(c if not out or objective(c) < objective(out[-1]) else out[-1])
+    return tuple(out)
+
+
+def hand_back(problem: PlanningProblem, candidate: Candidate, floor: int) -> Candidate:
+    """Keep recomputed ops, most recompute time first, while the predicted peak stays within ``floor`` (MegEngine's
+    ``lb_memory``)."""
+    profile = problem.profile
+    best = candidate
+    recomputed = sorted({o for members in analyse(profile, best.plan).closure for o in members},
+                        key=lambda o: -profile.ops[o].forward_seconds)
+    for o in recomputed:
+        if profile.ops[o].forward_seconds <= 0:
+            break
+        trial = problem.candidate(replace(best.plan, kept=best.plan.kept | {int(o)}), "lb_memory hand-back")
+        if (trial.simulation.peak_bytes <= floor
+                and trial.simulation.recompute_seconds < best.simulation.recompute_seconds):
+            best = trial
+    return best
+
+
+def pareto_front(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """The candidates no other beats on both peak and predicted time, by increasing peak."""
+    front: list[Candidate] = []
+    for c in sorted(candidates, key=lambda c: (c.simulation.peak_bytes, c.simulation.recompute_seconds)):
+        if not front or c.simulation.recompute_seconds < front[-1].simulation.recompute_seconds:
+            front.append(c)
+    return front
+
+

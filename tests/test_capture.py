@@ -1,0 +1,164 @@
+"""Capture: TorchDynamo graphs of the forward, taken on a data-less twin; what they hold and what capture says."""
+
+import logging
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from sublinear.capture import (BUFFER, INPUT, PARAMETER, CaptureError, NeedsData, capture, compile_entry,
+                               describe_node, graph_breaks, receiving)
+from sublinear.interpret import NodeProgram
+
+
+class ItemAssignment(nn.Module):
+    """symbolic_trace cannot trace this: item assignment through a mask and a loop over x.shape[0]."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        y = self.bn(self.lin(x))
+        y[y < 0] = 0
+        rows = []
+        for i in range(x.shape[0]):
+            rows.append(y[i] * (i + 1))
+        return torch.stack(rows).sum(-1)
+
+
+class DataDependent(nn.Module):
+    """A branch on a tensor's value: TorchDynamo runs it eagerly between two graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        x = self.lin(x)
+        if x.sum() > 0:
+            return x * 2
+        return x - 1
+
+
+def _real_values(model, graph, inputs):
+    named = dict(model.named_parameters()) | dict(model.named_buffers())
+    values = []
+    for source in graph.sources:
+        keys = re.findall(r"\['([^']+)'\]", source)
+        values.append(inputs[keys[0]] if keys[0] != "self" else named[".".join(keys[1:])])
+    return values
+
+
+def test_graph_lifts_parameters_and_buffers_to_inputs_with_their_kinds():
+    m = ItemAssignment()
+    graph = capture(m, (torch.randn(3, 6),)).graph
+    assert graph.kinds.count(PARAMETER) == 4 and graph.kinds.count(BUFFER) == 3 and graph.kinds.count(INPUT) == 1
+    assert not [n for n in graph.graph_module.graph.nodes if n.op == "call_module"]
+    x = torch.randn(5, 6)
+    m.eval()
+    expected = m(x)
+    m.train()
+    captured = capture(m, (x,)).graph  # a shape loop is unrolled: one graph per shape
+    out = NodeProgram(captured.graph_module).run(_real_values(m, captured, {"args": x}))[0]
+    assert out.shape == expected.shape
+
+
+def test_capture_leaves_the_module_alone_and_values_are_fake():
+    m = ItemAssignment()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    graph = capture(m, (torch.randn(4, 6),)).graph
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert all(isinstance(v, torch._subclasses.fake_tensor.FakeTensor) for v in graph.example_values)
+
+
+class Printing(nn.Module):
+    """A print is a graph break whose eager code needs no tensor values."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        x = self.lin(x)
+        print("between graphs")
+        return x * 2
+
+
+def test_graph_break_between_graphs_names_file_line_and_reason(capsys):
+    captured = capture(Printing(), (torch.randn(2, 3),))
+    assert len(captured.graphs) == 2
+    (brk,) = captured.breaks
+    assert re.search(r"test_capture.py:\d+$", brk.location) and "print" in brk.reason.lower()
+    with pytest.raises(CaptureError, match="captured 2"):
+        captured.graph
+
+
+def test_eager_code_that_needs_tensor_values_cannot_be_captured_without_data():
+    with pytest.raises(NeedsData, match=r"test_capture.py:\d+ needs tensor values .*first training call"):
+        capture(DataDependent(), (torch.randn(2, 3),))
+
+
+def test_meta_example_inputs_stand_for_the_modules_device():
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) + torch.arange(x.shape[-1], device=x.device)
+
+    graph = capture(Positions(), (torch.empty(2, 4, device="meta"),)).graph
+    assert all(v.device.type == "cpu" for v in graph.example_values if isinstance(v, torch.Tensor))
+
+
+def test_nodes_are_described_by_module_path_and_source_line():
+    graph = capture(ItemAssignment(), (torch.randn(2, 6),)).graph
+    linear = next(n for n in graph.graph_module.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
+    assert re.fullmatch(r"lin \(linear\) at .*test_capture.py:\d+", describe_node(linear))
+
+
+def test_code_is_the_same_for_fake_and_real_captures():
+    m = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    fake = capture(m, (torch.randn(2, 3),)).graph
+    real_graphs = []
+
+    class Collect:
+        def run_graph(self, shared, values):
+            real_graphs.append(shared.graph)
+            return shared.graph.graph_module(*values)
+
+    with receiving(Collect()):
+        compile_entry(m, "Sequential", dynamic=None)(torch.randn(2, 3))
+    assert fake.code == real_graphs[0].code
+    assert fake.graph_module.code != real_graphs[0].graph_module.code  # only the annotations differ
+
+
+def test_errors_in_forward_name_the_file_and_line():
+    class Typo(nn.Module):
+        def forward(self, x):
+            return x.no_such_method()
+
+    with pytest.raises(CaptureError, match=r"Typo.forward at .*test_capture.py:\d+: .*no_such_method"):
+        capture(Typo(), (torch.randn(2),))
+
+
+def test_graph_breaks_collector_is_silent_and_restores_logging(caplog):
+    with caplog.at_level(logging.DEBUG):
+        with graph_breaks() as breaks:
+            torch.compile(DataDependent(), backend="eager")(torch.randn(2, 3))
+    assert len(breaks) == 1
+    assert not any("Graph break in user code" in r.getMessage() for r in caplog.records)
+    logger = torch._logging.getArtifactLogger("torch._dynamo.symbolic_convert", "graph_breaks")
+    assert not any(type(h).__name__ == "_Collect" for h in logger.handlers)
+
+
+def test_a_forward_without_ops_does_not_stop_later_captures():
+    # torch.compile enters every torch.nn module through one shared wrapper frame; a forward with no tensor ops
+    # makes TorchDynamo skip that frame, which must not leave later torch.nn models uncaptured.
+    x = torch.randn(4, 8)
+    assert capture(nn.Identity(), (x,)).graphs == []
+    assert len(capture(nn.Linear(8, 8), (x,)).graphs) == 1
+    assert len(capture(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (x,)).graphs) == 1
