@@ -212,7 +212,7 @@ def _summarise(index: int, values: Sequence[Any], graph: CapturedGraph, profile_
                                    float(sum(profile_.ops[o].forward_seconds for o in a.closure[b])),
                                    ops[-1] in plan.soft))
     inputs = [v for k, v in zip(graph.kinds, values) if k == "input"]
-    return GraphPlan(index, input_signature(inputs).describe(), plan, profile_.num_ops, tuple(blocks),
+    return GraphPlan(index, input_signature(inputs).describe(graph.model_device), plan, profile_.num_ops, tuple(blocks),
                      sim.peak_bytes, eager.peak_bytes, sim.recompute_seconds, sim.eager_seconds,
                      sim.recompute_flops, profile_.step_flops, objective.describe(), origin, profile_.cost_source,
                      history, planning_seconds, result.seconds if result is not None and not from_cache else 0.0,

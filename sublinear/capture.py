@@ -58,8 +58,10 @@ class InputSignature:
     tensors: tuple[tuple[tuple[int, ...], str, str, bool], ...]
     constants: tuple[str, ...]
 
-    def describe(self) -> str:
-        parts = [f"{tuple(shape)}:{dtype.removeprefix('torch.')}@{dev}" for shape, dtype, dev, _ in self.tensors]
+    def describe(self, device: str | None = None) -> str:
+        """``(8, 512):int64@cpu, ...``; ``device`` names the device every tensor stands for."""
+        parts = [f"{tuple(shape)}:{dtype.removeprefix('torch.')}@{device or dev}"
+                 for shape, dtype, dev, _ in self.tensors]
         return ", ".join(parts) or "no tensors"
 
 
@@ -97,6 +99,7 @@ class CapturedGraph:
     kinds: tuple[str, ...]
     sources: tuple[str, ...]
     example_values: list[Any] | None = None
+    model_device: str | None = None  # set by capture(): the device the example values stand for (meta: fake CPU)
 
     @staticmethod
     def from_dynamo(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CapturedGraph:
@@ -277,14 +280,15 @@ class FakeTwin:
     def value(self, value: Any, device: torch.device | str | None = None) -> Any:
         return tree_map(lambda v: self.tensor(v, device) if isinstance(v, torch.Tensor) else v, value)
 
-    def module(self, module: nn.Module) -> nn.Module:
-        """A deep copy of ``module`` whose parameters, buffers and tensor attributes are fakes (no data copied)."""
+    def module(self, module: nn.Module, device: torch.device | None = None) -> nn.Module:
+        """A deep copy of ``module`` whose parameters, buffers and tensor attributes are fakes (no data copied),
+        on ``device`` when given."""
         memo: dict[int, Any] = {}
         for sub in module.modules():
             for value in itertools.chain(sub._parameters.values(), sub._buffers.values(),
                                          (v for v in vars(sub).values() if isinstance(v, torch.Tensor))):
                 if value is not None and id(value) not in memo:
-                    memo[id(value)] = self.tensor(value)
+                    memo[id(value)] = self.tensor(value, device)
         return copy.deepcopy(module, memo)
 
 
@@ -398,8 +402,12 @@ def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] 
         raise TypeError(f"capture() needs an nn.Module, got {type(module).__name__}")
     twin = FakeTwin()
     device = _module_device(module)
+    # A model on the meta device is captured as fake CPU tensors (which hold no data either): TorchDynamo keeps
+    # tensors that forward builds from constants (torch.tensor([]), as Hugging Face's KV cache does) as real
+    # tensors, and real meta tensors then meet fakes in one op and fail.
+    stand_in = torch.device("cpu") if device.type == "meta" else device
     try:
-        copy_ = twin.module(module)
+        copy_ = twin.module(module, stand_in if stand_in != device else None)
     except Exception as exc:  # noqa: BLE001 - reported with the reason
         raise CaptureError(f"sublinear captures a data-less copy of the model before training, and copying "
                            f"{type(module).__name__} failed: {type(exc).__name__}: {exc}. Call the compiled "
@@ -407,7 +415,7 @@ def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] 
     copy_.train()
 
     def on_device(t: torch.Tensor) -> torch.Tensor:
-        return twin.tensor(t, device if t.device.type == "meta" and device.type != "meta" else None)
+        return twin.tensor(t, stand_in if t.device.type == "meta" else None)
 
     fake_args, fake_kwargs = tree_map(lambda v: on_device(v) if isinstance(v, torch.Tensor) else v,
                                       (tuple(args), dict(kwargs or {})))
@@ -421,6 +429,6 @@ def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] 
         raise
     except Exception as exc:  # noqa: BLE001 - Dynamo's and the model's errors, with the user's line
         raise capture_error(exc, f"{type(module).__name__}.forward") from exc
-    graphs = recorder.graphs
+    graphs = [dataclasses.replace(g, model_device=str(device)) for g in recorder.graphs]
     log.debug("captured %s: %d graph(s), %d graph break(s)", type(module).__name__, len(graphs), len(breaks))
     return Capture(graphs, list(breaks))

@@ -278,7 +278,7 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     values = graph.example_values if values is None else list(values)
     if values is None:
         raise ValueError("profile() needs the graph's input values: this graph was not captured with examples")
-    device = _device_of(values)
+    device = torch.device(graph.model_device) if graph.model_device else _device_of(values)
     measure = cost_model == "measure" or (cost_model == "auto" and device.type in ("cpu", "cuda"))
     if measure and device.type not in ("cpu", "cuda"):
         raise ValueError(f"cost_model='measure' needs CPU or CUDA tensors; these are on {device}")

@@ -9,7 +9,11 @@ from torch import nn
 
 from sublinear.capture import (BUFFER, INPUT, PARAMETER, CaptureError, NeedsData, capture, compile_entry,
                                describe_node, graph_breaks, receiving)
+import sublinear
 from sublinear.interpret import NodeProgram
+from sublinear.profiler import profile
+
+from conftest import PLAIN
 
 
 class ItemAssignment(nn.Module):
@@ -162,3 +166,28 @@ def test_a_forward_without_ops_does_not_stop_later_captures():
     assert capture(nn.Identity(), (x,)).graphs == []
     assert len(capture(nn.Linear(8, 8), (x,)).graphs) == 1
     assert len(capture(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (x,)).graphs) == 1
+
+
+class GrowingCache(nn.Module):
+    """Like Hugging Face's DynamicCache: forward starts a tensor from a constant and concatenates onto it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        keys = torch.tensor([], dtype=h.dtype, device=h.device)
+        return torch.cat([keys, h.flatten()]).sum()
+
+
+def test_a_model_on_the_meta_device_is_captured_and_planned_as_meta():
+    with torch.device("meta"):
+        model = GrowingCache()
+    x = torch.empty(3, 4, device="meta")
+    graph = capture(model, (x,)).graph
+    assert graph.model_device == "meta"
+    p = profile(graph)
+    assert p.cost_source.startswith("estimated") and p.measured_peak_bytes > 0
+    compiled = sublinear.compile(model, (x,), config=PLAIN)
+    assert "(3, 4):float32@meta" in str(compiled.sublinear_plan)
