@@ -24,7 +24,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,15 +34,15 @@ from torch.utils._python_dispatch import _disable_current_modes, any_torch_dispa
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .cache import PlanCache, cache_dir
-from .capture import (CapturedGraph, GraphBreak, NeedsData, SharedGraph, capture, compile_entry, graph_breaks,
-                      input_signature, receiving)
+from .capture import (BUFFER, INPUT, PARAMETER, CapturedGraph, GraphBreak, NeedsData, SharedGraph, capture,
+                      GraphOutputs, compile_entry, graph_breaks, input_signature, receiving)
 from .config import SublinearMemoryConfig
 from .core.analysis import analyse
 from .core.objective import Candidate, Objective, Simulation
 from .core.plan import Plan
-from .core.profile import GraphProfile, ShardedParameters
+from .core.profile import GraphProfile, ShardedParameters, StepContext
 from .planners import BudgetError, PlanningResult, make_plan, objective_for, pareto_front
-from .profiler import autocast_state, profile
+from .profiler import DROPPED, GRADIENT, KEPT, autocast_state, profile
 from .rewriter import RewrittenGraph, rewrite
 from .sharding import fsdp_sharding, refuse_nested_fsdp
 from .simulator import simulate
@@ -225,7 +225,7 @@ def _summarise(index: int, values: Sequence[Any], graph: CapturedGraph, profile_
 
 @dataclass
 class _Variant:
-    """A graph planned for one call signature."""
+    """A graph planned for one call signature; ``profile`` carries the step context it is simulated in."""
 
     profile: GraphProfile
     plan: Plan
@@ -233,6 +233,120 @@ class _Variant:
     rewritten: RewrittenGraph
     summary: GraphPlan
     auto_budget: bool
+    objective: Objective
+    planned_in: StepContext | None  # the context the plan was searched in
+    uses: tuple[str, ...]  # what the profiled step did with each output
+
+    def set_context(self, context: StepContext | None) -> None:
+        """Simulate the plan (and eager, for the report) beside the call's other graphs as ``context`` says."""
+        self.profile = dataclasses.replace(self.profile, step_context=context)
+        self.simulation = simulate(self.profile, self.plan)
+        eager = simulate(self.profile, Plan.no_split(self.profile.num_ops))
+        self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.simulation.peak_bytes,
+                                           baseline_peak_bytes=eager.peak_bytes)
+
+    @property
+    def accepted(self) -> bool:
+        return self.objective.accepts(Candidate(self.plan, self.simulation))
+
+
+def _storages(values: Any) -> dict[int, int]:
+    """Storage key -> bytes of every tensor among ``values`` (real or fake), each storage once."""
+    found: dict[int, int] = {}
+    for t in tree_leaves(values):
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            found[storage._cdata] = storage.nbytes()
+    return found
+
+
+@dataclass
+class _GraphRun:
+    """One graph's run in a training call: its variant and the storages it read and produced."""
+
+    runtime: _GraphRuntime
+    variant: _Variant
+    state: dict[int, int]  # parameter and buffer storages -> bytes
+    parameters: dict[int, int]  # parameter storages (backward gives each a gradient of its size)
+    inputs: dict[int, int]  # the other tensor inputs
+    outputs: dict[int, int] = field(default_factory=dict)  # storages it returned that it made (activations)
+    returned: GraphOutputs | None = None  # every tensor output, watched until the call ends
+
+    @staticmethod
+    def of(runtime: _GraphRuntime, variant: _Variant, values: Sequence[Any]) -> _GraphRun:
+        kinds = runtime.graph.kinds
+
+        def of_kind(*wanted: str) -> dict[int, int]:
+            return _storages([v for k, v in zip(kinds, values) if k in wanted])
+
+        return _GraphRun(runtime, variant, of_kind(PARAMETER, BUFFER), of_kind(PARAMETER), of_kind(INPUT))
+
+    def record(self, outputs: GraphOutputs) -> None:
+        """What the run returned."""
+        self.returned = outputs
+        self.outputs = {s: b for s, b in zip(outputs.storages, outputs.nbytes)
+                        if s not in self.state and s not in self.inputs}
+
+
+def _sum_except(storages: dict[int, int], excluded: dict[int, int]) -> int:
+    return sum(b for s, b in storages.items() if s not in excluded)
+
+
+def step_contexts(runs: Sequence[_GraphRun]) -> list[StepContext]:
+    """Per run of one call, what the other runs keep live beside it, with every run at its current plan.
+
+    Runs go forward in order and backward in reverse order. Beside run i: every parameter and buffer of the call
+    that i does not read, and what each earlier run holds after its forward (less the outputs i reads, which its
+    own profile counts as inputs); beside its backward also the gradients of later runs' parameters. The later
+    runs' highest peak includes what run i holds, so it is given relative to that.
+    """
+    everything: dict[int, int] = {}
+    for r in runs:
+        everything |= r.state
+    contexts = []
+    held_before, earlier_outputs = 0, {}
+    for i, r in enumerate(runs):
+        later_parameters: dict[int, int] = {}
+        for later in runs[i + 1:]:
+            later_parameters |= later.parameters
+        beside_forward = (_sum_except(everything, r.state) + held_before
+                          - sum(b for s, b in r.inputs.items() if s in earlier_outputs))
+        contexts.append(StepContext(beside_forward, beside_forward + _sum_except(later_parameters, r.state)))
+        held_before += r.variant.simulation.held_after_forward_bytes
+        earlier_outputs |= r.outputs
+    later_peak = None
+    for i in range(len(runs) - 1, -1, -1):
+        held = runs[i].variant.simulation.held_after_forward_bytes
+        contexts[i] = dataclasses.replace(contexts[i], later_beyond_held=None if later_peak is None
+                                          else later_peak - held)
+        peak = simulate(dataclasses.replace(runs[i].variant.profile, step_context=contexts[i]),
+                        runs[i].variant.plan).peak_bytes
+        later_peak = peak if later_peak is None else max(later_peak, peak)
+    return contexts
+
+
+def output_uses(runs: Sequence[_GraphRun], returned: Any) -> list[tuple[str, ...]]:
+    """Per run of one call that returned ``returned``, per tensor output: what the step did with it (see
+    :func:`sublinear.profiler.profile`). A later run reads it, or it is the loss: the scalars among what the call
+    returned when there are any (a loss computed in forward), else every floating tensor it returned; those get a
+    gradient. Of the others, what is still alive after the call was kept (a KV cache, a module attribute) and the
+    rest was dropped when the graph returned."""
+    returned = [t for t in tree_leaves(returned)
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    losses = {t.untyped_storage()._cdata for t in ([t for t in returned if t.dim() == 0] or returned)}
+    uses = []
+    for i, run in enumerate(runs):
+        read_later = set().union(*(later.inputs for later in runs[i + 1:]))
+        uses.append(tuple(GRADIENT if s in read_later or s in losses else KEPT if alive else DROPPED
+                          for s, alive in zip(run.returned.storages, run.returned.alive())))
+    return uses
+
+
+def _widest(a: StepContext, b: StepContext) -> StepContext:
+    """A context covering both (a graph that runs several times in a call is planned for its worst run)."""
+    later = [v for v in (a.later_beyond_held, b.later_beyond_held) if v is not None]
+    return StepContext(max(a.beside_forward, b.beside_forward), max(a.beside_backward, b.beside_backward),
+                       max(later) if later else None)
 
 
 def _value_key(values: Sequence[Any]) -> tuple:
@@ -252,7 +366,7 @@ def _any_requires_grad(values: Sequence[Any]) -> bool:
 
 
 class _PlanStore:
-    """Plans made for one session, by graph code and call key: a dry run's plans serve the real calls."""
+    """A small least-recently-used store of what one session planned (a dry run's plans serve the real calls)."""
 
     def __init__(self, size: int = 64) -> None:
         self.entries: OrderedDict[tuple, tuple[GraphProfile, Plan, PlanningResult | None]] = OrderedDict()
@@ -268,6 +382,10 @@ class _PlanStore:
         self.entries[key] = value
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
+
+
+_UNSEEN = object()  # finish_call without the call's result (a bare torch.compile backend never sees it)
+_USE_ORDER = (GRADIENT, KEPT, DROPPED)  # most demanding first
 
 
 class SublinearBackend:
@@ -287,7 +405,12 @@ class SublinearBackend:
         self.graphs: list[_GraphRuntime] = []
         self.breaks: list[GraphBreak] = []
         self.latest: dict[str, _Variant] = {}  # graph code -> what the latest call ran, in the order it ran
-        self.store = _PlanStore()
+        self.call: list[_GraphRun] = []  # the graphs the current call has run so far
+        self.contexts: dict[str, StepContext] = {}  # graph code -> the other graphs of the call beside it
+        self.uses: dict[str, tuple[str, ...]] = {}  # graph code -> what calls do with each output
+        self.explicit_calls = False  # whether begin_call/finish_call mark calls (else: the first graph starts one)
+        self.store = _PlanStore()  # plans by graph, signature, context and config
+        self.profiles = _PlanStore()  # profiles by graph, signature and cost model
         self.overrides: dict[str, Plan] = {}  # graph code -> plan chosen by the user (use())
         self._shared: dict[int, _GraphRuntime] = {}
         self._warned_breaks = False
@@ -324,7 +447,63 @@ class SublinearBackend:
 
     def begin_call(self) -> None:
         """A new training call starts: :attr:`sublinear_plan` will describe the graphs it runs."""
+        self.call = []
+
+    def finish_call(self, returned: Any = _UNSEEN) -> list[_GraphRuntime]:
+        """The call ended, returning ``returned``: give each graph the context of the call's other graphs
+        (:class:`StepContext`), make :attr:`sublinear_plan` describe the call, and return the graphs to plan again:
+        those profiled with a backward that differs from this call's (which outputs get gradients), those whose
+        plan no longer meets the objective beside the others, and those planned before the later graphs were
+        known."""
+        runs, self.call = self.call, []
+        if not runs:
+            return []
+        stale = self._learn_output_uses(runs, returned)
+        contexts: dict[str, StepContext] = {}
+        if len(runs) > 1:
+            for run, context in zip(runs, step_contexts(runs)):
+                code = run.runtime.graph.code
+                contexts[code] = _widest(contexts[code], context) if code in contexts else context
         self.latest = {}
+        for run in runs:
+            code, variant = run.runtime.graph.code, run.variant
+            if code in self.latest:
+                continue
+            self.latest[code] = variant
+            context = contexts.get(code)
+            if context == variant.profile.step_context or run.runtime in stale:
+                continue
+            if context is not None:
+                self.contexts[code] = context
+            blind = context is not None and context.later_beyond_held is not None and (
+                variant.planned_in is None or variant.planned_in.later_beyond_held is None)
+            variant.set_context(context)
+            if blind or not variant.accepted:
+                run.runtime.forget(variant)
+                stale.append(run.runtime)
+        if stale:
+            log.info("sublinear: planning %d graph(s) again for the step as this call ran it (%s)", len(stale),
+                     "; ".join(str(self.contexts.get(r.graph.code)) for r in stale))
+        return stale
+
+    def _learn_output_uses(self, runs: Sequence[_GraphRun], returned: Any) -> list[_GraphRuntime]:
+        """Record what the call did with each graph's outputs; forget the variants profiled otherwise and return
+        their graphs. A graph that runs several times gets, per output, the most demanding use of its runs."""
+        if returned is _UNSEEN:
+            return []
+        learned: dict[str, tuple[str, ...]] = {}
+        for run, uses in zip(runs, output_uses(runs, returned)):
+            code = run.runtime.graph.code
+            old = learned.get(code, uses)
+            learned[code] = tuple(min(a, b, key=_USE_ORDER.index) for a, b in zip(old, uses))
+        stale = []
+        for run in runs:
+            code = run.runtime.graph.code
+            if run.variant.uses != learned[code] and run.runtime not in stale:
+                self.uses[code] = learned[code]
+                run.runtime.forget(run.variant)
+                stale.append(run.runtime)
+        return stale
 
     def use(self, point: ParetoPoint | Plan) -> None:
         """Run ``point``'s plan for its graph from the next call on; a bare :class:`Plan` applies to the only graph
@@ -368,24 +547,30 @@ class SublinearBackend:
         started = time.perf_counter()
         graph, config = runtime.graph, self.config
         sharding = key[-1]
-        store_key = (graph.code, key, repr(sorted(config.planning_key().items())))
+        context = self.contexts.get(graph.code)
+        uses = self.uses.get(graph.code)
+        profile_key = (graph.code, key, config.cost_model, uses)
+        store_key = (*profile_key, context, repr(sorted(config.planning_key().items())))
         cached = self.store.get(store_key)
         override = self.overrides.get(graph.code)
         disk = PlanCache(cache_dir(config.cache_dir))
-        disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key())
+        disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key(),
+                                 context=repr(context), uses=uses)
         if cached is not None:
             profile_, plan, result = cached
         else:
+            profiled = self.profiles.get(profile_key)  # a graph planned again in a new context is not profiled again
             entry = disk.load(disk_key) if override is None else None
             if entry is not None:
-                profile_ = profile(graph, values, cost_model="estimate")
-                entry = disk.check(entry, disk_key, profile_.num_ops)
-            if entry is not None:
-                profile_ = profile_.with_costs(entry["costs"])
-                log.info("sublinear: plan cache hit (%s): search and timing runs skipped", disk_key[:12])
-            else:
-                profile_ = profile(graph, values, cost_model=config.cost_model)
-            profile_ = dataclasses.replace(profile_, sharding=sharding)
+                estimated = profiled or profile(graph, values, cost_model="estimate", uses=uses)
+                entry = disk.check(entry, disk_key, estimated.num_ops)
+                if entry is not None and profiled is None:
+                    profiled = estimated.with_costs(entry["costs"])
+                    log.info("sublinear: plan cache hit (%s): search and timing runs skipped", disk_key[:12])
+            if profiled is None:
+                profiled = profile(graph, values, cost_model=config.cost_model, uses=uses)
+            self.profiles.put(profile_key, profiled)
+            profile_ = dataclasses.replace(profiled, sharding=sharding, step_context=context)
             plan, result = (Plan.from_dict(entry), None) if entry is not None else (None, None)
         budget = self.budget_for(runtime, profile_, values, dry_run)
         objective = objective_for(config, budget)
@@ -413,7 +598,8 @@ class SublinearBackend:
         summary = _summarise(runtime.index, values, graph, profile_, plan, result, sim, eager, origin, objective,
                              time.perf_counter() - started, from_cache, history)
         log.info("sublinear: planned %s", summary)
-        return _Variant(profile_, plan, sim, rewritten, summary, config.memory_budget == "auto")
+        return _Variant(profile_, plan, sim, rewritten, summary, config.memory_budget == "auto", objective, context,
+                        profile_.output_uses)
 
     @staticmethod
     def _still_best(objective: Objective, plan: Plan, profile_: GraphProfile, eager: Simulation) -> bool:
@@ -429,16 +615,14 @@ class SublinearBackend:
 
     def budget_for(self, runtime: _GraphRuntime, profile_: GraphProfile, values: Sequence[Any],
                    dry_run: bool) -> int | None:
-        """The memory budget in bytes for this graph: the config's, less what earlier graphs hold when this one
-        runs; "auto" on CUDA: the allocator's free and cached memory, less the headroom, plus what the profile
-        counts that is already allocated (parameters, buffers, inputs, gradients)."""
+        """The memory budget in bytes for the step (the other graphs of the call are in the profile's context):
+        the config's; "auto" on CUDA: the allocator's free and cached memory, less the headroom, plus what the
+        profile counts that is already allocated (parameters, buffers, inputs, gradients)."""
         budget = self.config.memory_budget
         if budget is None:
             return None
         if budget != "auto":
-            carried = sum(v.simulation.held_after_forward_bytes for code, v in self.latest.items()
-                          if code != runtime.graph.code)  # graphs that ran before this one in the call
-            return max(1, budget - carried)
+            return budget
         device = _device_of(values)
         if device.type != "cuda":
             return None
@@ -489,14 +673,24 @@ class _GraphRuntime:
                 variant = None
         if variant is None:
             variant = self.variants[key] = self.backend.plan_graph(self, values, key, dry_run)
-        self.backend.latest.pop(self.graph.code, None)
-        self.backend.latest[self.graph.code] = variant
         return variant
+
+    def forget(self, variant: _Variant) -> None:
+        """Plan this signature again at its next run."""
+        self.variants = {k: v for k, v in self.variants.items() if v is not variant}
 
     def __call__(self, *values: Any) -> Any:
         if not torch.is_grad_enabled() or not _any_requires_grad(values):
             return self.graph.graph_module(*values)
-        return self.variant_for(values).rewritten(*values)
+        backend_ = self.backend
+        if not backend_.explicit_calls and backend_.call and backend_.call[0].runtime.graph.code == self.graph.code:
+            backend_.finish_call()  # used as a bare backend, no call boundary is seen: the first graph starts a call
+        variant = self.variant_for(values)
+        run = _GraphRun.of(self, variant, values)
+        out = variant.rewritten(*values)
+        run.record(GraphOutputs.of(out))
+        backend_.call.append(run)
+        return out
 
 
 def backend(config: SublinearMemoryConfig | None = None) -> SublinearBackend:
@@ -542,7 +736,7 @@ def _compile_module(module: nn.Module | Callable[..., Any], session: SublinearBa
                             name)
             return module(*args, **kwargs)
         session.ran_graph = False
-        previous = session.latest
+        session.explicit_calls = True
         session.begin_call()
         with receiving(session):
             if session.graphs:
@@ -551,8 +745,7 @@ def _compile_module(module: nn.Module | Callable[..., Any], session: SublinearBa
                 with graph_breaks() as breaks:
                     out = compiled(*args, **kwargs)
                 session.note_breaks(breaks, name)
-        if not session.ran_graph:
-            session.latest = previous  # the plan still describes the latest call that ran a graph
+        session.finish_call(out)
         if not session.ran_graph and not session._warned_unplanned:
             session._warned_unplanned = True
             log.warning("sublinear: this training call of %s ran no captured graph (TorchDynamo captured nothing, "
@@ -560,6 +753,9 @@ def _compile_module(module: nn.Module | Callable[..., Any], session: SublinearBa
         return out
 
     return run
+
+
+PLAN_AHEAD_ROUNDS = 3  # a graph planned again beside the others changes what they run beside: a few rounds settle
 
 
 def _plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any],
@@ -571,11 +767,20 @@ def _plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[An
     except NeedsData as exc:
         log.info("sublinear: cannot plan %s ahead: %s", type(module).__name__, exc)
         return
-    backend_.begin_call()
+    runtimes = []
     for graph in captured.graphs:
         runtime = _GraphRuntime(graph, backend_, len(backend_.graphs))
         backend_.graphs.append(runtime)
-        runtime.variant_for(graph.example_values, dry_run=True)
+        runtimes.append(runtime)
+    for _round in range(PLAN_AHEAD_ROUNDS):
+        backend_.begin_call()
+        for runtime in runtimes:
+            run = _GraphRun.of(runtime, runtime.variant_for(runtime.graph.example_values, dry_run=True),
+                               runtime.graph.example_values)
+            run.record(runtime.graph.example_outputs)
+            backend_.call.append(run)
+        if not backend_.finish_call(captured.returned):
+            break
     backend_.note_breaks(captured.breaks, type(module).__name__)
     backend_.graphs.clear()  # the real calls capture their own graphs; the plans wait in the store
 

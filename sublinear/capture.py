@@ -23,6 +23,7 @@ import itertools
 import logging
 import re
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,7 +34,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                           FakeTensorMode)
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["DISPATCH", "Capture", "CaptureError", "CapturedGraph", "FakeTwin", "GraphBreak", "GraphReceiver",
+__all__ = ["DISPATCH", "Capture", "CaptureError", "CapturedGraph", "FakeTwin", "GraphBreak", "GraphOutputs",
+           "GraphReceiver",
            "InputSignature", "NeedsData", "SharedGraph", "capture", "compile_entry", "graph_breaks",
            "input_signature", "receiving"]
 
@@ -99,6 +101,7 @@ class CapturedGraph:
     kinds: tuple[str, ...]
     sources: tuple[str, ...]
     example_values: list[Any] | None = None
+    example_outputs: GraphOutputs | None = None  # what it returned on the example values, when captured by capture()
     model_device: str | None = None  # set by capture(): the device the example values stand for (meta: fake CPU)
 
     @staticmethod
@@ -124,9 +127,12 @@ class CapturedGraph:
     @property
     def code(self) -> str:
         """The graph's Python code without the placeholders' type annotations (which name the example values'
-        classes): equal for every capture of the same forward, real or fake."""
+        classes), as on the model's device: equal for every capture of the same forward, real or fake."""
         head, _, body = self.graph_module.code.partition("\n    ")
-        return re.sub(r" : [\w.]+", "", head) + "\n    " + body
+        code = re.sub(r" : [\w.]+", "", head) + "\n    " + body
+        if self.model_device == "meta":  # captured on fake CPU tensors standing for meta ones
+            code = code.replace("device(type='cpu')", "device(type='meta')")
+        return code
 
     @property
     def num_operators(self) -> int:
@@ -265,7 +271,7 @@ class FakeTwin:
             empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device or t.device)
         if isinstance(t, nn.Parameter):
             fake = nn.Parameter(empty, requires_grad=t.requires_grad)
-        elif t.requires_grad and t.is_leaf:
+        elif t.requires_grad:  # a graph input computed by earlier code: its history lies outside the graph
             fake = empty.requires_grad_(True)
         else:
             fake = empty
@@ -302,6 +308,7 @@ class Capture:
 
     graphs: list[CapturedGraph]
     breaks: list[GraphBreak] = field(default_factory=list)
+    returned: Any = None  # what the module returned (fakes)
 
     @property
     def graph(self) -> CapturedGraph:
@@ -381,15 +388,50 @@ def compile_entry(target: Callable[..., Any], name: str, dynamic: bool | None) -
     return torch.compile(entry, backend=DISPATCH, dynamic=dynamic)
 
 
+@dataclass(frozen=True)
+class GraphOutputs:
+    """The tensors a graph run returned, in order, watched without keeping them alive: after the call,
+    :meth:`alive` says which ones the caller kept (the code after a graph may drop some).
+
+    A weak reference to the output tensor itself dies when the caller lets it and its views go, even while autograd
+    holds its storage for backward: graphs run with saved-tensor hooks that store a detached alias.
+    """
+
+    storages: tuple[int, ...]  # storage key per tensor output
+    nbytes: tuple[int, ...]
+    _refs: tuple[weakref.ref, ...]
+
+    @staticmethod
+    def of(outputs: Any) -> GraphOutputs:
+        tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+        return GraphOutputs(tuple(t.untyped_storage()._cdata for t in tensors),
+                            tuple(t.untyped_storage().nbytes() for t in tensors),
+                            tuple(weakref.ref(t) for t in tensors))
+
+    def alive(self) -> tuple[bool, ...]:
+        return tuple(ref() is not None for ref in self._refs)
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class _Recorder:
-    """A dry run's receiver: collects each graph with the values it ran on."""
+    """A dry run's receiver: collects each graph with the values it ran on and what it returned."""
 
     def __init__(self) -> None:
         self.graphs: list[CapturedGraph] = []
 
     def run_graph(self, shared: SharedGraph, values: Sequence[Any]) -> Any:
-        self.graphs.append(dataclasses.replace(shared.graph, example_values=list(values)))
-        return shared.graph.graph_module(*values)
+        with torch.autograd.graph.saved_tensors_hooks(_detached, _same):  # as the rewriter saves
+            outputs = shared.graph.graph_module(*values)
+        self.graphs.append(dataclasses.replace(shared.graph, example_values=list(values),
+                                               example_outputs=GraphOutputs.of(outputs)))
+        return outputs
 
 
 def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Capture:
@@ -424,11 +466,11 @@ def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] 
     try:
         with graph_breaks() as breaks, receiving(recorder), \
                 torch._dynamo.config.patch(recompile_limit=10**6, accumulated_recompile_limit=10**6):
-            compiled(*fake_args, **fake_kwargs)
+            returned = compiled(*fake_args, **fake_kwargs)
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - Dynamo's and the model's errors, with the user's line
         raise capture_error(exc, f"{type(module).__name__}.forward") from exc
     graphs = [dataclasses.replace(g, model_device=str(device)) for g in recorder.graphs]
     log.debug("captured %s: %d graph(s), %d graph break(s)", type(module).__name__, len(graphs), len(breaks))
-    return Capture(graphs, list(breaks))
+    return Capture(graphs, list(breaks), returned)

@@ -35,7 +35,8 @@ from .costs import REFERENCE_GPU, DeviceRates, device_rates, estimate_seconds, m
 from .interpret import NodeProgram
 from .tracking import StorageTracker
 
-__all__ = ["ProfileError", "autocast_state", "default_loss", "profile", "training_step"]
+__all__ = ["DROPPED", "GRADIENT", "KEPT", "ProfileError", "autocast_state", "default_loss", "profile",
+           "step_backward", "training_step"]
 
 log = logging.getLogger("sublinear.profiler")
 
@@ -46,6 +47,7 @@ _BATCH_NORMS = frozenset(getattr(torch.ops.aten, name) for name in (
     "native_batch_norm", "batch_norm", "_batch_norm_impl_index", "cudnn_batch_norm", "miopen_batch_norm",
     "_native_batch_norm_legit", "_batch_norm_with_update"))
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+GRADIENT, KEPT, DROPPED = "gradient", "kept", "dropped"  # what a call does with a graph output (see profile())
 CUDA_ALLOCATION_GRANULARITY = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
 
@@ -72,22 +74,65 @@ def _written_tensors(func, args, kwargs) -> list[torch.Tensor]:
 
 
 
+def _differentiable(outputs: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(outputs)
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+
+
 def default_loss(outputs: Any) -> torch.Tensor | None:
-    """The loss of the canonical step: the sum of every floating output that requires grad (None if none)."""
-    parts = [t.sum() for t in tree_leaves(outputs)
-             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    """A loss for examples and tests: the sum of every floating output that requires grad (None if none). Its
+    gradient is one for every output element, as in :func:`step_backward`."""
+    parts = [t.sum() for t in _differentiable(outputs)]
     if not parts:
         return None
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
+class _DenseOnes(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient of ones, made inside the backward: autograd frees it once
+    the output's producer has used it, as it frees the gradient a loss function computes."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.ones(grad.shape, dtype=grad.dtype, device=grad.device)
+
+
+def step_backward(outputs: Any, receives: Sequence[bool] | None = None) -> bool:
+    """The backward every prediction describes, run while ``outputs`` are held.
+
+    ``receives[k]``: whether the k-th tensor among ``outputs`` gets a gradient (what the call that ran this graph
+    did with it: a later graph read it, or the loss did). By default, when outputs that require grad include
+    scalars, those are the loss the forward computed (Hugging Face models given labels) and backward starts from
+    them alone; otherwise every floating output gets one. A scalar's gradient is one; any other output gets a dense
+    gradient of ones, as a loss computed from it hands autograd one gradient its size. False when nothing requires
+    grad."""
+    leaves = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+    receives = gradient_receivers(leaves) if receives is None else receives
+    parts = [t if t.dim() == 0 else _DenseOnes.apply(t).sum()
+             for t in _differentiable([t for t, r in zip(leaves, receives) if r])]
+    if not parts:
+        return False
+    (parts[0] if len(parts) == 1 else torch.stack(parts).sum()).backward()
+    return True
+
+
+def gradient_receivers(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Per tensor, whether :func:`step_backward`'s default hands it a gradient: the scalars that require grad when
+    there are any, else every floating tensor that requires grad."""
+    differentiable = [t.requires_grad and t.is_floating_point() for t in tensors]
+    scalars = [d and t.dim() == 0 for t, d in zip(tensors, differentiable)]
+    return scalars if any(scalars) else differentiable
+
+
 def training_step(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The step every prediction describes: forward, then backward of :func:`default_loss` while the outputs are
-    still held (as ``out = model(x); loss_fn(out).backward()`` does)."""
+    """The step every prediction describes: forward, then :func:`step_backward` while the outputs are still held
+    (as ``out = model(x); loss_fn(out).backward()`` does)."""
     outputs = module(*args, **kwargs)
-    loss = default_loss(outputs)
-    if loss is not None:
-        loss.backward()
+    step_backward(outputs)
     return outputs
 
 
@@ -176,6 +221,7 @@ class _Trace:
     node_inputs: dict[int, tuple[Any, Any]]  # node -> its args and kwargs as TensorSpec trees
     state_serials: dict[int, str]  # serial -> "parameter"/"buffer"/"input"
     output_serials: set[int]
+    output_uses: tuple[str, ...]  # what the step did with each tensor output (see profile())
     gradient_sizes: list[int]  # bytes of each parameter gradient's storage after backward
 
 
@@ -190,7 +236,8 @@ def _profiling_device(values: Sequence[Any]) -> torch.device | None:
     return None
 
 
-def _trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool) -> _Trace:
+def _trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool,
+                uses: Sequence[str] | None) -> _Trace:
     twin = FakeTwin()
     inputs = twin.value(list(values), _profiling_device(values))
     program = NodeProgram(graph.graph_module)
@@ -243,20 +290,22 @@ def _trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool) 
                                f"{type(exc).__name__}: {exc}") from exc
         torch.clear_autocast_cache()  # the step's forward ends here, as when `with torch.autocast()` exits
         node_seq.append((torch._C._autograd._get_sequence_nr(), -1))
-        output_serials = {recorder.serial_of(t) for t in tree_leaves(outputs)
-                          if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in recorder.serial}
-        loss = default_loss(outputs)
-        if loss is not None:
-            recorder.backward = True
-            loss.backward()
-            recorder.backward = False
+        outputs = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+        if uses is None:
+            uses = tuple(GRADIENT if r else KEPT for r in gradient_receivers(outputs))
+        outputs = [t for t, use in zip(outputs, uses) if use != DROPPED]  # the caller lets the others go now
+        receives = [use == GRADIENT for use in uses if use != DROPPED]
+        output_serials = {recorder.serial_of(t) for t in outputs if t.untyped_storage()._cdata in recorder.serial}
+        recorder.backward = True  # the output gradients step_backward makes belong to the backward
+        step_backward(outputs, receives)
+        recorder.backward = False
         leaves = [t for kind, v in zip(graph.kinds, inputs) if kind == PARAMETER
                   for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
         gradient_sizes = [st.nbytes() for st in {p.grad.untyped_storage()._cdata: p.grad.untyped_storage()
                                                  for p in leaves if p.grad is not None}.values()]
-    del outputs, loss
+    del outputs
     return _Trace(program, recorder, node_out, dict(node_saved), node_seq, node_modes, node_inputs, state_serials,
-                  output_serials, gradient_sizes)
+                  output_serials, tuple(uses), gradient_sizes)
 
 
 def _distinct(items):
@@ -268,12 +317,16 @@ def _distinct(items):
 
 
 def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_model: str = "auto",
-            rates: DeviceRates | None = None) -> GraphProfile:
+            rates: DeviceRates | None = None, uses: Sequence[str] | None = None) -> GraphProfile:
     """Profile one forward+backward step of ``graph`` called with ``values`` (its placeholder values, real or fake;
     by default the values it was captured with).
 
     ``cost_model``: "measure" times every node on the values' device, "estimate" uses FLOPs and bytes moved over
     ``rates`` (default: the device's calibrated rates), "auto" measures on CPU and CUDA and estimates on meta.
+    ``uses``: per tensor output, what the call did with it: :data:`GRADIENT` (a later graph or the loss read it,
+    so backward hands it a gradient), :data:`KEPT` (held to the end of the step without a gradient, as a KV
+    cache) or :data:`DROPPED` (let go as soon as the graph returned). By default every output is kept and
+    :func:`step_backward` decides which get gradients.
     """
     values = graph.example_values if values is None else list(values)
     if values is None:
@@ -282,7 +335,7 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     measure = cost_model == "measure" or (cost_model == "auto" and device.type in ("cpu", "cuda"))
     if measure and device.type not in ("cpu", "cuda"):
         raise ValueError(f"cost_model='measure' needs CPU or CUDA tensors; these are on {device}")
-    trace = _trace_step(graph, values, keep_inputs=measure)
+    trace = _trace_step(graph, values, keep_inputs=measure, uses=uses)
     program, rec = trace.program, trace.recorder
     operators = program.operators
     granule = CUDA_ALLOCATION_GRANULARITY if device.type == "cuda" else 1
@@ -390,6 +443,7 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
         grad_after_release=np.array(grad_after, dtype=np.int64),
         backward_seconds=np.array([backward_seconds.get(i, 0.0) for i in operators], dtype=float),
         cost_source=source,
+        output_uses=trace.output_uses,
     )
 
 
@@ -573,8 +627,9 @@ def _backward_gradient_profile(events, node_seq, rank_of_node, n_ranks, sizes: l
     backward, at their peak before it frees the activations it saved, and at their peak after that.
 
     Autograd runs its nodes in decreasing sequence number, so each fx node's backward is one contiguous window;
-    the first free of a forward storage inside it marks the release of what it saved. A node with no backward work
-    sees the gradient side as the previous window left it.
+    the last free of a forward storage inside it marks the release of what it saved (an fx node may own several
+    autograd nodes, as cross_entropy owns NllLossBackward and LogSoftmaxBackward, and what the later ones saved
+    stays until they have run). A node with no backward work sees the gradient side as the previous window left it.
     """
     starts = [s for s, _ in node_seq]
     nodes = [n for _, n in node_seq]
@@ -583,37 +638,45 @@ def _backward_gradient_profile(events, node_seq, rank_of_node, n_ranks, sizes: l
         k = bisect.bisect_right(starts, seq) - 1
         return None if k < 0 or seq >= 2**62 else rank_of_node.get(nodes[k])
 
-    grad_live = 0
+    walk: list[tuple[int | None, int]] = []  # per backward event: its window's rank and the gradient-side change
+    last_release: dict[int, int] = {}  # rank -> position in walk of its window's last free of a forward storage
     born_in_backward: set[int] = set()
-    start: list[int | None] = [None] * n_ranks
-    before = [0] * n_ranks
-    after = [0] * n_ranks
-    released = [False] * n_ranks
-    left = [0] * n_ranks  # gradient side when the op's window closed
     current: int | None = None
-    for backward, ctx, kind, serial, nbytes in events:
+    for backward, ctx, kind, serial, _nbytes in events:
         if not backward:
             continue
         o = op_for(ctx) if ctx >= 0 else None
-        if o is not None and o != current:
-            current = o
-            if start[o] is None:
-                start[o] = before[o] = after[o] = grad_live
+        current = o if o is not None else current
         if kind == "alloc":
             born_in_backward.add(serial)
-            grad_live += sizes[serial]
+            walk.append((current, sizes[serial]))
         elif serial in born_in_backward:
             born_in_backward.discard(serial)
-            grad_live -= sizes[serial]
-        elif current is not None:
-            released[current] = True
-        if current is not None:
-            left[current] = grad_live
-            if released[current]:
-                after[current] = max(after[current], grad_live)
-            else:
-                before[current] = max(before[current], grad_live)
-                after[current] = grad_live
+            walk.append((current, -sizes[serial]))
+        else:
+            if current is not None:
+                last_release[current] = len(walk)
+            walk.append((current, 0))
+    grad_live = 0
+    start: list[int | None] = [None] * n_ranks
+    before = [0] * n_ranks
+    after = [0] * n_ranks
+    left = [0] * n_ranks  # gradient side when the op's window closed
+    released: set[int] = set()
+    for k, (o, change) in enumerate(walk):
+        if o is not None and start[o] is None:
+            start[o] = before[o] = after[o] = grad_live
+        grad_live += change
+        if o is None:
+            continue
+        left[o] = grad_live
+        if o in released:
+            after[o] = max(after[o], grad_live)
+        else:
+            before[o] = max(before[o], grad_live)
+            after[o] = grad_live
+        if last_release.get(o) == k:
+            released.add(o)
     carried = 0
     for o in range(n_ranks - 1, -1, -1):
         if start[o] is None:

@@ -5,8 +5,9 @@ follows the plan's analysis (:func:`sublinear.core.analysis.analyse`) to the sto
 its last holder lets go (the forward values reading it, autograd for retained saves, a block's frame, the
 recompute of its block, the caller for outputs). The gradient side of backward is plan-independent and taken
 from the profiled eager step. Under FSDP2 the parameters and gradients are counted as FSDP holds them per rank
-(:class:`sublinear.core.profile.ShardedParameters`). Time is the eager step's predicted time plus the forward time
-of every op a recompute closure re-runs.
+(:class:`sublinear.core.profile.ShardedParameters`), and when TorchDynamo split the call into several graphs, what
+the other graphs keep live beside this one is added (:class:`sublinear.core.profile.StepContext`). Time is the eager
+step's predicted time plus the forward time of every op a recompute closure re-runs.
 """
 
 from __future__ import annotations
@@ -137,8 +138,15 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
 
     live = np.cumsum(held)[: end + 1]
     totals = live + np.asarray(extra, dtype=np.int64) + profile.baseline_bytes
+    context = profile.step_context
+    if context is not None:
+        totals[:n] += context.beside_forward
+        totals[n:] += context.beside_backward
     if profile.sharding is not None:
         totals, labels = _with_sharded_parameters(profile, totals, int(live[n]) + profile.baseline_bytes, labels, n)
+    if context is not None and context.later_beyond_held is not None:
+        totals = np.append(totals, int(live[n]) + context.later_beyond_held)
+        labels.append("later graphs of the call, beside what this graph holds")
     return totals, labels, int(live[n])
 
 

@@ -7,16 +7,16 @@ import torch
 
 import sublinear
 from sublinear.models import get_model
-from sublinear.profiler import default_loss
+from sublinear.profiler import default_loss, step_backward
 
 from conftest import PLAIN, assert_same_training
 
 
 def amp_step(module, *args):
-    """The standard recipe: forward under autocast, backward after it."""
+    """The standard recipe: forward under autocast, backward after it (the backward predictions describe)."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = module(*args)
-    default_loss(out).backward()
+    step_backward(out)
     return out
 
 

@@ -133,3 +133,28 @@ def test_sharded_parameters_replace_full_parameters_in_the_timeline(reshard_afte
     assert list(sharded[-3:]) == [after + grads + 4100, after + 2 * 4100 + 1000, after + 1000]
     assert labels[-3:] == ["FSDP reduce-scatter copy-in", "FSDP reduce-scatter", "end of step"]
     assert simulate(dataclasses.replace(graph_profile, sharding=layout), plan).peak_bytes == sharded.max()
+
+
+def test_the_other_graphs_of_a_call_are_added_where_they_are_live():
+    import dataclasses
+
+    import numpy as np
+
+    from conftest import Chain
+    from sublinear.core import StepContext
+    from sublinear.simulator import timeline
+
+    p = profile_of(Chain(6, 16), torch.randn(32, 16))
+    plan = Plan.of([1, 3], p.num_ops)
+    alone, labels = timeline(p, plan)
+    n = p.num_ops
+    beside = dataclasses.replace(p, step_context=StepContext(beside_forward=1000, beside_backward=5000,
+                                                             later_beyond_held=10**6))
+    totals, labels_beside = timeline(beside, plan)
+    np.testing.assert_array_equal(totals[:n], alone[:n] + 1000)
+    np.testing.assert_array_equal(totals[n:-1], alone[n:] + 5000)
+    held = simulate(p, plan).held_after_forward_bytes
+    assert totals[-1] == held + 10**6 and labels_beside[-1].startswith("later graphs")
+    assert simulate(beside, plan).peak_bytes == held + 10**6  # the later graphs' peak is the step's
+    last = dataclasses.replace(p, step_context=StepContext(1000, 5000, None))
+    assert len(timeline(last, plan)[0]) == len(alone)  # no graph runs after the last one

@@ -4,7 +4,7 @@ storage (the analysis), and the objective planners optimise. Planners and the si
 from .analysis import PlanAnalysis, StorageState, analyse
 from .objective import Candidate, Objective, Simulation
 from .plan import Plan, PlanError
-from .profile import GraphProfile, NodeFacts, OpProfile, ShardedParameters
+from .profile import GraphProfile, NodeFacts, OpProfile, ShardedParameters, StepContext
 
 __all__ = ["Candidate", "GraphProfile", "NodeFacts", "Objective", "OpProfile", "Plan", "PlanAnalysis", "PlanError",
-           "ShardedParameters", "Simulation", "StorageState", "analyse"]
+           "ShardedParameters", "Simulation", "StepContext", "StorageState", "analyse"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-__all__ = ["AutocastState", "GraphProfile", "NodeFacts", "OpProfile", "ShardedParameters"]
+__all__ = ["AutocastState", "GraphProfile", "NodeFacts", "OpProfile", "ShardedParameters", "StepContext"]
 
 AutocastState = tuple[tuple[str, bool, str], ...]  # per device type: (device, enabled, dtype name)
 
@@ -88,6 +88,34 @@ class ShardedParameters:
                 f"gathered {self.unsharded_bytes / mib:.1f} MiB")
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """Memory the other graphs of one training call keep live beside this graph.
+
+    TorchDynamo splits a call at graph breaks into graphs that run forward in order and backward in reverse order,
+    so while graph i runs, every earlier graph holds what it kept after its forward, and every parameter and buffer
+    of the model is live. Byte counts exclude what this graph's own profile counts (its parameters, buffers and
+    inputs, even when an earlier graph produced them).
+
+    beside_forward: live beside this graph's forward.
+    beside_backward: live beside its backward: ``beside_forward`` plus the gradients later graphs' backward made.
+    later_beyond_held: the highest step peak of the later graphs, less what this graph holds after its forward
+        (they run beside it, so this graph's plan raises their peak by exactly what it holds); None when no graph
+        runs after this one.
+    """
+
+    beside_forward: int = 0
+    beside_backward: int = 0
+    later_beyond_held: int | None = None
+
+    def __str__(self) -> str:
+        mib = 2**20
+        later = "" if self.later_beyond_held is None else \
+            f", later graphs need {self.later_beyond_held / mib:.1f} MiB beyond what it holds"
+        return (f"other graphs of the call: {self.beside_forward / mib:.1f} MiB beside forward, "
+                f"{self.beside_backward / mib:.1f} MiB beside backward{later}")
+
+
 def _empty(dtype=np.int64) -> np.ndarray:
     return np.zeros(0, dtype=dtype)
 
@@ -134,6 +162,8 @@ class GraphProfile:
     backward_seconds: np.ndarray = field(default_factory=lambda: _empty(float))  # per rank
     cost_source: str = "none"  # how op times were obtained: "measured on <device>" or "estimated: <rates>"
     sharding: ShardedParameters | None = None  # FSDP2's per-rank layout; None: full parameters and gradients
+    step_context: StepContext | None = None  # the other graphs of the call; None: this graph is the whole step
+    output_uses: tuple[str, ...] = ()  # per tensor output: "gradient", "kept" (to the step's end) or "dropped"
 
     @property
     def num_ops(self) -> int:

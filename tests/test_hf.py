@@ -1,0 +1,153 @@
+"""Hugging Face transformers models, random-initialised from configs (nothing is downloaded): sublinear trains them
+bit for bit like eager and predicts their step's peak memory, including steps TorchDynamo splits into graphs."""
+
+import copy
+import dataclasses
+import logging
+import random
+
+import pytest
+import torch
+
+import sublinear
+from sublinear.core import Plan
+from sublinear.profiler import training_step
+from sublinear.simulator import simulate
+
+from conftest import PLAIN
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB, SEQ, BATCH = 64, 12, 3
+
+
+def tiny_model(family: str, attn: str, vocab: int = VOCAB):
+    """A two-layer model of ``family`` with dropout on, and the kind of inputs it takes."""
+    T = transformers
+    if family == "bert":
+        config = T.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=32)
+        return T.BertForSequenceClassification._from_config(config, attn_implementation=attn), "classify"
+    if family == "gpt2":
+        config = T.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
+                              eos_token_id=0)
+        return T.GPT2LMHeadModel._from_config(config, attn_implementation=attn), "causal"
+    if family == "llama":
+        config = T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                               attention_dropout=0.1, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        return T.LlamaForCausalLM._from_config(config, attn_implementation=attn), "causal"
+    if family == "t5":
+        config = T.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        return T.T5ForConditionalGeneration._from_config(config, attn_implementation=attn), "seq2seq"
+    config = T.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                         num_labels=3)
+    return T.ViTForImageClassification._from_config(config, attn_implementation=attn), "image"
+
+
+def tiny_inputs(kind: str) -> dict:
+    """Labels so that the model returns its loss; token inputs come with a padded attention mask."""
+    g = torch.Generator().manual_seed(0)
+    if kind == "image":
+        return dict(pixel_values=torch.randn(BATCH, 3, 16, 16, generator=g),
+                    labels=torch.randint(0, 3, (BATCH,), generator=g))
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[0, -4:] = 0
+    mask[1, -2:] = 0
+    labels = {"classify": torch.randint(0, 2, (BATCH,), generator=g), "causal": ids,
+              "seq2seq": torch.randint(1, VOCAB, (BATCH, 7), generator=g)}[kind]
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def hf_training(model, inputs: dict, steps: int = 3):
+    """SGD on the model's own loss; returns losses, gradients, state_dict and the RNG state afterwards."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        out = model(**inputs)
+        out.loss.backward()
+        optimizer.step()
+        losses.append(out.loss.detach().clone())
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return losses, grads, {k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "t5", "vit"])
+def test_trains_bit_for_bit_like_eager(family, attn):
+    torch.manual_seed(0)
+    model, kind = tiny_model(family, attn)
+    model.train()
+    inputs = tiny_inputs(kind)
+    eager = hf_training(copy.deepcopy(model), inputs)
+    compiled = sublinear.compile(copy.deepcopy(model), config=PLAIN)  # planned at the first training call
+    planned = hf_training(compiled, inputs)
+    assert compiled.sublinear_plan.num_blocks > len(compiled.sublinear_plan.graphs)  # something is recomputed
+    for a, b in zip(eager[0], planned[0]):
+        assert torch.equal(a, b)
+    assert eager[1].keys() == planned[1].keys()
+    for k in eager[1]:
+        assert torch.equal(eager[1][k], planned[1][k]), k
+    for k in eager[2]:
+        assert torch.equal(eager[2][k], planned[2][k]), k
+    assert torch.equal(eager[3], planned[3])
+
+
+def test_a_step_split_into_graphs_is_predicted_as_one_step(caplog):
+    # GPT-2 in transformers 5 logs a warning in its loss property, and TorchDynamo breaks the graph there: the loss
+    # runs as a second graph beside everything the first one holds. Its vocabulary is 65 times its width, as GPT-2's
+    # is, so the loss graph's peak decides the step's.
+    torch.manual_seed(0)
+    model, kind = tiny_model("gpt2", "eager", vocab=2048)
+    model.train()
+    inputs = tiny_inputs(kind)
+    with caplog.at_level(logging.WARNING, logger="sublinear"):
+        compiled = sublinear.compile(model, example_kwargs=inputs, config=PLAIN)
+    plan = compiled.sublinear_plan
+    assert len(plan.graphs) == 2 and len(plan.breaks) == 1
+    assert "2 graphs at 1 graph break" in caplog.text
+    measured = sublinear.measure(training_step, compiled, **inputs).peak_bytes
+    model.zero_grad(set_to_none=True)
+    assert abs(plan.predicted_peak_bytes - measured) / measured < 0.01, (plan.predicted_peak_bytes, measured)
+    alone = max(simulate(dataclasses.replace(v.profile, step_context=None), v.plan).peak_bytes
+                for v in compiled.sublinear_backend.latest.values())
+    assert alone < 0.99 * measured  # each graph on its own misses what the other holds beside it
+
+
+def _full_size(family: str):
+    T = transformers
+    with torch.device("meta"):
+        if family == "bert":
+            model = T.BertForSequenceClassification._from_config(T.BertConfig(), attn_implementation="eager")
+            ids = torch.empty(2, 512, dtype=torch.long, device="meta")
+            return model.train(), dict(input_ids=ids, labels=torch.zeros(2, dtype=torch.long, device="meta"))
+        # use_cache=False: a real call on meta tensors cannot start GPT-2's KV cache (planning on meta can)
+        model = T.GPT2LMHeadModel._from_config(T.GPT2Config(use_cache=False), attn_implementation="eager")
+        ids = torch.empty(1, 1024, dtype=torch.long, device="meta")
+        return model.train(), dict(input_ids=ids, labels=ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_full_size_prediction_within_one_percent_of_measured(family):
+    model, inputs = _full_size(family)
+    compiled = sublinear.compile(model, example_kwargs=inputs, config=PLAIN)
+    assert compiled.sublinear_plan.graphs[0].signature.endswith("@meta")
+    code, first = next(iter(compiled.sublinear_backend.latest.items()))
+    n = first.profile.num_ops
+    rng = random.Random(0)
+    plans = {"planned": first.plan, "eager": Plan.no_split(n), "random": Plan.of(rng.sample(range(n), 20), n),
+             "nested": Plan.of(range(0, n, 3), n, soft=[p for p in range(0, n, 3) if p % 12])}
+    for label, plan in plans.items():
+        if label != "planned":
+            compiled.use(sublinear.ParetoPoint(plan, 0, 0, 1.0, 1.0, code))
+        measured = sublinear.measure(training_step, compiled, **inputs).peak_bytes
+        model.zero_grad(set_to_none=True)
+        predicted = compiled.sublinear_plan.predicted_peak_bytes
+        assert abs(predicted - measured) / measured < 0.01, (family, label, predicted, measured)
