@@ -1,16 +1,23 @@
-"""Command line: ``sublinear maxbatch | tune | plan | profile`` (also ``python -m sublinear``)."""
+"""Command line: ``sublinear maxbatch | tune | plan | profile`` (also ``python -m sublinear``).
+
+Every bad value gives one line on stderr, ``sublinear <command>: error: ...``, and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import importlib
+import inspect
 import logging
+import os
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Callable, Sequence
 
 import torch
 
+from . import __version__
 from .config import SublinearMemoryConfig, parse_size
 from .models import MODELS, ModelSpec, get_model
 
@@ -18,54 +25,150 @@ __all__ = ["main"]
 
 log = logging.getLogger("sublinear.cli")
 
+DESCRIPTION = ("Plan activation checkpointing for PyTorch training: how large a batch fits (maxbatch), how many "
+               "genetic generations pay off (tune), the plan for one batch (plan), and eager memory (profile). "
+               "Models run on the meta device: nothing is allocated and nothing is downloaded.")
+HF_OPTIONS = ("layers", "hidden", "attn")
+
+
+def _models_epilog() -> str:
+    """The --model forms, one per line, wrapped to 100 columns."""
+    forms = {name: spec.description for name, spec in MODELS.items()}
+    forms["hf:<ModelClass>"] = ("a transformers model class from its default config, random init, nothing "
+                                "downloaded (e.g. hf:BertForSequenceClassification, hf:GPT2LMHeadModel, "
+                                "hf:LlamaForCausalLM, hf:T5ForConditionalGeneration, hf:ViTForImageClassification); "
+                                "sized with --layers, --hidden, --attn")
+    forms["pkg.module:fn"] = ("fn() builds the model (importable from the current directory); its input is "
+                              "zeros of --input-shape per sample (or of length --seq), of --dtype")
+    width = max(map(len, forms))
+    lines = ["models (--model):"]
+    for name, text in forms.items():
+        lines += textwrap.wrap(text, 100, initial_indent=f"  {name:{width}s}  ", subsequent_indent=" " * (width + 4))
+    return "\n".join(lines)
+
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def _model(name: str, args: argparse.Namespace) -> ModelSpec:
-    """A built-in model, or ``package.module:callable`` with inputs from ``--input-shape``/``--seq`` and
-    ``--dtype``."""
-    if name in MODELS:
-        return get_model(name)
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
+# ---------------------------------------------------------------------------------------------------------------
+# Option values: argparse types that name the problem in one line
+
+
+def _int_at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
         try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot import model factory {name!r}: {exc}") from None
-        shape = _int_list(args.input_shape, "--input-shape") if args.input_shape else None
-        return ModelSpec(name, f"user model {name}", functools.partial(_build_user_model, factory, name),
-                         functools.partial(_user_inputs, shape, _dtype(args.dtype)), None)
-    raise ValueError(f"unknown model {name!r}; built-in: {', '.join(MODELS)}, or package.module:callable")
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+    return parse
 
 
-def _build_user_model(factory, name: str):
-    """The user's model from its factory, or a one-line error saying what went wrong."""
+def _int_list(least: int, example: str) -> Callable[[str], tuple[int, ...]]:
+    """Comma separated integers >= ``least``."""
+    def parse(text: str) -> tuple[int, ...]:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts or not all(p.isdigit() and int(p) >= least for p in parts):
+            raise argparse.ArgumentTypeError(f"takes comma separated integers >= {least}, e.g. {example}; "
+                                             f"got {text!r}")
+        return tuple(int(p) for p in parts)
+    return parse
+
+
+def _float_list(text: str) -> tuple[float, ...]:
     try:
-        model = factory()
-    except Exception as exc:  # noqa: BLE001 - any failure of the user's factory is reported in one line
-        raise ValueError(f"--model {name}: calling the factory failed: {type(exc).__name__}: {exc} (it must build "
-                         "the model with no arguments)") from None
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"--model {name}: the factory returned a {type(model).__name__}, not an nn.Module")
-    return model
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma separated numbers, e.g. 1.2,1.34; got {text!r}") from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"--dtype: not a torch dtype: {name!r} (e.g. float32, bfloat16, int64)")
+        raise argparse.ArgumentTypeError(f"not a torch dtype: {name!r} (e.g. float32, bfloat16, int64)")
     return dtype
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models
+
+
+def _model(name: str, args: argparse.Namespace) -> ModelSpec:
+    """A built-in model, ``hf:<ModelClass>``, or ``package.module:callable``; built once on meta here, so that a
+    model that cannot be built fails now, in one line."""
+    if name.startswith("hf:"):
+        from .models.hf import hf_model
+
+        spec = hf_model(name[len("hf:"):], layers=args.layers, hidden=args.hidden, attn=args.attn or "eager")
+    else:
+        given = [f"--{option}" for option in HF_OPTIONS if getattr(args, option) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: for hf:<ModelClass> models only, not {name!r}")
+        if name in MODELS:
+            return get_model(name)
+        if ":" not in name:
+            raise ValueError(f"unknown model {name!r}; built-in: {', '.join(MODELS)}, or hf:<ModelClass>, or "
+                             "package.module:callable")
+        spec = _user_model(name, args)
+    with torch.device("meta"):
+        spec.build()
+    return spec
+
+
+def _user_model(name: str, args: argparse.Namespace) -> ModelSpec:
+    """``package.module:callable``, imported with the current directory on ``sys.path`` (as ``python -m`` has)."""
+    module_name, _, attr = name.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except Exception as exc:  # noqa: BLE001 - the user's module may fail in any way while it is imported
+        raise ValueError(f"cannot import model factory {name!r}: {type(exc).__name__}: {exc}") from None
+    if not callable(factory):
+        raise ValueError(f"--model {name}: {attr} is a {type(factory).__name__}, not a callable")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as exc:
+        raise ValueError(f"--model {name}: the factory must build the model with no arguments ({exc})") from None
+    except ValueError:  # no signature to inspect (some builtins): calling it tells
+        pass
+    return ModelSpec(name, f"user model {name}", functools.partial(_build_user_model, factory, name),
+                     functools.partial(_user_inputs, args.input_shape, args.dtype), None)
+
+
+def _build_user_model(factory, name: str) -> torch.nn.Module:
+    """The user's model from its factory, or a one-line error saying what went wrong."""
+    try:
+        model = factory()
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's factory is reported in one line
+        raise ValueError(f"--model {name}: calling the factory failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model {name}: the factory returned a {type(model).__name__}, not an nn.Module")
+    return model
 
 
 def _user_inputs(shape: tuple[int, ...] | None, dtype: torch.dtype, batch: int, *, device: str = "cpu",
                  seq: int | None = None):
+    """``([batch, *shape],), {}`` zeros of ``dtype``, with ``shape`` = ``(seq,)`` when a sequence length is given."""
     if seq is not None:
         shape = (seq,)
     if shape is None:
         raise ValueError("a user model needs --input-shape (per sample, e.g. 3,224,224) or --seq")
     return (torch.zeros((batch, *shape), dtype=dtype, device=device),), {}
+
+
+def _seq(args: argparse.Namespace, spec: ModelSpec) -> int | None:
+    return args.seq if args.seq is not None else spec.default_seq
 
 
 class _Progress:
@@ -100,44 +203,12 @@ def _write(path: str | None, text: str) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
-def _cmd_maxbatch(args: argparse.Namespace) -> int:
-    from .maxbatch import compare
-    from .report import machine, maxbatch_markdown, maxbatch_text
-
-    iters = _int_list(args.genetic_iters, "--genetic-iters")
-    limits = tuple(_float(v, "--flops-limits") for v in args.flops_limits.split(",") if v)
-    config = _measuring_config(args)
-    autocast = _AUTOCAST[args.autocast]
-    results = {}
-    for name in args.model.split(","):
-        spec = _model(name, args)
-        seq = args.seq if args.seq is not None else spec.default_seq
-        rows = compare(spec, args.budget, iters, device=args.device, seq=seq, config=config,
-                       baselines=not args.no_baselines, progress=_Progress(), autocast=autocast,
-                       flops_limits=limits)
-        label = f"{spec.name}{f' seq {seq}' if seq else ''}{f' autocast {args.autocast}' if autocast else ''}"
-        results[label] = rows
-        print(f"\n{maxbatch_text(f'{label}: max batch at {_mib(args.budget)} on {machine(args.device)}', rows)}")
-    _write(args.out, maxbatch_markdown(results, args.budget, machine(args.device), args.command_line))
-    return 0
-
-
-def _cmd_tune(args: argparse.Namespace) -> int:
-    from .maxbatch import tune
-    from .report import plot_convergence, tuning_markdown
-
-    iters = _int_list(args.genetic_iters, "--genetic-iters")
-    config = _measuring_config(args)
-    tunings = {}
-    for name in args.model.split(","):
-        spec = _model(name, args)
-        tunings[spec.name] = tune(spec, iters, args.budget, config, progress=_Progress())
-    text = tuning_markdown(tunings, args.budget, args.seed, args.command_line)
-    print(text)
-    _write(args.out, text)
-    if args.plot:
-        plot_convergence(tunings, args.plot)
-    return 0
+def _require_matplotlib(flag: str) -> None:
+    """Checked before the work that the plot follows."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{flag} needs matplotlib (pip install 'sublinear[plot]')") from None
 
 
 def _measuring_config(args: argparse.Namespace) -> SublinearMemoryConfig:
@@ -146,26 +217,62 @@ def _measuring_config(args: argparse.Namespace) -> SublinearMemoryConfig:
                                  cache_dir="")
 
 
-def _int_list(text: str, flag: str) -> tuple[int, ...]:
-    numbers = [_float(v, flag) for v in text.split(",") if v.strip()]
-    if not numbers or any(v < 0 or v != int(v) for v in numbers):
-        raise ValueError(f"{flag} takes comma separated integers >= 0, e.g. 0,20; got {text!r}")
-    return tuple(int(v) for v in numbers)
+# ---------------------------------------------------------------------------------------------------------------
+# Commands
 
 
-def _float(text: str, flag: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{flag}: not a number: {text!r}") from None
+def _cmd_maxbatch(args: argparse.Namespace) -> int:
+    from .maxbatch import compare
+    from .report import machine, maxbatch_markdown, maxbatch_text
+
+    config = _measuring_config(args)
+    autocast = _AUTOCAST[args.autocast]
+    specs = [_model(name, args) for name in args.model.split(",")]
+    results, notes = {}, []
+    for spec in specs:
+        seq = _seq(args, spec)
+        skipped: list[str] = []
+        rows = compare(spec, args.memory_budget, args.genetic_iters, device=args.device, seq=seq, config=config,
+                       baselines=not args.no_baselines, progress=_Progress(), autocast=autocast,
+                       flops_limits=args.flops_limits, note=skipped.append)
+        label = f"{spec.name}{f' seq {seq}' if seq else ''}{f' autocast {args.autocast}' if autocast else ''}"
+        results[label] = rows
+        notes += skipped
+        title = f"{label}: max batch at {_mib(args.memory_budget)} on {machine(args.device)}"
+        print(f"\n{maxbatch_text(title, rows)}")
+        for line in skipped:
+            print(f"note: {line}")
+    _write(args.out, maxbatch_markdown(results, args.memory_budget, machine(args.device), args.command_line, notes))
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from .maxbatch import tune
+    from .report import plot_convergence, tuning_markdown
+
+    if args.plot:
+        _require_matplotlib("--plot")
+    config = _measuring_config(args)
+    specs = [_model(name, args) for name in args.model.split(",")]
+    tunings = {spec.name: tune(spec, args.genetic_iters, args.memory_budget, config, progress=_Progress(),
+                               seq=_seq(args, spec)) for spec in specs}
+    text = tuning_markdown(tunings, args.memory_budget, args.seed, args.command_line)
+    print(text)
+    _write(args.out, text)
+    if args.plot:
+        plot_convergence(tunings, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .api import compile as sublinear_compile
     from .planners import BudgetError
 
+    if args.plot:
+        _require_matplotlib("--plot")
     spec = _model(args.model, args)
-    seq = args.seq if args.seq is not None else spec.default_seq
+    seq = _seq(args, spec)
     with torch.device("meta"):
         model = spec.build().train()
     example, kwargs = spec.example_inputs(args.batch, device="meta", seq=seq)
@@ -181,6 +288,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"{spec.name} cannot be planned ahead on the meta device (see the log with -v)")
     print(f"{spec.name} batch {args.batch}{f' seq {seq}' if seq else ''}:")
     print(plan.describe())
+    if args.plot:
+        from .report import plot_step_memory
+
+        profile = compiled.sublinear_profile
+        if profile is None:
+            raise ValueError(f"--plot shows one graph, and TorchDynamo split {spec.name} into "
+                             f"{len(plan.graphs)} graphs")
+        plot_step_memory(profile, plan.to_plan(), args.plot,
+                         title=f"{spec.name} batch {args.batch}{f' seq {seq}' if seq else ''}")
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -188,84 +305,140 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from .capture import capture
     from .profiler import profile
 
-    for name in args.model.split(","):
-        spec = _model(name, args)
-        seq = args.seq if args.seq is not None else spec.default_seq
+    for spec in [_model(name, args) for name in args.model.split(",")]:
+        seq = _seq(args, spec)
         with torch.device("meta"):
             model = spec.build().train()
         example, kwargs = spec.example_inputs(args.batch, device="meta", seq=seq)
-        p = profile(capture(model, example, kwargs).graph)
-        fixed = p.parameter_bytes + p.buffer_bytes + p.gradient_bytes
-        print(f"{spec.name} batch {args.batch}: eager activations {_mib((p.measured_peak_bytes - fixed) / args.batch)} "
-              f"per sample")
-        print(p.summary())
+        graphs = capture(model, example, kwargs).graphs
+        for i, graph in enumerate(graphs):
+            p = profile(graph)
+            fixed = p.parameter_bytes + p.buffer_bytes + p.gradient_bytes
+            where = f" graph {i} of {len(graphs)}" if len(graphs) > 1 else ""
+            print(f"{spec.name} batch {args.batch}{where}: eager activations "
+                  f"{_mib((p.measured_peak_bytes - fixed) / args.batch)} per sample")
+            print(p.summary())
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _model_options(p: argparse.ArgumentParser, default_model: str) -> None:
+    p.add_argument("--model", default=default_model, metavar="NAMES",
+                   help="built-in name(s), comma separated, hf:<ModelClass> or pkg.module:fn (listed "
+                        "below; default %(default)s)")
+    p.add_argument("--seq", type=_int_at_least(1), default=None, metavar="N",
+                   help="sequence length of text models (default: the model's)")
+    p.add_argument("--input-shape", type=_int_list(1, "3,224,224"), default=None, metavar="DIMS",
+                   help="per-sample input shape of a package.module:callable model, e.g. 3,224,224")
+    p.add_argument("--dtype", type=_dtype, default=torch.float32, metavar="DTYPE",
+                   help="input dtype of a package.module:callable model (default float32)")
+    hf = p.add_argument_group("hf:<ModelClass> models")
+    hf.add_argument("--layers", type=_int_at_least(1), default=None, metavar="N",
+                    help="number of layers (num_hidden_layers, n_layer or num_layers; default: the config's)")
+    hf.add_argument("--hidden", type=_int_at_least(1), default=None, metavar="N",
+                    help="hidden size; the intermediate size keeps its ratio to it and the head count divides it")
+    hf.add_argument("--attn", choices=("eager", "sdpa"), default=None,
+                    help="attn_implementation (default eager)")
+
+
+def _planner_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--thresh-nr-try", type=_int_at_least(0), default=10, metavar="N",
+                   help="grid points per phase of the threshold grid search (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the genetic search (default %(default)s)")
+    p.add_argument("--workers", type=_int_at_least(1), default=1, metavar="N",
+                   help="processes scoring genetic candidates (default %(default)s)")
+
+
+def _budget_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-budget", type=_size, default=parse_size("11GiB"), metavar="SIZE",
+                   help="device memory to fit in, e.g. 11GiB, 500MB or bytes (default 11GiB)")
+    p.add_argument("--budget", type=_size, dest="memory_budget", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sublinear", description=__doc__)
+    epilog = _models_epilog()
+    parser = _Parser(prog="sublinear", description=textwrap.fill(DESCRIPTION, 100), epilog=epilog,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"sublinear {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{maxbatch,tune,plan,profile}")
 
-    def common(p: argparse.ArgumentParser, default_model: str) -> None:
-        p.add_argument("--model", default=default_model,
-                       help="built-in name(s), comma separated, or package.module:callable")
-        p.add_argument("--seq", type=int, default=None, help="sequence length for text models")
-        p.add_argument("--input-shape", default=None, help="per-sample input shape for a user model, e.g. 3,224,224")
-        p.add_argument("--dtype", default="float32", help="input dtype for a user model")
-        p.add_argument("--thresh-nr-try", type=int, default=10)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--workers", type=int, default=1, help="processes scoring genetic candidates")
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=summary, epilog=epilog,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    p = sub.add_parser("maxbatch", help="max batch at a budget: eager, hand-written checkpointing, sublinear")
-    common(p, "resnet50,bert-base")
-    p.add_argument("--budget", type=parse_size, default=parse_size("11GiB"))
-    p.add_argument("--genetic-iters", default="0,20", help="comma separated genetic_nr_iter values")
-    p.add_argument("--flops-limits", default="",
+    p = command("maxbatch", "max batch within a memory budget: eager, hand-written checkpointing, sublinear")
+    _model_options(p, "resnet50,bert-base")
+    _budget_option(p)
+    _planner_options(p)
+    p.add_argument("--genetic-iters", type=_int_list(0, "0,20"), default=(0, 20), metavar="LIST",
+                   help="comma separated genetic_nr_iter values, one sublinear row each (default 0,20)")
+    p.add_argument("--flops-limits", type=_float_list, default=(), metavar="LIST",
                    help="comma separated step-FLOPs ratios: add the budget-driven planner limited to each")
     p.add_argument("--autocast", choices=tuple(_AUTOCAST), default="none", help="run every step under autocast")
-    p.add_argument("--device", choices=("meta", "cuda"), default="meta")
-    p.add_argument("--no-baselines", action="store_true")
-    p.add_argument("--out", default=None, help="also write the table as markdown to this file")
+    p.add_argument("--device", choices=("meta", "cuda"), default="meta",
+                   help="meta: measured without memory; cuda: every candidate batch really runs (default meta)")
+    p.add_argument("--no-baselines", action="store_true", help="leave out the hand-written checkpointing rows")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the table as markdown to this file")
     p.set_defaults(run=_cmd_maxbatch)
 
-    p = sub.add_parser("tune", help="genetic-iteration sweep: best peak, max batch and planning time per value")
-    common(p, "resnet50")
-    p.add_argument("--budget", type=parse_size, default=parse_size("11GiB"))
-    p.add_argument("--genetic-iters", default="0,1,2,5,10,20")
-    p.add_argument("--out", default=None, help="also write the table as markdown to this file")
-    p.add_argument("--plot", default=None, help="write the convergence plot (PNG; needs matplotlib)")
+    p = command("tune", "genetic-iteration sweep: best peak, max batch and planning time per value")
+    _model_options(p, "resnet50")
+    _budget_option(p)
+    _planner_options(p)
+    p.add_argument("--genetic-iters", type=_int_list(0, "0,1,2,5"), default=(0, 1, 2, 5, 10, 20), metavar="LIST",
+                   help="comma separated genetic_nr_iter values (default 0,1,2,5,10,20)")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the table as markdown to this file")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write the convergence plot to this PNG (needs matplotlib)")
     p.set_defaults(run=_cmd_tune)
 
-    p = sub.add_parser("plan", help="print the plan for one model and batch")
-    common(p, "resnet50")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--genetic-iters", type=int, default=0)
-    p.add_argument("--memory-budget", type=parse_size, default=None,
-                   help="least recompute whose predicted peak fits this size")
-    p.add_argument("--lb-memory", type=parse_size, default=0, help="hand memory below this floor back for speed")
+    p = command("plan", "the plan for one model and batch: blocks, kept bytes, predicted peak against eager")
+    _model_options(p, "resnet50")
+    p.add_argument("--batch", type=_int_at_least(1), default=32, metavar="N", help="batch size (default %(default)s)")
+    p.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
+                   help="the least recompute whose predicted peak fits this size (default: the lowest peak)")
+    p.add_argument("--lb-memory", type=_size, default=0, metavar="SIZE",
+                   help="hand memory below this floor back for speed (keep expensive recomputed ops)")
+    _planner_options(p)
+    p.add_argument("--genetic-iters", type=_int_at_least(0), default=0, metavar="N",
+                   help="generations of the genetic refinement (default 0: grid search only)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write live memory over one training step, eager against the plan, to this PNG "
+                        "(needs matplotlib)")
     p.set_defaults(run=_cmd_plan)
 
-    p = sub.add_parser("profile", help="profile summary: eager memory per sample and the largest tensors")
-    common(p, "resnet50,bert-base")
-    p.add_argument("--batch", type=int, default=8)
+    p = command("profile", "eager memory per sample and the largest tensors")
+    _model_options(p, "resnet50,bert-base")
+    p.add_argument("--batch", type=_int_at_least(1), default=8, metavar="N", help="batch size (default %(default)s)")
     p.set_defaults(run=_cmd_profile)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .capture import CaptureError
+
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed a one-line error
+    except SystemExit as exc:  # --help, --version, or a one-line error already printed
         return int(exc.code or 0)
     args.command_line = "sublinear " + " ".join(sys.argv[1:] if argv is None else argv)  # for the markdown
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                         format="%(levelname)s %(name)s: %(message)s")
     log.setLevel(min(logging.INFO, logging.getLogger().level))  # progress lines even without -v
     try:
-        _dtype(args.dtype)
         return args.run(args)
-    except ValueError as exc:
-        print(f"sublinear: error: {exc}", file=sys.stderr)
+    except (ValueError, CaptureError) as exc:
+        print(f"sublinear {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

@@ -1,8 +1,10 @@
 """Max batch size under a memory budget, for eager, hand-written checkpointing and sublinear plans.
 
 On ``meta`` every candidate batch is run once under :func:`sublinear.measure` (no RAM is used, any batch size
-works). With ``autocast`` the model holds fake CPU tensors instead (autocast dispatches on the device, and meta
-tensors have none), equally free. On ``cuda`` every candidate really runs: the budget is enforced with
+works). With ``autocast``, and for transformers models, the model holds fake CPU tensors instead, equally free:
+autocast dispatches on the device, which meta tensors lack, and transformers reads input values in its eager
+forward (attention-mask and packed-sequence checks), which it skips on fake tensors only; plans are then made with
+estimated op costs, as on meta. On ``cuda`` every candidate really runs: the budget is enforced with
 ``torch.cuda.set_per_process_memory_fraction`` and a batch fits when the step finishes without an out-of-memory
 error; ``torch.cuda.max_memory_allocated`` gives its peak.
 """
@@ -13,6 +15,8 @@ import contextlib
 import gc
 import logging
 import math
+import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -22,12 +26,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from .api import compile as sublinear_compile
-from .baselines import BASELINES
+from .baselines import BASELINES, NotApplicable
+from .capture import FakeTwin
 from .config import SublinearMemoryConfig
 from .measurement import measure
 from .models import ModelSpec
 from .planners import BudgetError
-from .profiler import default_loss
+from .profiler import step_backward
 
 __all__ = ["StrategyResult", "Tuning", "TuningRow", "baseline_costs", "compare", "largest_fitting", "tune"]
 
@@ -45,7 +50,10 @@ class StrategyResult:
     device: str
 
 
-def largest_fitting(fits: Callable[[int], bool], guess: int = 1, limit: int = 1 << 16) -> int:
+BATCH_LIMIT = 1 << 16  # the largest batch any search tries
+
+
+def largest_fitting(fits: Callable[[int], bool], guess: int = 1, limit: int = BATCH_LIMIT) -> int:
     """Largest batch ``b`` in 1..limit with ``fits(b)``, assuming fitting is monotone in ``b``; 0 if none fits."""
     guess = max(1, min(guess, limit))
     if fits(guess):
@@ -74,6 +82,7 @@ def largest_fitting(fits: Callable[[int], bool], guess: int = 1, limit: int = 1 
 
 Prepare = Callable[[nn.Module, int], nn.Module]  # (model, batch) -> module that runs the step
 Progress = Callable[[int, int, str], None]  # (strategies done, strategies in all, message)
+Note = Callable[[str], None]  # one line on a strategy that was skipped
 
 
 class DoesNotFit(Exception):
@@ -87,10 +96,7 @@ def strategies(genetic_iters: tuple[int, ...], config: SublinearMemoryConfig | N
     under each FLOPs-ratio limit."""
     chosen: list[tuple[str, Prepare, bool]] = [("eager", lambda model, batch: model, False)]
     if baselines:
-        for name, apply in BASELINES.items():
-            applied: dict[int, nn.Module] = {}
-            chosen.append((name, lambda model, batch, apply=apply, applied=applied:
-                           applied.setdefault(id(model), apply(model)), False))
+        chosen.extend((name, _applied_once(apply), False) for name, apply in BASELINES.items())
     base = config or SublinearMemoryConfig()
 
     def planned(cfg: SublinearMemoryConfig, limit: float = math.inf) -> Prepare:
@@ -122,32 +128,57 @@ def strategies(genetic_iters: tuple[int, ...], config: SublinearMemoryConfig | N
     return chosen
 
 
+def _applied_once(apply: Callable[[nn.Module], nn.Module]) -> Prepare:
+    """A baseline's prepare: ``apply`` edits a model in place, so each model is edited once, at its first batch."""
+    applied: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def prepare(model: nn.Module, batch: int) -> nn.Module:
+        if model not in applied:
+            apply(model)
+            applied.add(model)
+        return model
+    return prepare
+
+
 def compare(spec: ModelSpec, budget: int, genetic_iters: tuple[int, ...] = (0,), device: str = "meta",
             seq: int | None = None, baselines: bool = True, config: SublinearMemoryConfig | None = None,
             progress: Progress | None = None, autocast: torch.dtype | None = None,
-            flops_limits: tuple[float, ...] = ()) -> list[StrategyResult]:
+            flops_limits: tuple[float, ...] = (), note: Note | None = None) -> list[StrategyResult]:
     """Max batch at ``budget`` bytes for eager, the hand-written baselines, sublinear with each genetic setting and
     the budget-driven planner under each FLOPs-ratio limit, with every step (and every plan) under
-    ``torch.autocast(dtype=autocast)`` when given. ``progress(done, total, message)`` follows the strategies."""
+    ``torch.autocast(dtype=autocast)`` when given. ``progress(done, total, message)`` follows the strategies. A
+    baseline that does not apply to the model has no row: ``note`` (default: a logged warning) gets one line on it."""
     say = progress or (lambda done, total, message: log.info(message))
-    env = _Environment(device, autocast)
+    skipped = note or log.warning
+    env = _Environment.for_model(spec, device, autocast)
     if device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    config = config or SublinearMemoryConfig()
+    if env.fake is not None and config.cost_model == "auto":
+        config = replace(config, cost_model="estimate")  # as on meta, which the fake CPU tensors stand for
     chosen = strategies(genetic_iters, config, seq, spec, baselines, budget, flops_limits)
     results = []
     for done, (name, prepare, is_sublinear) in enumerate(chosen):
         say(done, len(chosen), f"{spec.name}: {name} ...")
-        results.append(_largest_batch(spec, name, prepare, is_sublinear, budget, env, seq))
-        say(done + 1, len(chosen), f"{spec.name}: {name}: max batch {results[-1].max_batch}")
-        gc.collect()
+        try:
+            results.append(_largest_batch(spec, name, prepare, is_sublinear, budget, env, seq))
+        except Exception as exc:  # noqa: BLE001 - a hand-written baseline that fails on this model is left out
+            if name not in BASELINES:
+                raise
+            reason = exc if isinstance(exc, NotApplicable) else f"it fails on this model: {type(exc).__name__}: {exc}"
+            skipped(f"{spec.name}: {name} skipped: {' '.join(str(reason).split())}")
+            say(done + 1, len(chosen), f"{spec.name}: {name}: does not apply")
+        else:
+            say(done + 1, len(chosen), f"{spec.name}: {name}: max batch {results[-1].max_batch}")
+        if device == "cuda":  # the next strategy starts with the device's memory free
+            gc.collect()
     return results
 
 
 def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, is_sublinear: bool, budget: int,
                    env: _Environment, seq: int | None) -> StrategyResult:
-    """One strategy's max batch on a fresh model; on meta, the search starts from an affine fit of batches 2
-    and 4."""
+    """One strategy's max batch on a fresh model; on meta, the search starts from :func:`_bracket`."""
     model = env.build(spec)
     checked: dict[int, int | None] = {}
 
@@ -166,37 +197,81 @@ def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, is_sublinear: b
     def fits(batch: int) -> bool:
         try:
             p = peak(batch)
+        except NotApplicable:
+            raise
         except ValueError:
             if batch > 1:
                 raise
             return False  # e.g. BatchNorm refuses one sample of 1x1 maps in training
         return p is not None and p <= budget
 
-    guess = 8
-    two, four = (peak(2), peak(4)) if env.device == "meta" else (None, None)
-    if two is not None and four is not None:
-        guess = max(1, 2 + int((budget - two) // max(1, (four - two) // 2)))
-    best = largest_fitting(fits, guess)
+    start, over = _bracket(peak, budget) if env.device == "meta" else (8, None)
+    best = largest_fitting(fits, start, BATCH_LIMIT if over is None else over - 1)
     label = env.device if env.autocast is None else f"{env.device}+{env.autocast}"
     if best == 0:
         return StrategyResult(name, 0, 0, float("nan"), None, None, label)
-    planning = predicted = None
-    if is_sublinear:
+    if is_sublinear:  # TorchDynamo does not compile under FlopCounterMode: the plan's own count of the step
         plan = prepare(model, best).sublinear_plan
-        planning, predicted = plan.planning_seconds, plan.predicted_peak_bytes
-    return StrategyResult(name, best, peak(best) or 0, _flops_ratio(spec, prepare, best, seq, env), planning,
-                          predicted, label)
+        return StrategyResult(name, best, peak(best) or 0, plan.flops_ratio, plan.planning_seconds,
+                              plan.predicted_peak_bytes, label)
+    return StrategyResult(name, best, peak(best) or 0, _flops_ratio(spec, prepare, best, seq, env), None, None,
+                          label)
+
+
+def _bracket(peak: Callable[[int], int | None], budget: int, refinements: int = 6) -> tuple[int, int | None]:
+    """(a batch to start the search from, a batch known not to fit or None), from measured peaks (None: does not
+    fit). A step's peak is the largest of the live bytes at its moments, each affine in the batch, so it grows
+    convexly: the line through the peaks at batches 2 and 4 meets the budget at or beyond the largest batch that
+    fits, and the line through a batch that fits and one that does not meets it at a batch that fits (false
+    position, ``refinements`` times). Only the search's monotonicity assumption matters for its result."""
+    two, four = peak(2), peak(4)
+    if two is None or four is None:
+        return 8, None
+    if two > budget:
+        return 1, 2
+    if four > budget:
+        return 2, 4
+    if four <= two:
+        return 4, None
+    fit, fit_peak = 4, four
+    over: int | None = None
+    over_peak: int | None = None
+    candidate = 4 + int((budget - four) * 2 // (four - two))
+    for _ in range(refinements):
+        candidate = min(max(candidate, fit + 1), BATCH_LIMIT)  # a line may round down to the batch that fits
+        if candidate <= fit or (over is not None and candidate >= over):
+            break
+        measured = peak(candidate)
+        if measured is None or measured > budget:
+            over, over_peak = candidate, measured
+            if measured is None:
+                break
+        elif over is None and candidate == fit + 1:  # the line fell short: the search steps up from here
+            fit = candidate
+            break
+        else:
+            fit, fit_peak = candidate, measured
+        if over is None:
+            candidate = fit + 1
+        else:
+            candidate = fit + int((budget - fit_peak) * (over - fit) // (over_peak - fit_peak))
+    return fit, over
 
 
 def baseline_costs(spec: ModelSpec, batch: int, seq: int | None = None) -> dict[str, tuple[int, float]]:
-    """(measured peak bytes, step FLOPs ratio) of eager and each hand-written strategy at ``batch``, on meta."""
-    env = _Environment("meta", None)
+    """(measured peak bytes, step FLOPs ratio) of eager and each hand-written strategy that applies to the model,
+    at ``batch``, data-less."""
+    env = _Environment.for_model(spec, "meta", None)
     costs = {}
     for name, prepare, _ in strategies((), None, seq, spec):
         model = env.build(spec)
-        with env:
-            module = prepare(model, batch)
-        costs[name] = (_step_peak(spec, module, model, batch, env, seq), _flops_ratio(spec, prepare, batch, seq, env))
+        try:
+            with env:
+                module = prepare(model, batch)
+            costs[name] = (_step_peak(spec, module, model, batch, env, seq),
+                           _flops_ratio(spec, prepare, batch, seq, env))
+        except NotApplicable as exc:
+            log.info("%s: %s skipped: %s", spec.name, name, exc)
     return costs
 
 
@@ -228,9 +303,9 @@ class Tuning:
 
 
 def tune(spec: ModelSpec, genetic_iters: tuple[int, ...], budget: int, config: SublinearMemoryConfig | None = None,
-         progress: Progress | None = None) -> Tuning:
+         progress: Progress | None = None, seq: int | None = None) -> Tuning:
     """The genetic-iteration sweep: for each ``genetic_nr_iter``, the best peak and search time at the reference
-    batch, and the max batch at ``budget``."""
+    batch, and the max batch at ``budget``; text models at ``seq`` (default: the model's)."""
     from .capture import capture
     from .planners import PlanningProblem, make_plan, objective_for
     from .planners.genetic import genetic_search
@@ -238,28 +313,36 @@ def tune(spec: ModelSpec, genetic_iters: tuple[int, ...], budget: int, config: S
 
     base = config or SublinearMemoryConfig()
     batch = REFERENCE_BATCH["text" if spec.default_seq else "image"]
+    seq = spec.default_seq if seq is None else seq
     with torch.device("meta"):
         model = spec.build().train()
-    args, kwargs = spec.example_inputs(batch, device="meta", seq=spec.default_seq)
+    args, kwargs = spec.example_inputs(batch, device="meta", seq=seq)
     graph = profile(capture(model, args, kwargs).graph)
     planned = {k: make_plan(graph, replace(base, genetic_nr_iter=k)) for k in genetic_iters}
     longest = planned[max(genetic_iters)]
     start = replace(base, genetic_nr_iter=0)
     initial = genetic_search(PlanningProblem(graph, objective_for(start, None), start),
                              [c.plan for c in longest.candidates])
-    batches = compare(spec, budget, genetic_iters, seq=spec.default_seq, baselines=False, config=base,
+    batches = compare(spec, budget, genetic_iters, seq=seq, baselines=False, config=base,
                       progress=progress)[1:]  # the first row is eager
     rows = tuple(TuningRow(k, planned[k].simulation.peak_bytes, planned[k].seconds, r.max_batch, r.planning_seconds)
                  for k, r in zip(genetic_iters, batches))
     return Tuning(batch, rows, tuple(c.simulation.peak_bytes for c in longest.history), initial.logbook[0]["best"])
 
 
-class _Environment:
-    """Where strategies run: real device or data-less tensors, and the autocast state of every step and plan."""
+def _reads_input_values(model: nn.Module) -> bool:
+    """transformers models read input values in their eager forward (unless the tensors are fake)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
-    def __init__(self, device: str, autocast: torch.dtype | None) -> None:
+
+class _Environment:
+    """Where strategies run: real device or data-less tensors (meta, or fake CPU ones with ``fake``), and the
+    autocast state of every step and plan."""
+
+    def __init__(self, device: str, autocast: torch.dtype | None, fake: bool = False) -> None:
         self.device, self.autocast = device, autocast
-        fake = autocast is not None and device == "meta"
+        fake = device == "meta" and (fake or autocast is not None)
         self.data_device = "cpu" if fake else device
         self.autocast_device = "cuda" if device == "cuda" else "cpu"
         self.fake = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
@@ -267,11 +350,25 @@ class _Environment:
             self.fake.cache_enabled = False  # its dispatch cache keeps tensors alive past their last use
         self._stack: list[contextlib.ExitStack] = []
 
+    @staticmethod
+    def for_model(spec: ModelSpec, device: str, autocast: torch.dtype | None) -> _Environment:
+        """The environment for ``spec``: fake CPU tensors for data-less runs of models that read input values."""
+        with torch.device("meta"):
+            probe = spec.build()
+        return _Environment(device, autocast, fake=_reads_input_values(probe))
+
     def build(self, spec: ModelSpec) -> nn.Module:
-        with self:
-            torch.manual_seed(0)
+        """A fresh model in training mode; with fake tensors, built on meta (initialisers that read values, such as
+        ``trunc_normal_``, fail on fakes) and then twinned on fake CPU tensors."""
+        torch.manual_seed(0)
+        if self.fake is None:
             with torch.device(self.data_device):
                 return spec.build().train()
+        with torch.device("meta"):
+            model = spec.build()
+        twin = FakeTwin()
+        twin.mode = self.fake  # the steps run in this mode, and fakes of two modes do not mix
+        return twin.module(model, torch.device(self.data_device)).train()
 
     def __enter__(self):
         stack = contextlib.ExitStack()
@@ -289,9 +386,7 @@ class _Environment:
         """The standard mixed-precision step: forward under autocast, backward after it."""
         with self.autocast_context():
             outputs = module(*args, **kwargs)
-        loss = default_loss(outputs)
-        if loss is not None:
-            loss.backward()
+        step_backward(outputs)  # the backward every prediction describes
         return outputs
 
     def __exit__(self, *exc):
@@ -310,8 +405,8 @@ def _step_peak(spec: ModelSpec, module: nn.Module, model: nn.Module, batch: int,
     finally:
         model.zero_grad(set_to_none=True)
         del args, kwargs
-        gc.collect()
-        if env.device == "cuda":
+        if env.device == "cuda":  # data-less steps hold no memory, and each measurement counts only its own step
+            gc.collect()
             torch.cuda.empty_cache()
 
 

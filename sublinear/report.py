@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import platform
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .core.plan import Plan
+from .core.profile import GraphProfile
 from .maxbatch import StrategyResult, Tuning
+from .simulator import timeline
 
 __all__ = ["ParetoSeries", "machine", "maxbatch_markdown", "maxbatch_text", "plot_convergence", "plot_pareto",
-           "tuning_markdown"]
+           "plot_step_memory", "tuning_markdown"]
 
 
 def machine(device: str) -> str:
@@ -34,7 +36,9 @@ def maxbatch_text(model: str, rows: Sequence[StrategyResult]) -> str:
     return f"{model}:\n" + "\n".join(lines)
 
 
-def maxbatch_markdown(results: dict[str, Sequence[StrategyResult]], budget: int, where: str, command: str) -> str:
+def maxbatch_markdown(results: dict[str, Sequence[StrategyResult]], budget: int, where: str, command: str,
+                      notes: Sequence[str] = ()) -> str:
+    """The table of every model's rows, then ``notes`` (strategies skipped), one line each."""
     lines = [f"Budget {budget / 2**30:g} GiB on {where}; torch {torch.__version__}. Command: `{command}`", "",
              "| model | strategy | max batch | × eager | FLOPs ratio | planning s | peak at max (MiB) |",
              "|---|---|---|---|---|---|---|"]
@@ -42,6 +46,8 @@ def maxbatch_markdown(results: dict[str, Sequence[StrategyResult]], budget: int,
         eager = rows[0].max_batch or 1
         lines += [f"| {model} | {r.strategy} | {r.max_batch} | {r.max_batch / eager:.2f} | {r.flops_ratio:.3f} | "
                   f"{_seconds(r.planning_seconds)} | {r.peak_bytes / 2**20:,.0f} |" for r in rows]
+    if notes:
+        lines += ["", *(f"Note: {note}" for note in notes)]
     return "\n".join(lines) + "\n"
 
 
@@ -66,11 +72,11 @@ def tuning_markdown(tunings: dict[str, Tuning], budget: int, seed: int, command:
 
 
 def _pyplot():
+    """matplotlib.pyplot on the file-only Agg backend; ImportError saying how to install it."""
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed (pip install 'sublinear[plot]'): no plot written", file=sys.stderr)
-        return None
+        raise ImportError("plots need matplotlib (pip install 'sublinear[plot]')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -80,8 +86,6 @@ def _pyplot():
 def plot_convergence(tunings: dict[str, Tuning], path: str) -> None:
     """Best predicted peak per generation, relative to the grid's, for each model."""
     plt = _pyplot()
-    if plt is None:
-        return
     fig, ax = plt.subplots(figsize=(7, 4))
     for model, t in tunings.items():
         relative = [100 * h / t.history[0] for h in t.history]
@@ -112,8 +116,6 @@ class ParetoSeries:
 
 def plot_pareto(series: Sequence[ParetoSeries], path: str) -> None:
     plt = _pyplot()
-    if plt is None:
-        return
     fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4), squeeze=False)
     for ax, s in zip(axes[0], series):
         peaks = [p / 2**30 for p, _ in s.front]
@@ -126,6 +128,35 @@ def plot_pareto(series: Sequence[ParetoSeries], path: str) -> None:
         ax.set_title(s.title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_step_memory(profile: GraphProfile, plan: Plan, path: str, title: str = "") -> None:
+    """Predicted live memory at every slot of one training step (:func:`sublinear.simulator.timeline`), eager
+    against ``plan``, written to ``path``: forward slots are the graph's ops, so the plan's block ends are marked at
+    their ops; backward slots where the plan recomputes are shaded."""
+    plt = _pyplot()
+    eager, _ = timeline(profile, Plan.no_split(profile.num_ops))
+    planned, labels = timeline(profile, plan)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.plot(eager / 2**20, label=f"eager: peak {eager.max() / 2**20:,.1f} MiB", color="tab:blue")
+    ax.plot(planned / 2**20, label=f"plan ({plan.num_blocks} blocks): peak {planned.max() / 2**20:,.1f} MiB",
+            color="tab:orange")
+    for i, end in enumerate(plan.split_points[:-1]):
+        ax.axvline(end + 0.5, color="grey", linestyle=":", linewidth=0.8, label="block end" if i == 0 else None)
+    for slot, label in enumerate(labels):
+        if label.startswith("recompute"):
+            ax.axvspan(slot - 0.5, slot + 0.5, color="tab:orange", alpha=0.08, linewidth=0)
+    ax.axvline(profile.num_ops - 0.5, color="black", linewidth=1)
+    ax.annotate("forward | backward (shaded: recompute)", (profile.num_ops - 0.5, 1),
+                xycoords=("data", "axes fraction"), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.set_xlabel("step slot (forward ops, then recompute and backward per autograd node)")
+    ax.set_ylabel("predicted live MiB")
+    ax.set_title(title or "Live memory through one training step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

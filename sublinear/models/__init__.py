@@ -11,6 +11,9 @@ Invariants:
   dtype. Text models take ``int64`` token ids ``[batch, seq]`` (``seq``
   defaults to ``spec.default_seq``); image models take ``float32`` images
   ``[batch, 3, H, W]`` and reject ``seq``.
+
+``get_model("hf:<ModelClass>")`` also gives any transformers model class from its default config
+(:func:`sublinear.models.hf.hf_model`, whose inputs are keyword arguments with labels).
 """
 
 from __future__ import annotations
@@ -197,10 +200,16 @@ MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in _SPECS}
 
 
 def get_model(name: str) -> ModelSpec:
-    """Look up a registered model; raises ``ValueError`` naming the valid choices."""
+    """A registered model, or ``hf:<ModelClass>`` (:func:`sublinear.models.hf.hf_model` with its defaults; needs
+    transformers); raises ``ValueError`` naming the valid choices."""
+    if name.startswith("hf:"):
+        from .hf import hf_model
+
+        return hf_model(name[len("hf:"):])
     try:
         return MODELS[name]
     except KeyError:
         raise ValueError(
-            f"unknown model {name!r}; valid names: {', '.join(sorted(MODELS))}"
+            f"unknown model {name!r}; valid names: {', '.join(sorted(MODELS))}, or hf:<ModelClass> "
+            "(a transformers class, e.g. hf:GPT2LMHeadModel)"
         ) from None

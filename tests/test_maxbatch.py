@@ -1,0 +1,130 @@
+"""The max-batch search finds the exact largest batch within the budget in few steps; hand-written baselines edit a
+model once, are left out (with a note) where they do not apply, and transformers models get their own gradient
+checkpointing as a row."""
+
+import bisect
+
+import pytest
+import torch
+from torch import nn
+
+from sublinear.baselines import (BASELINES, NotApplicable, _Checkpointed, checkpoint_blocks,
+                                 hf_gradient_checkpointing, residual_blocks)
+from sublinear.maxbatch import BATCH_LIMIT, _bracket, compare, largest_fitting, strategies
+from sublinear.models import get_model
+
+
+@pytest.mark.parametrize("answer", [0, 1, 2, 3, 17, 1000, BATCH_LIMIT])
+@pytest.mark.parametrize("guess", [1, 8, 5000])
+def test_largest_fitting_is_exact(answer, guess):
+    assert largest_fitting(lambda batch: batch <= answer, guess) == answer
+
+
+def search(peak, budget):
+    """maxbatch's search on data-less devices (the bracket, then largest_fitting below the batch known not to fit),
+    and how many batches it measured."""
+    measured = {}
+
+    def cached(batch):
+        if batch not in measured:
+            measured[batch] = peak(batch)
+        return measured[batch]
+
+    start, over = _bracket(cached, budget)
+    best = largest_fitting(lambda batch: cached(batch) <= budget, start, BATCH_LIMIT if over is None else over - 1)
+    return best, len(measured)
+
+
+PEAKS = {
+    "affine": lambda b: 1000 + 10 * b,
+    # Fixed bytes (gradients of a large embedding) dominate small batches; activations take over later.
+    "fixed then activations": lambda b: max(16_800_000 + 35_000 * b, 1_775_000 * b),
+    "convex": lambda b: 500 + b * b,
+    "monotone, not convex": lambda b: 1000 + 10 * b + (5000 if b > 30 else 0),
+}
+
+
+@pytest.mark.parametrize("shape", PEAKS)
+@pytest.mark.parametrize("budget", [900, 1030, 1045, 1300, 6400, 20_000, 49_300_000, 10**12])
+def test_bracketed_search_finds_the_exact_largest_batch(shape, budget):
+    peak = PEAKS[shape]
+    best, calls = search(peak, budget)
+    assert best == bisect.bisect_right(range(1, BATCH_LIMIT + 1), budget, key=peak)  # peaks grow with the batch
+    if shape in ("affine", "fixed then activations"):  # a step's peak: the largest of affine functions of the batch
+        assert calls <= 6
+
+
+def test_bracket_starts_from_a_batch_that_fits_when_fixed_bytes_hide_the_activations():
+    peak = PEAKS["fixed then activations"]
+    best, calls = search(peak, 49_300_000)
+    assert best == 27 and calls <= 6  # the line through batches 2 and 4 alone points at batch 936
+
+
+def test_bracket_without_measurements_starts_at_8():
+    assert _bracket(lambda batch: None, 100) == (8, None)
+
+
+class Blocks(nn.Module):
+    """Layers in a ModuleList named ``layers`` whose entries hold a ModuleList named ``layer`` of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Inner() for _ in range(3))
+        self.norms = nn.ModuleList(nn.ModuleDict({"n": nn.LayerNorm(8)}) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x):
+        return self.layer[1](torch.relu(self.layer[0](x))) + x
+
+
+def test_residual_blocks_are_the_outermost_layer_lists():
+    model = Blocks()
+    assert [(container is model.layers, name) for container, name in residual_blocks(model)] == [
+        (True, "0"), (True, "1"), (True, "2")]
+    with pytest.raises(NotApplicable, match="no residual blocks or transformer layers found in Sequential"):
+        residual_blocks(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    with pytest.raises(NotApplicable, match="not a transformers model"):
+        hf_gradient_checkpointing(Blocks())
+
+
+def test_baselines_edit_each_model_once():
+    spec = get_model("tiny-resnet")
+    prepare = {name: p for name, p, _ in strategies((), None, None, spec)}["checkpoint every block"]
+    with torch.device("meta"):
+        model = spec.build()
+    blocks = len(residual_blocks(model))
+    for batch in (2, 4, 8):
+        assert prepare(model, batch) is model
+    wrapped = [m for m in model.modules() if isinstance(m, _Checkpointed)]
+    assert len(wrapped) == blocks  # not nested: applied at the first batch only
+    twice = checkpoint_blocks(checkpoint_blocks(Blocks()))
+    assert sum(isinstance(m, _Checkpointed) for m in twice.modules()) == 6  # applying again does nest
+
+
+def test_hf_gradient_checkpointing_row(monkeypatch):
+    import transformers  # noqa: F401  (in the test extra)
+    import sublinear.maxbatch
+    from sublinear.models.hf import hf_model
+
+    kept = ("checkpoint_sequential sqrt(n)", "HF gradient_checkpointing_enable")  # "every block" matches HF's
+    monkeypatch.setattr(sublinear.maxbatch, "BASELINES", {name: BASELINES[name] for name in kept})
+    spec = hf_model("BertForSequenceClassification", layers=2, hidden=32)
+    notes = []
+    rows = {r.strategy: r for r in compare(spec, 24 * 2**20, (), seq=64, note=notes.append)}
+    assert set(rows) == {"eager", "HF gradient_checkpointing_enable"}
+    hf, eager = rows["HF gradient_checkpointing_enable"], rows["eager"]
+    assert eager.max_batch > 0 and hf.max_batch > eager.max_batch
+    assert 1.2 < hf.flops_ratio < 1.5  # every layer's forward runs twice
+    assert hf.peak_bytes <= 24 * 2**20 and hf.device == "meta"
+    assert notes == [f"{spec.name}: checkpoint_sequential sqrt(n) skipped: checkpoint_sequential passes one tensor "
+                     "between blocks, and these blocks take more arguments"]
