@@ -78,11 +78,18 @@ def _int_list(least: int, example: str) -> Callable[[str], tuple[int, ...]]:
     return parse
 
 
-def _float_list(text: str) -> tuple[float, ...]:
+def _time_ratio(text: str) -> float:
     try:
-        return tuple(float(v) for v in text.split(",") if v.strip())
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"takes comma separated numbers, e.g. 1.2,1.34; got {text!r}") from None
+        value = float("nan")
+    if not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"takes a step-time ratio >= 1 (or inf), e.g. 1.35; got {text!r}")
+    return value
+
+
+def _time_ratios(text: str) -> tuple[float, ...]:
+    return tuple(_time_ratio(v) for v in text.split(",") if v.strip())
 
 
 def _size(text: str) -> int:
@@ -214,7 +221,7 @@ def _require_matplotlib(flag: str) -> None:
 def _measuring_config(args: argparse.Namespace) -> SublinearMemoryConfig:
     """Planning time is one of the results: plans are searched afresh, never read from the plan cache."""
     return SublinearMemoryConfig(thresh_nr_try=args.thresh_nr_try, seed=args.seed, num_worker=args.workers,
-                                 cache_dir="")
+                                 max_time_ratio=args.max_time_ratio, cache_dir="")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,7 +241,7 @@ def _cmd_maxbatch(args: argparse.Namespace) -> int:
         skipped: list[str] = []
         rows = compare(spec, args.memory_budget, args.genetic_iters, device=args.device, seq=seq, config=config,
                        baselines=not args.no_baselines, progress=_Progress(), autocast=autocast,
-                       flops_limits=args.flops_limits, note=skipped.append)
+                       time_limits=args.time_limits, note=skipped.append)
         label = f"{spec.name}{f' seq {seq}' if seq else ''}{f' autocast {args.autocast}' if autocast else ''}"
         results[label] = rows
         notes += skipped
@@ -278,7 +285,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     example, kwargs = spec.example_inputs(args.batch, device="meta", seq=seq)
     config = SublinearMemoryConfig(thresh_nr_try=args.thresh_nr_try, genetic_nr_iter=args.genetic_iters,
                                    seed=args.seed, num_worker=args.workers, memory_budget=args.memory_budget,
-                                   lb_memory=args.lb_memory)
+                                   lb_memory=args.lb_memory, max_time_ratio=args.max_time_ratio)
     try:
         compiled = sublinear_compile(model, example, kwargs, config=config)
     except BudgetError as exc:
@@ -357,6 +364,8 @@ def _planner_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the genetic search (default %(default)s)")
     p.add_argument("--workers", type=_int_at_least(1), default=1, metavar="N",
                    help="processes scoring genetic candidates (default %(default)s)")
+    p.add_argument("--max-time-ratio", type=_time_ratio, default=SublinearMemoryConfig.max_time_ratio, metavar="R",
+                   help="no plan's predicted step time exceeds R times eager's (default %(default)s; inf: no cap)")
 
 
 def _budget_option(p: argparse.ArgumentParser) -> None:
@@ -383,8 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     _planner_options(p)
     p.add_argument("--genetic-iters", type=_int_list(0, "0,20"), default=(0, 20), metavar="LIST",
                    help="comma separated genetic_nr_iter values, one sublinear row each (default 0,20)")
-    p.add_argument("--flops-limits", type=_float_list, default=(), metavar="LIST",
-                   help="comma separated step-FLOPs ratios: add the budget-driven planner limited to each")
+    p.add_argument("--time-limits", type=_time_ratios, default=(), metavar="LIST",
+                   help="comma separated step-time caps (e.g. 1.2,1.5,inf): one more sublinear row each, with the "
+                        "largest --genetic-iters value")
     p.add_argument("--autocast", choices=tuple(_AUTOCAST), default="none", help="run every step under autocast")
     p.add_argument("--device", choices=("meta", "cuda"), default="meta",
                    help="meta: measured without memory; cuda: every candidate batch really runs (default meta)")

@@ -13,7 +13,7 @@ __all__ = ["SublinearMemoryConfig", "parse_size"]
 MAX_THRESH_NR_TRY = 1000
 MAX_GENETIC_POOL_SIZE = 1000
 MAX_GENETIC_NR_ITER = 10000
-COST_MODELS = ("auto", "measure", "estimate")
+COST_MODELS = ("auto", "measure", "estimate", "reference")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ class SublinearMemoryConfig:
     memory_headroom: fraction of the free device memory an "auto" budget leaves for allocator fragmentation.
     max_time_ratio: no plan's predicted step time exceeds this multiple of eager's (>= 1.0).
     planners: planners run in order (names registered in :data:`sublinear.planners.PLANNERS`).
-    cost_model: op times "measure"d on the device, "estimate"d from FLOPs and bytes moved, or "auto": measured on
+    cost_model: op times "measure"d on the device, "estimate"d from FLOPs and bytes moved over the device's rates
+        (meta: a reference GPU's), estimated for the "reference" GPU whatever the device, or "auto": measured on
         CPU and CUDA tensors, estimated on meta.
     seed: seed of the genetic search; the same seed gives the same plan.
     cache_dir: plan cache folder; None uses $SUBLINEAR_CACHE_DIR or the user cache dir; "" disables it.

@@ -24,9 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import flop_registry
 
-__all__ = ["DeviceRates", "NodeCosts", "TensorSpec", "device_rates", "estimate_seconds", "measure_node_costs"]
+__all__ = ["DeviceRates", "NodeCosts", "StepCost", "TensorSpec", "aten_work", "device_rates", "estimate_seconds",
+           "measure_node_costs"]
 
 log = logging.getLogger("sublinear.costs")
 
@@ -53,6 +56,34 @@ REFERENCE_GPU = DeviceRates("reference GPU (RTX 2080 Ti)", 13.4e12, 616e9, 5e-6)
 def estimate_seconds(flops: float, io_bytes: float, calls: int, rates: DeviceRates) -> float:
     """Roofline-style time of ``calls`` aten calls doing ``flops`` and moving ``io_bytes``."""
     return flops / rates.flops_per_second + io_bytes / rates.bytes_per_second + calls * rates.seconds_per_call
+
+
+def aten_work(func, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
+    """(FLOPs, bytes read and written) of one aten call: torch.utils.flop_counter's formulas (0 for ops it has none
+    for), and every tensor argument and result counted once in full."""
+    count = flop_registry.get(func._overloadpacket)
+    flops = count(*args, **kwargs, out_val=out) if count is not None else 0
+    moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+    return int(flops), int(moved)
+
+
+class StepCost(TorchDispatchMode):
+    """FLOPs and estimated seconds (:func:`estimate_seconds` over ``rates``) of every aten call run inside it: the
+    planner's cost model applied to any step, such as a hand-written checkpointing strategy's."""
+
+    def __init__(self, rates: DeviceRates) -> None:
+        super().__init__()
+        self.rates = rates
+        self.flops = 0
+        self.seconds = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flops, moved = aten_work(func, args, kwargs, out)
+        self.flops += flops
+        self.seconds += estimate_seconds(flops, moved, 1, self.rates)
+        return out
 
 
 @functools.lru_cache(maxsize=None)

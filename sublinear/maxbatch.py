@@ -23,12 +23,12 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from .api import compile as sublinear_compile
 from .baselines import BASELINES, NotApplicable
 from .capture import FakeTwin
 from .config import SublinearMemoryConfig
+from .costs import REFERENCE_GPU, StepCost, device_rates
 from .measurement import measure
 from .models import ModelSpec
 from .planners import BudgetError
@@ -45,6 +45,7 @@ class StrategyResult:
     max_batch: int
     peak_bytes: int  # measured at max_batch
     flops_ratio: float  # step FLOPs at max_batch relative to eager's at the same batch
+    time_ratio: float  # predicted step time at max_batch relative to eager's (the planner's cost model)
     planning_seconds: float | None  # sublinear only: capture + profile + plan at max_batch
     predicted_peak_bytes: int | None  # sublinear only
     device: str
@@ -91,15 +92,16 @@ class DoesNotFit(Exception):
 
 def strategies(genetic_iters: tuple[int, ...], config: SublinearMemoryConfig | None, seq: int | None,
                spec: ModelSpec, baselines: bool = True, budget: int | None = None,
-               flops_limits: tuple[float, ...] = ()) -> list[tuple[str, Prepare, bool]]:
-    """(name, prepare, is_sublinear) for eager, the baselines, each genetic setting, and the budget-driven planner
-    under each FLOPs-ratio limit."""
+               time_limits: tuple[float, ...] = ()) -> list[tuple[str, Prepare, bool]]:
+    """(name, prepare, is_sublinear) for eager, the baselines, and sublinear planning for ``budget`` (the least
+    predicted step time that fits) with each genetic setting under the config's time cap, then with the largest
+    setting under each of ``time_limits``."""
     chosen: list[tuple[str, Prepare, bool]] = [("eager", lambda model, batch: model, False)]
     if baselines:
         chosen.extend((name, _applied_once(apply), False) for name, apply in BASELINES.items())
     base = config or SublinearMemoryConfig()
 
-    def planned(cfg: SublinearMemoryConfig, limit: float = math.inf) -> Prepare:
+    def planned(cfg: SublinearMemoryConfig) -> Prepare:
         compiled: dict[tuple[int, int], nn.Module] = {}
 
         def prepare(model: nn.Module, batch: int) -> nn.Module:
@@ -110,21 +112,22 @@ def strategies(genetic_iters: tuple[int, ...], config: SublinearMemoryConfig | N
                     compiled[key] = sublinear_compile(model, args, kwargs, config=cfg)
                 except BudgetError as exc:
                     raise DoesNotFit(str(exc)) from None
-            plan = compiled[key].sublinear_plan
-            if plan is None:
+            if compiled[key].sublinear_plan is None:
                 raise DoesNotFit(f"{spec.name} cannot be planned ahead on data-less tensors")
-            ratio = plan.flops_ratio
-            if ratio > limit:
-                raise DoesNotFit(f"the least-recompute plan within the budget needs FLOPs x{ratio:.3f}")
             return compiled[key]
         return prepare
 
+    def name(iters: int, cap: float) -> str:
+        search = "grid" if iters == 0 else f"grid+genetic({iters})"
+        return f"sublinear {search}, time <= {cap:g}" if math.isfinite(cap) else f"sublinear {search}, no time cap"
+
+    budgeted = replace(base, memory_budget=budget)
     for iters in genetic_iters:
-        chosen.append(("sublinear grid" if iters == 0 else f"sublinear grid+genetic({iters})",
-                       planned(replace(base, genetic_nr_iter=iters)), True))
-    for limit in flops_limits:
-        cfg = replace(base, memory_budget=budget, genetic_nr_iter=max(genetic_iters, default=0))
-        chosen.append((f"sublinear budget, FLOPs <= {limit:g}", planned(cfg, limit), True))
+        chosen.append((name(iters, base.max_time_ratio), planned(replace(budgeted, genetic_nr_iter=iters)), True))
+    longest = max(genetic_iters, default=0)
+    for cap in time_limits:
+        chosen.append((name(longest, cap), planned(replace(budgeted, genetic_nr_iter=longest, max_time_ratio=cap)),
+                       True))
     return chosen
 
 
@@ -143,9 +146,10 @@ def _applied_once(apply: Callable[[nn.Module], nn.Module]) -> Prepare:
 def compare(spec: ModelSpec, budget: int, genetic_iters: tuple[int, ...] = (0,), device: str = "meta",
             seq: int | None = None, baselines: bool = True, config: SublinearMemoryConfig | None = None,
             progress: Progress | None = None, autocast: torch.dtype | None = None,
-            flops_limits: tuple[float, ...] = (), note: Note | None = None) -> list[StrategyResult]:
-    """Max batch at ``budget`` bytes for eager, the hand-written baselines, sublinear with each genetic setting and
-    the budget-driven planner under each FLOPs-ratio limit, with every step (and every plan) under
+            time_limits: tuple[float, ...] = (), note: Note | None = None) -> list[StrategyResult]:
+    """Max batch at ``budget`` bytes for eager, the hand-written baselines, and sublinear planning for the budget
+    with each genetic setting (and under each of ``time_limits``; see :func:`strategies`), with every step (and
+    every plan) under
     ``torch.autocast(dtype=autocast)`` when given. ``progress(done, total, message)`` follows the strategies. A
     baseline that does not apply to the model has no row: ``note`` (default: a logged warning) gets one line on it."""
     say = progress or (lambda done, total, message: log.info(message))
@@ -156,8 +160,8 @@ def compare(spec: ModelSpec, budget: int, genetic_iters: tuple[int, ...] = (0,),
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
     config = config or SublinearMemoryConfig()
     if env.fake is not None and config.cost_model == "auto":
-        config = replace(config, cost_model="estimate")  # as on meta, which the fake CPU tensors stand for
-    chosen = strategies(genetic_iters, config, seq, spec, baselines, budget, flops_limits)
+        config = replace(config, cost_model="reference")  # as on meta, which the fake CPU tensors stand for
+    chosen = strategies(genetic_iters, config, seq, spec, baselines, budget, time_limits)
     results = []
     for done, (name, prepare, is_sublinear) in enumerate(chosen):
         say(done, len(chosen), f"{spec.name}: {name} ...")
@@ -209,13 +213,13 @@ def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, is_sublinear: b
     best = largest_fitting(fits, start, BATCH_LIMIT if over is None else over - 1)
     label = env.device if env.autocast is None else f"{env.device}+{env.autocast}"
     if best == 0:
-        return StrategyResult(name, 0, 0, float("nan"), None, None, label)
-    if is_sublinear:  # TorchDynamo does not compile under FlopCounterMode: the plan's own count of the step
+        return StrategyResult(name, 0, 0, float("nan"), float("nan"), None, None, label)
+    if is_sublinear:  # TorchDynamo does not compile under a dispatch mode that counts costs: the plan's own count
         plan = prepare(model, best).sublinear_plan
-        return StrategyResult(name, best, peak(best) or 0, plan.flops_ratio, plan.planning_seconds,
+        return StrategyResult(name, best, peak(best) or 0, plan.flops_ratio, plan.time_ratio, plan.planning_seconds,
                               plan.predicted_peak_bytes, label)
-    return StrategyResult(name, best, peak(best) or 0, _flops_ratio(spec, prepare, best, seq, env), None, None,
-                          label)
+    flops, seconds = _cost_ratios(spec, prepare, best, seq, env)
+    return StrategyResult(name, best, peak(best) or 0, flops, seconds, None, None, label)
 
 
 def _bracket(peak: Callable[[int], int | None], budget: int, refinements: int = 6) -> tuple[int, int | None]:
@@ -258,9 +262,9 @@ def _bracket(peak: Callable[[int], int | None], budget: int, refinements: int = 
     return fit, over
 
 
-def baseline_costs(spec: ModelSpec, batch: int, seq: int | None = None) -> dict[str, tuple[int, float]]:
-    """(measured peak bytes, step FLOPs ratio) of eager and each hand-written strategy that applies to the model,
-    at ``batch``, data-less."""
+def baseline_costs(spec: ModelSpec, batch: int, seq: int | None = None) -> dict[str, tuple[int, float, float]]:
+    """(measured peak bytes, step FLOPs ratio, predicted step time ratio) of eager and each hand-written strategy
+    that applies to the model, at ``batch``, data-less."""
     env = _Environment.for_model(spec, "meta", None)
     costs = {}
     for name, prepare, _ in strategies((), None, seq, spec):
@@ -269,7 +273,7 @@ def baseline_costs(spec: ModelSpec, batch: int, seq: int | None = None) -> dict[
             with env:
                 module = prepare(model, batch)
             costs[name] = (_step_peak(spec, module, model, batch, env, seq),
-                           _flops_ratio(spec, prepare, batch, seq, env))
+                           *_cost_ratios(spec, prepare, batch, seq, env))
         except NotApplicable as exc:
             log.info("%s: %s skipped: %s", spec.name, name, exc)
     return costs
@@ -410,8 +414,12 @@ def _step_peak(spec: ModelSpec, module: nn.Module, model: nn.Module, batch: int,
             torch.cuda.empty_cache()
 
 
-def _flops_ratio(spec: ModelSpec, prepare: Prepare, batch: int, seq: int | None, env: _Environment) -> float:
-    """Step FLOPs of the strategy over eager's, both counted on data-less twins at ``batch``."""
+def _cost_ratios(spec: ModelSpec, prepare: Prepare, batch: int, seq: int | None,
+                 env: _Environment) -> tuple[float, float]:
+    """Step FLOPs and predicted step time of the strategy over eager's, both counted on data-less twins at
+    ``batch`` with the planner's cost model (the reference GPU's rates, as plans on data-less tensors use; the
+    device's on CUDA)."""
+    rates = device_rates("cuda") if env.device == "cuda" else REFERENCE_GPU
     counts = []
     for make in (lambda model, b: model, prepare):
         twin = env if env.fake is not None else _Environment("meta", None)
@@ -420,7 +428,9 @@ def _flops_ratio(spec: ModelSpec, prepare: Prepare, batch: int, seq: int | None,
             args, kwargs = spec.example_inputs(batch, device=twin.data_device, seq=seq)
             with twin.autocast_context():
                 module = make(model, batch)
-            with FlopCounterMode(display=False) as counter:
+            with StepCost(rates) as cost:
                 twin.step(module, *args, **kwargs)
-        counts.append(counter.get_total_flops())
-    return counts[1] / counts[0] if counts[0] else float("nan")
+        counts.append(cost)
+    eager, strategy = counts
+    return (strategy.flops / eager.flops if eager.flops else float("nan"),
+            strategy.seconds / eager.seconds if eager.seconds else float("nan"))

@@ -27,11 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
 
 from .capture import BUFFER, INPUT, PARAMETER, CapturedGraph, FakeTwin, describe_node
 from .core.profile import AutocastState, GraphProfile, NodeFacts, OpProfile
-from .costs import REFERENCE_GPU, DeviceRates, device_rates, estimate_seconds, measure_node_costs, spec_tree
+from .costs import REFERENCE_GPU, DeviceRates, aten_work, device_rates, estimate_seconds, measure_node_costs, spec_tree
 from .interpret import NodeProgram
 from .tracking import StorageTracker
 
@@ -183,10 +182,7 @@ class _StepRecorder(StorageTracker):
         self.events.append((self.backward, self._context(), kind, serial, nbytes))
 
     def on_op(self, func, args, kwargs, out) -> None:
-        count = flop_registry.get(func._overloadpacket)
-        flops = count(*args, **kwargs, out_val=out) if count is not None else 0
-        moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
-                    if isinstance(t, torch.Tensor))
+        flops, moved = aten_work(func, args, kwargs, out)
         if self.backward:
             self.backward_flops += flops
             self.backward_work.append((self._context(), flops, moved))
@@ -322,7 +318,9 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     by default the values it was captured with).
 
     ``cost_model``: "measure" times every node on the values' device, "estimate" uses FLOPs and bytes moved over
-    ``rates`` (default: the device's calibrated rates), "auto" measures on CPU and CUDA and estimates on meta.
+    ``rates`` (default: the device's calibrated rates; on meta, the reference GPU's), "reference" estimates for the
+    reference GPU whatever the device (plans for a GPU's budget made on fake CPU tensors), "auto" measures on CPU
+    and CUDA and estimates on meta.
     ``uses``: per tensor output, what the call did with it: :data:`GRADIENT` (a later graph or the loss read it,
     so backward hands it a gradient), :data:`KEPT` (held to the end of the step without a gradient, as a KV
     cache) or :data:`DROPPED` (let go as soon as the graph returned). By default every output is kept and
@@ -333,6 +331,8 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
         raise ValueError("profile() needs the graph's input values: this graph was not captured with examples")
     device = torch.device(graph.model_device) if graph.model_device else _device_of(values)
     measure = cost_model == "measure" or (cost_model == "auto" and device.type in ("cpu", "cuda"))
+    if cost_model == "reference":
+        rates = REFERENCE_GPU
     if measure and device.type not in ("cpu", "cuda"):
         raise ValueError(f"cost_model='measure' needs CPU or CUDA tensors; these are on {device}")
     trace = _trace_step(graph, values, keep_inputs=measure, uses=uses)

@@ -30,9 +30,9 @@ def _seconds(value: float | None) -> str:
 
 def maxbatch_text(model: str, rows: Sequence[StrategyResult]) -> str:
     eager = rows[0].max_batch or 1
-    lines = [f"{'strategy':34s} {'max batch':>9s} {'x eager':>8s} {'FLOPs':>7s} {'planning s':>10s}"]
-    lines += [f"{r.strategy:34s} {r.max_batch:9d} {r.max_batch / eager:8.2f} {r.flops_ratio:7.3f} "
-              f"{_seconds(r.planning_seconds):>10s}" for r in rows]
+    lines = [f"{'strategy':44s} {'max batch':>9s} {'x eager':>8s} {'time':>7s} {'FLOPs':>7s} {'planning s':>10s}"]
+    lines += [f"{r.strategy:44s} {r.max_batch:9d} {r.max_batch / eager:8.2f} {r.time_ratio:7.3f} "
+              f"{r.flops_ratio:7.3f} {_seconds(r.planning_seconds):>10s}" for r in rows]
     return f"{model}:\n" + "\n".join(lines)
 
 
@@ -40,12 +40,14 @@ def maxbatch_markdown(results: dict[str, Sequence[StrategyResult]], budget: int,
                       notes: Sequence[str] = ()) -> str:
     """The table of every model's rows, then ``notes`` (strategies skipped), one line each."""
     lines = [f"Budget {budget / 2**30:g} GiB on {where}; torch {torch.__version__}. Command: `{command}`", "",
-             "| model | strategy | max batch | × eager | FLOPs ratio | planning s | peak at max (MiB) |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | strategy | max batch | × eager | predicted time ratio | FLOPs ratio | planning s | "
+             "peak at max (MiB) |",
+             "|---|---|---|---|---|---|---|---|"]
     for model, rows in results.items():
         eager = rows[0].max_batch or 1
-        lines += [f"| {model} | {r.strategy} | {r.max_batch} | {r.max_batch / eager:.2f} | {r.flops_ratio:.3f} | "
-                  f"{_seconds(r.planning_seconds)} | {r.peak_bytes / 2**20:,.0f} |" for r in rows]
+        lines += [f"| {model} | {r.strategy} | {r.max_batch} | {r.max_batch / eager:.2f} | {r.time_ratio:.3f} | "
+                  f"{r.flops_ratio:.3f} | {_seconds(r.planning_seconds)} | {r.peak_bytes / 2**20:,.0f} |"
+                  for r in rows]
     if notes:
         lines += ["", *(f"Note: {note}" for note in notes)]
     return "\n".join(lines) + "\n"

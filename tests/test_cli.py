@@ -63,7 +63,9 @@ def test_bad_arguments_exit_2_with_one_line(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["maxbatch", "--genetic-iters", "0,x"], "--genetic-iters"),
     (["maxbatch", "--genetic-iters", "0,2.5"], "--genetic-iters"),
-    (["maxbatch", "--flops-limits", "fast"], "--flops-limits"),
+    (["maxbatch", "--time-limits", "fast"], "--time-limits"),
+    (["maxbatch", "--time-limits", "1.2,0.9"], "--time-limits"),
+    (["plan", "--max-time-ratio", "0.5"], "--max-time-ratio"),
     (["maxbatch", "--memory-budget", "0"], "--memory-budget"),
     (["plan", "--model", "torch.nn:Identity", "--input-shape", "3,a"], "--input-shape"),
     (["plan", "--model", "torch.nn:Identity", "--input-shape", "0"], "--input-shape"),
@@ -188,14 +190,14 @@ def test_maxbatch_skips_baselines_that_do_not_apply_and_writes_markdown(user_mod
     printed = capsys.readouterr().out.splitlines()
     eager = next(line for line in printed if line.startswith("eager"))
     grid = next(line for line in printed if line.startswith("sublinear grid"))
-    assert int(grid.split()[2]) > int(eager.split()[1])
+    assert int(grid[44:].split()[0]) > int(eager[44:].split()[0])
     notes = [line for line in printed if line.startswith("note:")]
     assert len(notes) == 3 and "checkpoint every block skipped: no residual blocks" in notes[0]
     assert "HF gradient_checkpointing_enable skipped" in notes[2]
     text = out.read_text()
     assert f"`sublinear {' '.join(argv)}`" in text
     rows = [line.split(" | ")[1] for line in text.splitlines() if line.startswith("| cli_test_models:deep_mlp")]
-    assert rows == ["eager", "sublinear grid"]
+    assert rows == ["eager", "sublinear grid, time <= 1.35"]
     assert text.count("Note: ") == 3
     assert not (user_models / "plan-cache").exists()  # planning time is reported: no plan from (or to) the cache
 
@@ -248,21 +250,22 @@ def test_maxbatch_end_to_end(capsys):
         assert row in out
     sublinear_row = next(line for line in out.splitlines() if line.startswith("sublinear grid"))
     eager_row = next(line for line in out.splitlines() if line.startswith("eager"))
-    assert int(sublinear_row.split()[2]) > int(eager_row.split()[1])
+    assert int(sublinear_row[44:].split()[0]) > int(eager_row[44:].split()[0])
 
 
 @pytest.mark.slow
 def test_maxbatch_writes_markdown_with_its_command_and_plans_afresh(tmp_path, capsys):
     out = tmp_path / "table.md"
     argv = ["maxbatch", "--model", "tiny-resnet", "--budget", "64MiB", "--genetic-iters", "0",
-            "--flops-limits", "1.3", "--no-baselines", "--out", str(out)]
+            "--time-limits", "1.5", "--no-baselines", "--out", str(out)]
     assert main(argv) == 0
     text = out.read_text()
     assert f"`sublinear {' '.join(argv)}`" in text
     rows = [line for line in text.splitlines() if line.startswith("| tiny-resnet")]
-    assert [r.split(" | ")[1] for r in rows] == ["eager", "sublinear grid", "sublinear budget, FLOPs <= 1.3"]
-    budget_row = rows[-1].split(" | ")
-    assert int(budget_row[2]) > int(rows[0].split(" | ")[2]) and float(budget_row[4]) <= 1.3
+    assert [r.split(" | ")[1] for r in rows] == ["eager", "sublinear grid, time <= 1.35", "sublinear grid, time <= 1.5"]
+    capped, looser = rows[1].split(" | "), rows[2].split(" | ")
+    assert int(capped[2]) > int(rows[0].split(" | ")[2]) and float(capped[4]) <= 1.35
+    assert int(looser[2]) >= int(capped[2]) and float(looser[4]) <= 1.5
     assert not (tmp_path / "plan-cache").exists()  # planning time is reported: no plan from (or to) the cache
 
 
@@ -282,11 +285,12 @@ def test_maxbatch_hf_model_end_to_end(capsys):
     import transformers  # noqa: F401  (in the test extra)
     assert main(["maxbatch", *TINY_HF, "--layers", "2", "--memory-budget", "24MiB", "--genetic-iters", "0"]) == 0
     out = capsys.readouterr().out
-    rows = {line[:34].strip(): line[34:].split() for line in out.splitlines()
+    rows = {line[:44].strip(): line[44:].split() for line in out.splitlines()
             if line.startswith(("eager", "checkpoint every", "HF gradient", "sublinear grid"))}
-    assert set(rows) == {"eager", "checkpoint every block", "HF gradient_checkpointing_enable", "sublinear grid"}
+    grid = "sublinear grid, time <= 1.35"
+    assert set(rows) == {"eager", "checkpoint every block", "HF gradient_checkpointing_enable", grid}
     assert int(rows["HF gradient_checkpointing_enable"][0]) > int(rows["eager"][0])
-    assert int(rows["sublinear grid"][0]) > int(rows["eager"][0])
+    assert int(rows[grid][0]) > int(rows["eager"][0]) and float(rows[grid][2]) <= 1.35
     assert "note: hf:BertForSequenceClassification layers=2 hidden=32: checkpoint_sequential sqrt(n) skipped" in out
 
 
