@@ -85,6 +85,7 @@ def _no_warning():
     return stack
 
 
+@pytest.mark.slow
 def test_second_process_skips_the_search(tmp_path):
     code = ("import torch, sublinear, sys; sys.path.insert(0, 'tests'); from conftest import Chain; "
             "print(sublinear.compile(Chain(30, width=16), torch.randn(256, 16)).sublinear_plan.from_cache)")

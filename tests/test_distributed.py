@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+pytestmark = pytest.mark.slow  # every case spawns two processes with a gloo group (5-20 s each on 2 cores)
+
 WORLD = 2
 PER_RANK = 64
 

@@ -79,7 +79,7 @@ def hf_training(model, inputs: dict, steps: int = 3):
     return losses, grads, {k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state()
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "t5", "vit"])
 def test_trains_bit_for_bit_like_eager(family, attn):
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from sublinear.core import Candidate, Plan, Simulation
 from sublinear.models import get_model
 from sublinear.planners import PLANNERS, BudgetError, make_plan, pareto_front, register_planner
 
-from conftest import PLAIN, assert_same_training, profile_of, train_steps
+from conftest import assert_same_training, profile_of, train_steps
 
 UNCAPPED = SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf)
 
