@@ -46,7 +46,7 @@ class SublinearMemoryConfig:
     memory_budget: int | str | None = "auto"
     memory_headroom: float = 0.1
     max_time_ratio: float = 1.35
-    planners: tuple[str, ...] = ("grid", "genetic")
+    planners: tuple[str, ...] = ("grid", "optimal", "genetic")
     cost_model: str = "auto"
     seed: int = 0
     cache_dir: str | None = None

@@ -19,7 +19,7 @@ from .core.objective import Simulation
 from .core.plan import Plan
 from .core.profile import GraphProfile
 
-__all__ = ["Simulation", "simulate", "timeline"]
+__all__ = ["Simulation", "forward_release", "simulate", "timeline"]
 
 
 def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
@@ -94,7 +94,7 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     frame_inputs = _frame_inputs(profile, a)
     in_forward_frame = _forward_frame_inputs(profile, a)
     reaches = profile.reaches_output
-    released = _forward_release(profile, end)
+    released = forward_release(profile, end)
     cached = profile.held_through_forward
     for s in range(len(sizes)):
         p = int(producer[s])
@@ -179,7 +179,7 @@ def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_fo
             labels[:-1] + ["FSDP reduce-scatter copy-in", "FSDP reduce-scatter", labels[-1]])
 
 
-def _forward_release(profile: GraphProfile, end: int) -> np.ndarray:
+def forward_release(profile: GraphProfile, end: int) -> np.ndarray:
     """Per op: the forward slot after which its autograd nodes die when its values never reach the outputs.
 
     A node lives while any tensor downstream of it does, so the release of an op is the latest of its own values'

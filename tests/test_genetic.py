@@ -283,16 +283,16 @@ def test_planner_runs_the_genetic_search_only_when_asked(chain_profile, monkeypa
 
     monkeypatch.setattr(genetic, "genetic_search", refuse)
     result = make_plan(chain_profile, SublinearMemoryConfig(genetic_nr_iter=0, cache_dir=""))
-    assert len(result.history) == 1
+    assert len(result.history) == 2  # the grid and the optimal planner
     with pytest.raises(AssertionError, match="genetic search called"):
         make_plan(chain_profile, SublinearMemoryConfig(genetic_nr_iter=1, cache_dir=""))
 
 
 def test_planner_uses_the_genetic_result(chain_profile):
-    grid = make_plan(chain_profile, SublinearMemoryConfig(cache_dir=""))
+    grid = make_plan(chain_profile, SublinearMemoryConfig(planners=("grid",), cache_dir=""))
     refined = make_plan(chain_profile, _config(cache_dir=""))
     objective = refined.objective
-    assert len(refined.history) == 1 + 6 + 1  # the grid, each generation, the genetic planner's result
+    assert len(refined.history) == 1 + 1 + 6 + 1  # the grid, the optimal planner, each generation, the GA's result
     assert refined.history[0].plan == grid.plan
     ranks = [objective(c) for c in refined.history]
     assert ranks == sorted(ranks, reverse=True)  # the best objective value so far

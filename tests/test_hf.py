@@ -103,22 +103,25 @@ def test_trains_bit_for_bit_like_eager(family, attn):
 def test_a_step_split_into_graphs_is_predicted_as_one_step(caplog):
     # GPT-2 in transformers 5 logs a warning in its loss property, and TorchDynamo breaks the graph there: the loss
     # runs as a second graph beside everything the first one holds. Its vocabulary is 65 times its width, as GPT-2's
-    # is, so the loss graph's peak decides the step's.
+    # is, so the loss graph's peak can decide the step's.
     torch.manual_seed(0)
     model, kind = tiny_model("gpt2", "eager", vocab=2048)
     model.train()
     inputs = tiny_inputs(kind)
     with caplog.at_level(logging.WARNING, logger="sublinear"):
         compiled = sublinear.compile(model, example_kwargs=inputs, config=PLAIN)
-    plan = compiled.sublinear_plan
-    assert len(plan.graphs) == 2 and len(plan.breaks) == 1
+    assert len(compiled.sublinear_plan.graphs) == 2 and len(compiled.sublinear_plan.breaks) == 1
     assert "2 graphs at 1 graph break" in caplog.text
-    measured = sublinear.measure(training_step, compiled, **inputs).peak_bytes
-    model.zero_grad(set_to_none=True)
-    assert abs(plan.predicted_peak_bytes - measured) / measured < 0.01, (plan.predicted_peak_bytes, measured)
+    code, first = next(iter(compiled.sublinear_backend.latest.items()))
+    for plan in (first.plan, Plan.no_split(first.profile.num_ops)):
+        compiled.use(sublinear.ParetoPoint(plan, 0, 0, 1.0, 1.0, code))
+        measured = sublinear.measure(training_step, compiled, **inputs).peak_bytes
+        model.zero_grad(set_to_none=True)
+        predicted = compiled.sublinear_plan.predicted_peak_bytes
+        assert abs(predicted - measured) / measured < 0.01, (plan, predicted, measured)
     alone = max(simulate(dataclasses.replace(v.profile, step_context=None), v.plan).peak_bytes
                 for v in compiled.sublinear_backend.latest.values())
-    assert alone < 0.99 * measured  # each graph on its own misses what the other holds beside it
+    assert alone < 0.9 * measured  # eager graph 0: the loss graph runs beside all it holds, which alone misses
 
 
 def _full_size(family: str):

@@ -1,10 +1,11 @@
 """Plan: planners behind one interface (:class:`Planner`), registered by name, run in order by :func:`make_plan`.
 
-Built in: ``grid`` (Chen's greedy blocks over MegEngine's threshold grid, with keep variants) and ``genetic``
-(MegEngine's genetic refinement, with DEAP).
+Built in: ``grid`` (Chen's greedy blocks over MegEngine's threshold grid, with keep variants), ``genetic``
+(MegEngine's genetic refinement, with DEAP) and ``optimal`` (the least-time plan without soft split points under a
+memory model of the simulator, by dynamic programming over block boundaries).
 """
 
-from . import genetic, grid  # noqa: F401  (register the built-in planners)
+from . import genetic, grid, optimal  # noqa: F401  (register the built-in planners)
 from .base import PLANNERS, Planner, PlanningProblem, register_planner
 from .driver import BudgetError, PlanningResult, hand_back, make_plan, objective_for, pareto_front
 
