@@ -17,7 +17,7 @@ def _config(folder, **changes):
 
 
 def _compile(config=None):
-    return sublinear.compile(Chain(30, width=16), torch.randn(256, 16), config=config)
+    return sublinear.compile(Chain(8, width=16), torch.randn(256, 16), config=config)
 
 
 def test_miss_then_hit_skips_the_search_and_the_timing_runs(caplog, tmp_path, monkeypatch):
@@ -40,7 +40,7 @@ def test_another_config_or_shape_misses(tmp_path):
     config = _config(tmp_path)
     _compile(config)
     assert not _compile(_config(tmp_path, thresh_nr_try=3)).sublinear_plan.from_cache
-    other = sublinear.compile(Chain(30, width=16), torch.randn(64, 16), config=config)
+    other = sublinear.compile(Chain(8, width=16), torch.randn(64, 16), config=config)
     assert not other.sublinear_plan.from_cache
 
 
@@ -88,7 +88,7 @@ def _no_warning():
 @pytest.mark.slow
 def test_second_process_skips_the_search(tmp_path):
     code = ("import torch, sublinear, sys; sys.path.insert(0, 'tests'); from conftest import Chain; "
-            "print(sublinear.compile(Chain(30, width=16), torch.randn(256, 16)).sublinear_plan.from_cache)")
+            "print(sublinear.compile(Chain(8, width=16), torch.randn(256, 16)).sublinear_plan.from_cache)")
     env = {"SUBLINEAR_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
             .stdout.strip() for _ in range(2)]
