@@ -29,7 +29,7 @@ def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
         base = profile.baseline_bytes + profile.gradient_bytes
         return Simulation(base, 0, 0.0, profile.step_seconds, base, base, "empty graph", 0)
     a = analyse(profile, plan)
-    totals, labels, held_after_forward = _timeline(profile, plan, a)
+    totals, slots, held_after_forward = _timeline(profile, plan, a)
     peak_at = int(np.argmax(totals))
     return Simulation(
         peak_bytes=int(totals[peak_at]),
@@ -38,19 +38,29 @@ def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
         eager_seconds=profile.step_seconds,
         forward_peak_bytes=int(totals[:n].max()),
         backward_peak_bytes=int(totals[n:].max()),
-        peak_slot=labels[peak_at],
+        peak_slot=_describe(slots[peak_at], profile),
         held_after_forward_bytes=held_after_forward,
     )
 
 
 def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -> tuple[np.ndarray, list[str]]:
     """Predicted live bytes at every slot of the step (forward ops, recomputes, backward ops), with labels."""
-    totals, labels, _ = _timeline(profile, plan, a or analyse(profile, plan))
-    return totals, labels
+    totals, slots, _ = _timeline(profile, plan, a or analyse(profile, plan))
+    return totals, [_describe(slot, profile) for slot in slots]
 
 
-def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.ndarray, list[str], int]:
-    """The timeline, and the activation bytes still held when backward starts."""
+Slot = tuple[str, int]  # (what happens, op index or -1): labels are made only for the slots someone reads
+_SLOT_TEXT = {"forward": "forward {}", "recompute": "recompute {}", "backward": "backward {}",
+              "released": "backward {}, after release"}
+
+
+def _describe(slot: Slot, profile: GraphProfile) -> str:
+    kind, op = slot
+    return _SLOT_TEXT[kind].format(profile.ops[op].name) if op >= 0 else kind
+
+
+def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.ndarray, list[Slot], int]:
+    """The timeline with what happens at each slot, and the activation bytes still held when backward starts."""
     n = profile.num_ops
     ops = profile.ops
 
@@ -60,25 +70,25 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     backward_slot = np.zeros(len(node_op), dtype=np.int64)
     recompute_slot: dict[tuple[int, int], int] = {}  # (block, op) -> slot: an op may be re-run by several blocks
     extra: list[int] = [op.forward_extra_bytes for op in ops]
-    labels: list[str] = [f"forward {op.name}" for op in ops]
+    labels: list[Slot] = [("forward", o) for o in range(n)]
     triggers = {r: b for b, r in enumerate(a.trigger) if r >= 0}
     t = n
     for r in range(len(node_op) - 1, -1, -1):
-        name = ops[node_op[r]].name
+        o = int(node_op[r])
         b = triggers.get(r)
         if b is not None:
             for j in a.closure[b]:
                 recompute_slot[b, j] = t
                 extra.append(ops[j].forward_extra_bytes + int(profile.grad_start[r]))
-                labels.append(f"recompute {ops[j].name}")
+                labels.append(("recompute", j))
                 t += 1
         backward_slot[r] = t
         extra.extend((int(profile.grad_peak[r]), int(profile.grad_after_release[r])))
-        labels.extend((f"backward {name}", f"backward {name}, after release"))
+        labels.extend((("backward", o), ("released", o)))
         t += 2
     end = t
     extra.append(profile.gradient_bytes)
-    labels.append("end of step")
+    labels.append(("end of step", -1))
     held = np.zeros(end + 2, dtype=np.int64)
 
     def hold(start: int, stop: int, nbytes: int) -> None:
@@ -88,37 +98,39 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
             held[stop + 1] -= nbytes
 
     retained, dropped = a.retained, a.dropped
-    producer, last_use = profile.storage_producer, profile.storage_last_use
-    sizes = profile.storage_bytes
-    frame_stop = [backward_slot[e] if e >= 0 else -1 for e in a.frame_end]
-    frame_inputs = _frame_inputs(profile, a)
-    in_forward_frame = _forward_frame_inputs(profile, a)
+    producer, sizes = profile.storage_producer, profile.storage_bytes
     reaches = profile.reaches_output
-    released = forward_release(profile, end)
-    cached = profile.held_through_forward
-    for s in range(len(sizes)):
-        p = int(producer[s])
-        stop = end if last_use[s] >= n else int(last_use[s])
-        if len(cached) and cached[s]:
-            stop = max(stop, n - 1)
-        for r in profile.storage_saved_at[s]:
-            o = node_op[r]
-            if not reaches[o]:
-                stop = max(stop, int(released[o]))  # stored: its node dies in forward, never recomputed
-            elif retained[s]:
-                stop = max(stop, int(backward_slot[r]))
-        for b in in_forward_frame.get(s, ()):
-            stop = max(stop, a.group_end[b])
-        for b in frame_inputs.get(s, ()):
-            stop = max(stop, frame_stop[b])
-        hold(p, stop, int(sizes[s]))
+    frame_stop = np.array([backward_slot[e] if e >= 0 else -1 for e in a.frame_end], dtype=np.int64)
+    # Each storage lives from its producer until the last of: its last forward reader (the end of the step for
+    # outputs), autocast's cache (the end of forward), autograd (a node that never reaches the outputs dies in
+    # forward and keeps what it saved until then; a reaching node keeps a retained storage until its backward),
+    # the forward frame of a block whose recomputable op reads it, and the frame of a block whose closure reads it.
+    stop = np.where(profile.storage_last_use >= n, end, profile.storage_last_use).astype(np.int64)
+    if len(profile.held_through_forward):
+        stop[profile.held_through_forward] = np.maximum(stop[profile.held_through_forward], n - 1)
+    saved, ranks = profile.saved_pairs
+    if len(saved):
+        savers = node_op[ranks]
+        lost = ~reaches[savers]
+        np.maximum.at(stop, saved[lost], forward_release(profile, end)[savers[lost]])
+        held_by_autograd = ~lost & retained[saved]
+        np.maximum.at(stop, saved[held_by_autograd], backward_slot[ranks[held_by_autograd]])
+    read, readers = profile.read_pairs
+    if len(read):
+        framed = a.recomputed[readers] & retained[read]
+        np.maximum.at(stop, read[framed], np.asarray(a.group_end, dtype=np.int64)[a.block_of[readers[framed]]])
+    for s, blocks in _frame_inputs(profile, a).items():
+        stop[s] = max(int(stop[s]), *(int(frame_stop[b]) for b in blocks))
+    lives = stop > producer
+    np.add.at(held, producer[lives] + 1, sizes[lives])
+    np.add.at(held, stop[lives] + 1, -sizes[lives])
 
     # Recomputed copies: live from their recompute until the last closure reader or the last dropped-save holder.
     for b, members in enumerate(a.closure):
         if not members:
             continue
         readers = _closure_readers(profile, members)
-        for s in _storages_of_ops(profile, members):
+        for s in np.concatenate([profile.produced[j] for j in members]):
             j = int(producer[s])
             start = recompute_slot[b, j]
             stop = start
@@ -146,11 +158,11 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
         totals, labels = _with_sharded_parameters(profile, totals, int(live[n]) + profile.baseline_bytes, labels, n)
     if context is not None and context.later_beyond_held is not None:
         totals = np.append(totals, int(live[n]) + context.later_beyond_held)
-        labels.append("later graphs of the call, beside what this graph holds")
+        labels.append(("later graphs of the call, beside what this graph holds", -1))
     return totals, labels, int(live[n])
 
 
-def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_forward: int, labels: list[str],
+def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_forward: int, labels: list[Slot],
                              n: int):
     """The timeline with FSDP's parameter and gradient memory in place of the profiled full parameters.
 
@@ -165,42 +177,25 @@ def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_fo
     step = totals[:-1] + shards_for_parameters + s.unsharded_bytes
     step[:n] += s.all_gather_bytes
     head = [profile.baseline_bytes + shards_for_parameters + s.all_gather_bytes + s.workspace(s.all_gather_bytes)]
-    labels = ["FSDP all-gather"] + labels
+    labels = [("FSDP all-gather", -1)] + labels
     if s.reshard_after_forward and len(step) > n:
         regather = after_forward + shards_for_parameters + s.all_gather_bytes + \
             max(s.unsharded_bytes, s.workspace(s.all_gather_bytes))
         step = np.concatenate([step[:n], [regather], step[n:]])
-        labels.insert(n + 1, "FSDP all-gather for backward")
+        labels.insert(n + 1, ("FSDP all-gather for backward", -1))
     after = totals[-1] + shards_for_parameters - profile.gradient_bytes
     tail = [after + profile.gradient_bytes + s.reduce_scatter_bytes,
             after + s.reduce_scatter_bytes + s.workspace(s.reduce_scatter_bytes) + s.sharded_gradient_bytes,
             after + s.sharded_gradient_bytes]
     return (np.concatenate([head, step, tail]).astype(np.int64),
-            labels[:-1] + ["FSDP reduce-scatter copy-in", "FSDP reduce-scatter", labels[-1]])
+            labels[:-1] + [("FSDP reduce-scatter copy-in", -1), ("FSDP reduce-scatter", -1), labels[-1]])
 
 
 def forward_release(profile: GraphProfile, end: int) -> np.ndarray:
-    """Per op: the forward slot after which its autograd nodes die when its values never reach the outputs.
-
-    A node lives while any tensor downstream of it does, so the release of an op is the latest of its own values'
-    last use and the release of every op that reads them.
-    """
-    n = profile.num_ops
-    release = np.arange(n, dtype=np.int64)
-    last = np.where(profile.storage_last_use >= n, end, profile.storage_last_use)
-    np.maximum.at(release, profile.storage_producer, last)
-    consumers: list[list[int]] = [[] for _ in range(n)]
-    for c, inputs in enumerate(profile.op_inputs):
-        for p, _ in inputs:
-            consumers[p].append(c)
-    for o in range(n - 1, -1, -1):
-        for c in consumers[o]:
-            release[o] = max(release[o], release[c])
-    return release
-
-
-def _storages_of_ops(profile: GraphProfile, members: list[int]) -> np.ndarray:
-    return np.flatnonzero(np.isin(profile.storage_producer, members))
+    """Per op: the forward slot after which its autograd nodes die when its values never reach the outputs
+    (:attr:`GraphProfile.op_release`), with the end of the step at slot ``end``."""
+    release = profile.op_release
+    return np.where(release >= profile.num_ops, end, release)
 
 
 def _closure_readers(profile: GraphProfile, members: list[int]) -> dict[int, list[int]]:
@@ -225,16 +220,4 @@ def _frame_inputs(profile: GraphProfile, a: PlanAnalysis) -> dict[int, list[int]
                 if p not in inside:
                     for s in storages:
                         holds.setdefault(s, []).append(b)
-    return holds
-
-
-def _forward_frame_inputs(profile: GraphProfile, a: PlanAnalysis) -> dict[int, list[int]]:
-    """storage -> blocks whose frame holds it during the block's forward (inputs of recomputable ops)."""
-    holds: dict[int, list[int]] = {}
-    for j in np.flatnonzero(a.recomputed):
-        b = int(a.block_of[j])
-        for p, storages in profile.op_inputs[j]:
-            for s in storages:
-                if a.retained[s]:
-                    holds.setdefault(s, []).append(b)
     return holds

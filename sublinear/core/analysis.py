@@ -15,8 +15,9 @@ The enum leaves room for further states (such as offloaded to host memory) witho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import cached_property
 
 import numpy as np
 
@@ -43,15 +44,25 @@ class PlanAnalysis:
     trigger: list[int]  # per block: rank whose backward first needs a rebuilt storage (-1: none)
     frame_end: list[int]  # per block: rank after whose backward its group's frame is released (-1: none)
     group_end: list[int]  # per block: the last op of its group
-    node_retained: dict[int, bool]  # per operator node: its value is read from the frame, never re-run, in recompute
+    profile: GraphProfile = field(repr=False, compare=False)
 
-    @property
+    @cached_property
     def retained(self) -> np.ndarray:
         return self.state == StorageState.KEPT
 
-    @property
+    @cached_property
     def dropped(self) -> np.ndarray:
         return self.state == StorageState.REBUILT
+
+    @cached_property
+    def node_retained(self) -> dict[int, bool]:
+        """Per operator node: every storage of its value that the profile lists is kept (vacuously so for values
+        on parameters, inputs or no storage). This is the closure's rule read per node: a recompute re-runs a
+        producer exactly when a value it reads has a storage that is not kept; so such a value is read from the
+        frame, never re-run."""
+        retained = self.retained
+        return {node: bool(all(retained[s] for s in self.profile.node_storages.get(node, ()) if s >= 0))
+                for node in self.profile.op_of_node}
 
     @property
     def num_blocks(self) -> int:
@@ -131,13 +142,4 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
                     members.add(p)
                     stack.append(p)
         closure.append(sorted(members))
-    return PlanAnalysis(plan, block_of, group_of, recomputed, state, closure, trigger, frame_end, group_end,
-                        _node_retained(profile, retained))
-
-
-def _node_retained(profile: GraphProfile, retained: np.ndarray) -> dict[int, bool]:
-    """Per operator node: every storage of its value that the profile lists is kept (vacuously so for values on
-    parameters, inputs or no storage). This is the closure's rule read per node: a recompute re-runs a producer
-    exactly when a value it reads has a storage that is not kept."""
-    return {node: bool(all(retained[s] for s in profile.node_storages.get(node, ()) if s >= 0))
-            for node in profile.op_of_node}
+    return PlanAnalysis(plan, block_of, group_of, recomputed, state, closure, trigger, frame_end, group_end, profile)

@@ -9,6 +9,7 @@ one storage.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -120,6 +121,11 @@ def _empty(dtype=np.int64) -> np.ndarray:
     return np.zeros(0, dtype=dtype)
 
 
+def _pair_arrays(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    array = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    return array[:, 0].copy(), array[:, 1].copy()
+
+
 @dataclass
 class GraphProfile:
     """The planner's view of one training step of one captured graph.
@@ -168,6 +174,42 @@ class GraphProfile:
     @property
     def num_ops(self) -> int:
         return len(self.ops)
+
+    @functools.cached_property
+    def saved_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(storage, rank) for every operator node that saves a storage: ``storage_saved_at`` as two arrays."""
+        pairs = [(s, r) for s, ranks in enumerate(self.storage_saved_at) for r in ranks]
+        return _pair_arrays(pairs)
+
+    @functools.cached_property
+    def read_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(storage, op) for every value an op reads from another op: ``op_inputs`` as two arrays."""
+        pairs = [(s, o) for o, inputs in enumerate(self.op_inputs) for _, storages in inputs for s in storages]
+        return _pair_arrays(pairs)
+
+    @functools.cached_property
+    def produced(self) -> list[np.ndarray]:
+        """Per op: the storages it produces."""
+        order = np.argsort(self.storage_producer, kind="stable")
+        bounds = np.searchsorted(self.storage_producer[order], np.arange(self.num_ops + 1))
+        return [order[bounds[o]:bounds[o + 1]] for o in range(self.num_ops)]
+
+    @functools.cached_property
+    def op_release(self) -> np.ndarray:
+        """Per op: the last forward op whose run an autograd node of it may see if its values never reach the
+        outputs (``num_ops``: the end of the step). A node lives while any tensor downstream of it does, so the
+        release of an op is the latest of its own values' last use and the release of every op that reads them."""
+        n = self.num_ops
+        release = np.arange(n, dtype=np.int64)
+        np.maximum.at(release, self.storage_producer, np.minimum(self.storage_last_use, n))
+        consumers: list[list[int]] = [[] for _ in range(n)]
+        for c, inputs in enumerate(self.op_inputs):
+            for p, _ in inputs:
+                consumers[p].append(c)
+        for o in range(n - 1, -1, -1):
+            for c in consumers[o]:
+                release[o] = max(release[o], release[c])
+        return release
 
     @property
     def forward_flops(self) -> int:
