@@ -902,13 +902,16 @@ def compile(module: nn.Module, example_inputs: Sequence[Any] | Any = None,
 
 class _PlannedForward:
     """A module's ``forward`` replaced in place by :func:`apply`: training calls run through TorchDynamo and the
-    sublinear backend, others run the class's forward."""
+    sublinear backend, others run the class's forward. It shows the class forward's name, docstring and signature
+    (Hugging Face's Trainer keeps only the dataset columns that signature names)."""
 
     def __init__(self, module: nn.Module, config: SublinearMemoryConfig) -> None:
         self._module = weakref.ref(module)
         self.config = config
         self.sublinear_backend = SublinearBackend(config)
         self._run: Callable[..., Any] | None = None
+        functools.update_wrapper(self, type(module).forward, updated=())  # the function: no reference to module
+        self.__signature__ = inspect.signature(type(module).forward.__get__(module))
 
     def __reduce__(self):
         return (_PlannedForward, (self._module(), self.config))
