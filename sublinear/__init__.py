@@ -14,8 +14,8 @@ import importlib
 __version__ = "0.2.0"
 
 _EXPORTS = {
-    "ParetoPoint": "api", "SublinearModule": "api", "SublinearPlan": "api", "apply": "api", "backend": "api",
-    "compile": "api", "pareto": "api", "remove": "api", "trace": "api",
+    "SublinearModule": "api", "apply": "api", "compile": "api", "pareto": "api", "remove": "api", "trace": "api",
+    "ParetoPoint": "runtime", "SublinearBackend": "runtime", "SublinearPlan": "runtime", "backend": "runtime",
     "CaptureError": "capture", "capture": "capture",
     "SublinearMemoryConfig": "config", "parse_size": "config",
     "Candidate": "core", "GraphProfile": "core", "Objective": "core", "Plan": "core", "PlanAnalysis": "core",

@@ -578,3 +578,12 @@ def test_bad_config_and_arguments():
         compiled = sublinear.compile(Breaks(), config=PLAIN)
         compiled(torch.randn(2, 8))
         compiled.use(Plan.no_split(3))
+
+
+def test_the_backend_factory_stays_callable_after_the_package_loaded_its_modules():
+    import importlib
+
+    importlib.import_module("sublinear.api")  # loads every submodule the user surface needs
+    model = torch.compile(Chain(3, width=8), backend=sublinear.backend(PLAIN))
+    model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert isinstance(sublinear.backend(PLAIN), sublinear.SublinearBackend)

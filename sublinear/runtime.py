@@ -1,0 +1,789 @@
+"""The sublinear backend: what runs each graph TorchDynamo captures, and what it says it ran.
+
+A :class:`SublinearBackend` is one session per compiled model. For every graph it receives it profiles, plans and
+rewrites at each new call signature (shapes, dtypes, devices, autocast state, FSDP layout), keeps plans in memory
+and on disk, and learns from every training call what the call did with the graph: what the call's other graphs
+hold beside it (:class:`~sublinear.core.profile.StepContext`) and which outputs get gradients, are kept or dropped.
+:func:`compile_module` runs a module through it with call boundaries; :func:`plan_ahead` plans a module's graphs on a
+data-less twin before training. :class:`SublinearPlan` describes the latest call's plans for people.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes, any_torch_dispatch_mode_on_stack
+from torch.utils._pytree import tree_leaves
+
+from .cache import PlanCache, cache_dir
+from .capture import (BUFFER, INPUT, PARAMETER, CapturedGraph, GraphBreak, GraphOutputs, NeedsData, SharedGraph,
+                      capture, compile_entry, graph_breaks, input_signature, receiving)
+from .config import SublinearMemoryConfig
+from .core.analysis import analyse
+from .core.objective import Candidate, Objective, Simulation
+from .core.plan import Plan
+from .core.profile import GraphProfile, ShardedParameters, StepContext
+from .planners import PlanningResult, make_plan, objective_for
+from .profiler import DROPPED, GRADIENT, KEPT, autocast_state, profile
+from .rewriter import RewrittenGraph, rewrite
+from .sharding import refuse_nested_fsdp
+from .simulator import simulate
+
+__all__ = ["BlockSummary", "GraphPlan", "ParetoPoint", "SublinearBackend", "SublinearPlan", "backend",
+           "compile_module", "output_uses", "plan_ahead", "step_contexts"]
+
+log = logging.getLogger("sublinear")
+_MIB = 2**20
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a plan says, for people
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    plan: Plan
+    peak_bytes: int
+    recompute_flops: int
+    flops_ratio: float  # step FLOPs relative to eager
+    time_ratio: float  # predicted step time relative to eager
+    graph_code: str  # the graph the plan belongs to (for SublinearModule.use)
+
+
+@dataclass(frozen=True)
+class BlockSummary:
+    """One block of a plan, by op names (module path and node)."""
+
+    index: int
+    first_op: str
+    last_op: str
+    recomputed_ops: tuple[str, ...]  # re-run in backward
+    kept_ops: tuple[str, ...]  # inside the block but never recomputed (chosen or pinned)
+    kept_bytes: int  # storages the block keeps for backward or later blocks
+    recompute_seconds: float
+    soft_end: bool  # the boundary is rebuilt, not kept (nested blocks)
+
+    def __str__(self) -> str:
+        parts = [f"block {self.index}: {self.first_op} .. {self.last_op}; keeps {self.kept_bytes / _MIB:.1f} MiB"]
+        if self.recomputed_ops:
+            parts.append(f"recomputes {len(self.recomputed_ops)} ops ({self.recompute_seconds * 1e3:.2f} ms)")
+        if self.kept_ops:
+            parts.append("kept ops: " + ", ".join(self.kept_ops[:4]) + (" ..." if len(self.kept_ops) > 4 else ""))
+        if self.soft_end:
+            parts.append("soft end: what crosses it is rebuilt, not kept")
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """The plan one captured graph runs at one call signature, with its predictions."""
+
+    graph: int  # position of the graph among those the call ran
+    signature: str  # the graph's non-parameter inputs: shape, dtype, device
+    plan: Plan
+    num_ops: int
+    blocks: tuple[BlockSummary, ...]
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int  # eager
+    recompute_seconds: float
+    eager_seconds: float
+    recompute_flops: int
+    step_flops: int
+    objective: str
+    origin: str  # the planner whose plan won (or "cache", "use()")
+    cost_source: str
+    history: tuple[tuple[int, float], ...]  # best (peak bytes, time ratio) so far after each planner/generation
+    planning_seconds: float  # profile + search
+    search_seconds: float  # the search alone; 0 for a cache hit
+    from_cache: bool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.plan.num_blocks
+
+    @property
+    def time_ratio(self) -> float:
+        return 1.0 + self.recompute_seconds / self.eager_seconds if self.eager_seconds > 0 else 1.0
+
+    @property
+    def flops_ratio(self) -> float:
+        return 1.0 + self.recompute_flops / self.step_flops if self.step_flops else 1.0
+
+    def __str__(self) -> str:
+        nested = f" ({len(self.plan.soft)} nested)" if self.plan.soft else ""
+        return (f"graph {self.graph} at {self.signature}: {self.num_blocks} blocks{nested} over {self.num_ops} ops, "
+                f"predicted peak {self.predicted_peak_bytes / _MIB:.1f} MiB vs eager "
+                f"{self.baseline_peak_bytes / _MIB:.1f} MiB, step time x{self.time_ratio:.3f} (FLOPs "
+                f"x{self.flops_ratio:.3f}); {self.objective}; by {self.origin}{' (cache)' if self.from_cache else ''}")
+
+    def describe(self) -> str:
+        return "\n".join([str(self), *(f"  {b}" for b in self.blocks)])
+
+
+@dataclass(frozen=True)
+class SublinearPlan:
+    """What the latest training call ran: one :class:`GraphPlan` per captured graph, and the graph breaks."""
+
+    graphs: tuple[GraphPlan, ...]
+    breaks: tuple[GraphBreak, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(g.num_blocks for g in self.graphs)
+
+    @property
+    def num_ops(self) -> int:
+        return sum(g.num_ops for g in self.graphs)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return max((g.predicted_peak_bytes for g in self.graphs), default=0)
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        return max((g.baseline_peak_bytes for g in self.graphs), default=0)
+
+    @property
+    def time_ratio(self) -> float:
+        eager = sum(g.eager_seconds for g in self.graphs)
+        return 1.0 + sum(g.recompute_seconds for g in self.graphs) / eager if eager > 0 else 1.0
+
+    @property
+    def recompute_flops(self) -> int:
+        return sum(g.recompute_flops for g in self.graphs)
+
+    @property
+    def flops_ratio(self) -> float:
+        step = sum(g.step_flops for g in self.graphs)
+        return 1.0 + self.recompute_flops / step if step else 1.0
+
+    @property
+    def planning_seconds(self) -> float:
+        return sum(g.planning_seconds for g in self.graphs)
+
+    @property
+    def search_seconds(self) -> float:
+        return sum(g.search_seconds for g in self.graphs)
+
+    @property
+    def from_cache(self) -> bool:
+        return bool(self.graphs) and all(g.from_cache for g in self.graphs)
+
+    def to_plan(self) -> Plan:
+        """The plan of the only graph."""
+        if len(self.graphs) != 1:
+            raise ValueError(f"the model runs {len(self.graphs)} graphs; pick one from .graphs")
+        return self.graphs[0].plan
+
+    def __str__(self) -> str:
+        head = (f"{len(self.graphs)} graph(s), {self.num_blocks} blocks: predicted peak "
+                f"{self.predicted_peak_bytes / _MIB:.1f} MiB vs eager {self.baseline_peak_bytes / _MIB:.1f} MiB, "
+                f"step time x{self.time_ratio:.3f} (FLOPs x{self.flops_ratio:.3f})")
+        if len(self.graphs) == 1 and not self.breaks:
+            return str(self.graphs[0])
+        lines = [head, *(f"  {g}" for g in self.graphs)]
+        lines += [f"  graph break at {b}" for b in self.breaks]
+        return "\n".join(lines)
+
+    def describe(self) -> str:
+        """Every block of every graph: which layers end blocks, which are recomputed and which are kept."""
+        return "\n".join([*(g.describe() for g in self.graphs), *(f"graph break at {b}" for b in self.breaks)])
+
+
+def _summarise(index: int, values: Sequence[Any], graph: CapturedGraph, profile_: GraphProfile, plan: Plan,
+               result: PlanningResult | None, sim: Simulation, eager: Simulation, origin: str, objective: Objective,
+               planning_seconds: float, from_cache: bool, history: tuple[tuple[int, float], ...]) -> GraphPlan:
+    a = analyse(profile_, plan)
+    blocks = []
+    for b, ops in enumerate(plan.blocks()):
+        recomputed = tuple(profile_.ops[o].name for o in a.closure[b])
+        kept = tuple(profile_.ops[o].name for o in ops if not a.recomputed[o] and b != plan.num_blocks - 1)
+        mask = a.retained & (a.block_of[profile_.storage_producer] == b) if len(profile_.storage_producer) else []
+        blocks.append(BlockSummary(b, profile_.ops[ops[0]].name, profile_.ops[ops[-1]].name, recomputed, kept,
+                                   int(profile_.storage_bytes[mask].sum()) if len(mask) else 0,
+                                   float(sum(profile_.ops[o].forward_seconds for o in a.closure[b])),
+                                   ops[-1] in plan.soft))
+    inputs = [v for k, v in zip(graph.kinds, values) if k == "input"]
+    return GraphPlan(index, input_signature(inputs).describe(graph.model_device), plan, profile_.num_ops, tuple(blocks),
+                     sim.peak_bytes, eager.peak_bytes, sim.recompute_seconds, sim.eager_seconds,
+                     sim.recompute_flops, profile_.step_flops, objective.describe(), origin, profile_.cost_source,
+                     history, planning_seconds, result.seconds if result is not None and not from_cache else 0.0,
+                     from_cache)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backend: one session per compiled model
+
+
+@dataclass
+class _Variant:
+    """A graph planned for one call signature; ``profile`` carries the step context it is simulated in."""
+
+    profile: GraphProfile
+    plan: Plan
+    simulation: Simulation
+    rewritten: RewrittenGraph
+    summary: GraphPlan
+    auto_budget: bool
+    objective: Objective
+    planned_in: StepContext | None  # the context the plan was searched in
+    uses: tuple[str, ...]  # what the profiled step did with each output
+
+    def set_context(self, context: StepContext | None) -> None:
+        """Simulate the plan (and eager, for the report) beside the call's other graphs as ``context`` says."""
+        self.profile = dataclasses.replace(self.profile, step_context=context)
+        self.simulation = simulate(self.profile, self.plan)
+        eager = simulate(self.profile, Plan.no_split(self.profile.num_ops))
+        self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.simulation.peak_bytes,
+                                           baseline_peak_bytes=eager.peak_bytes)
+
+    @property
+    def accepted(self) -> bool:
+        return self.objective.accepts(Candidate(self.plan, self.simulation))
+
+
+def _storages(values: Any) -> dict[int, int]:
+    """Storage key -> bytes of every tensor among ``values`` (real or fake), each storage once."""
+    found: dict[int, int] = {}
+    for t in tree_leaves(values):
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            found[storage._cdata] = storage.nbytes()
+    return found
+
+
+@dataclass
+class _GraphRun:
+    """One graph's run in a training call: its variant and the storages it read and produced."""
+
+    runtime: _GraphRuntime
+    variant: _Variant
+    state: dict[int, int]  # parameter and buffer storages -> bytes
+    parameters: dict[int, int]  # parameter storages (backward gives each a gradient of its size)
+    inputs: dict[int, int]  # the other tensor inputs
+    outputs: dict[int, int] = field(default_factory=dict)  # storages it returned that it made (activations)
+    returned: GraphOutputs | None = None  # every tensor output, watched until the call ends
+
+    @staticmethod
+    def of(runtime: _GraphRuntime, variant: _Variant, values: Sequence[Any]) -> _GraphRun:
+        kinds = runtime.graph.kinds
+
+        def of_kind(*wanted: str) -> dict[int, int]:
+            return _storages([v for k, v in zip(kinds, values) if k in wanted])
+
+        return _GraphRun(runtime, variant, of_kind(PARAMETER, BUFFER), of_kind(PARAMETER), of_kind(INPUT))
+
+    def record(self, outputs: GraphOutputs) -> None:
+        """What the run returned."""
+        self.returned = outputs
+        self.outputs = {s: b for s, b in zip(outputs.storages, outputs.nbytes)
+                        if s not in self.state and s not in self.inputs}
+
+
+def _sum_except(storages: dict[int, int], excluded: dict[int, int]) -> int:
+    return sum(b for s, b in storages.items() if s not in excluded)
+
+
+def step_contexts(runs: Sequence[_GraphRun]) -> list[StepContext]:
+    """Per run of one call, what the other runs keep live beside it, with every run at its current plan.
+
+    Runs go forward in order and backward in reverse order. Beside run i: every parameter and buffer of the call
+    that i does not read, and what each earlier run holds after its forward (less the outputs i reads, which its
+    own profile counts as inputs); beside its backward also the gradients of later runs' parameters. The later
+    runs' highest peak includes what run i holds, so it is given relative to that.
+    """
+    everything: dict[int, int] = {}
+    for r in runs:
+        everything |= r.state
+    contexts = []
+    held_before, earlier_outputs = 0, {}
+    for i, r in enumerate(runs):
+        later_parameters: dict[int, int] = {}
+        for later in runs[i + 1:]:
+            later_parameters |= later.parameters
+        beside_forward = (_sum_except(everything, r.state) + held_before
+                          - sum(b for s, b in r.inputs.items() if s in earlier_outputs))
+        contexts.append(StepContext(beside_forward, beside_forward + _sum_except(later_parameters, r.state)))
+        held_before += r.variant.simulation.held_after_forward_bytes
+        earlier_outputs |= r.outputs
+    later_peak = None
+    for i in range(len(runs) - 1, -1, -1):
+        held = runs[i].variant.simulation.held_after_forward_bytes
+        contexts[i] = dataclasses.replace(contexts[i], later_beyond_held=None if later_peak is None
+                                          else later_peak - held)
+        peak = simulate(dataclasses.replace(runs[i].variant.profile, step_context=contexts[i]),
+                        runs[i].variant.plan).peak_bytes
+        later_peak = peak if later_peak is None else max(later_peak, peak)
+    return contexts
+
+
+def output_uses(runs: Sequence[_GraphRun], returned: Any) -> list[tuple[str, ...]]:
+    """Per run of one call that returned ``returned``, per tensor output: what the step did with it (see
+    :func:`sublinear.profiler.profile`). A later run reads it, or it is the loss: the scalars among what the call
+    returned when there are any (a loss computed in forward), else every floating tensor it returned; those get a
+    gradient. Of the others, what is still alive after the call was kept (a KV cache, a module attribute) and the
+    rest was dropped when the graph returned."""
+    returned = [t for t in tree_leaves(returned)
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    losses = {t.untyped_storage()._cdata for t in ([t for t in returned if t.dim() == 0] or returned)}
+    uses = []
+    for i, run in enumerate(runs):
+        read_later = set().union(*(later.inputs for later in runs[i + 1:]))
+        uses.append(tuple(GRADIENT if s in read_later or s in losses else KEPT if alive else DROPPED
+                          for s, alive in zip(run.returned.storages, run.returned.alive())))
+    return uses
+
+
+def _widest(a: StepContext, b: StepContext) -> StepContext:
+    """A context covering both (a graph that runs several times in a call is planned for its worst run)."""
+    later = [v for v in (a.later_beyond_held, b.later_beyond_held) if v is not None]
+    return StepContext(max(a.beside_forward, b.beside_forward), max(a.beside_backward, b.beside_backward),
+                       max(later) if later else None)
+
+
+def _value_key(values: Sequence[Any]) -> tuple:
+    """What a plan depends on in a graph's inputs: every tensor's shape, stride, dtype, device and requires_grad
+    (parameters included), and every other input's value."""
+    key = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            key.append((tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device), v.requires_grad))
+        else:
+            key.append(repr(v))
+    return tuple(key)
+
+
+def _any_requires_grad(values: Sequence[Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(list(values)))
+
+
+class _PlanStore:
+    """A small least-recently-used store of what one session planned (a dry run's plans serve the real calls)."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.entries: OrderedDict[tuple, tuple[GraphProfile, Plan, PlanningResult | None]] = OrderedDict()
+        self.size = size
+
+    def get(self, key: tuple):
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple, value) -> None:
+        self.entries[key] = value
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+_UNSEEN = object()  # finish_call without the call's result (a bare torch.compile backend never sees it)
+_USE_ORDER = (GRADIENT, KEPT, DROPPED)  # most demanding first
+
+
+class SublinearBackend:
+    """A ``torch.compile`` backend: each graph TorchDynamo captures runs under a plan for each call signature.
+
+    ``backend.sublinear_plan`` describes what the latest training call ran. ``sharding`` (a callable returning
+    FSDP2's per-rank layout, or None) is read at planning time.
+    """
+
+    def __init__(self, config: SublinearMemoryConfig | None = None,
+                 sharding: Callable[[], ShardedParameters | None] | None = None) -> None:
+        config = config or SublinearMemoryConfig()
+        if not isinstance(config, SublinearMemoryConfig):
+            raise TypeError(f"config must be a SublinearMemoryConfig, got {type(config).__name__}")
+        self.config = config
+        self.sharding = sharding or (lambda: None)
+        self.graphs: list[_GraphRuntime] = []
+        self.breaks: list[GraphBreak] = []
+        self.latest: dict[str, _Variant] = {}  # graph code -> what the latest call ran, in the order it ran
+        self.call: list[_GraphRun] = []  # the graphs the current call has run so far
+        self.contexts: dict[str, StepContext] = {}  # graph code -> the other graphs of the call beside it
+        self.uses: dict[str, tuple[str, ...]] = {}  # graph code -> what calls do with each output
+        self.explicit_calls = False  # whether begin_call/finish_call mark calls (else: the first graph starts one)
+        self.store = _PlanStore()  # plans by graph, signature, context and config
+        self.profiles = _PlanStore()  # profiles by graph, signature and cost model
+        self.overrides: dict[str, Plan] = {}  # graph code -> plan chosen by the user (use())
+        self._shared: dict[int, _GraphRuntime] = {}
+        self._warned_breaks = False
+        self._warned_unplanned = False
+        self._warned_mode = False
+        self.ran_graph = False
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        return self._add(CapturedGraph.from_dynamo(gm, example_inputs))
+
+    def _add(self, graph: CapturedGraph) -> _GraphRuntime:
+        runtime = _GraphRuntime(graph, self, len(self.graphs))
+        self.graphs.append(runtime)
+        log.debug("captured graph %d: %s", runtime.index, graph.describe())
+        return runtime
+
+    def run_graph(self, shared: SharedGraph, values: Sequence[Any]) -> Any:
+        """Run a graph from TorchDynamo's shared cache (see :data:`sublinear.capture.DISPATCH`) as this session's."""
+        runtime = self._shared.get(id(shared))
+        if runtime is None or runtime.graph is not shared.graph:
+            runtime = self._shared[id(shared)] = self._add(shared.graph)
+        self.ran_graph = True
+        return runtime(*values)
+
+    def __reduce__(self):
+        return (SublinearBackend, (self.config,))
+
+    @property
+    def sublinear_plan(self) -> SublinearPlan | None:
+        if not self.latest:
+            return None
+        graphs = tuple(dataclasses.replace(v.summary, graph=k) for k, v in enumerate(self.latest.values()))
+        return SublinearPlan(graphs, tuple(self.breaks))
+
+    def begin_call(self) -> None:
+        """A new training call starts: :attr:`sublinear_plan` will describe the graphs it runs."""
+        self.call = []
+
+    def finish_call(self, returned: Any = _UNSEEN) -> list[_GraphRuntime]:
+        """The call ended, returning ``returned``: give each graph the context of the call's other graphs
+        (:class:`StepContext`), make :attr:`sublinear_plan` describe the call, and return the graphs to plan again:
+        those profiled with a backward that differs from this call's (which outputs get gradients), those whose
+        plan no longer meets the objective beside the others, and those planned before the later graphs were
+        known."""
+        runs, self.call = self.call, []
+        if not runs:
+            return []
+        stale = self._learn_output_uses(runs, returned)
+        contexts: dict[str, StepContext] = {}
+        if len(runs) > 1:
+            for run, context in zip(runs, step_contexts(runs)):
+                code = run.runtime.graph.code
+                contexts[code] = _widest(contexts[code], context) if code in contexts else context
+        self.latest = {}
+        for run in runs:
+            code, variant = run.runtime.graph.code, run.variant
+            if code in self.latest:
+                continue
+            self.latest[code] = variant
+            context = contexts.get(code)
+            if context == variant.profile.step_context or run.runtime in stale:
+                continue
+            if context is not None:
+                self.contexts[code] = context
+            blind = context is not None and context.later_beyond_held is not None and (
+                variant.planned_in is None or variant.planned_in.later_beyond_held is None)
+            variant.set_context(context)
+            if blind or not variant.accepted:
+                run.runtime.forget(variant)
+                stale.append(run.runtime)
+        if stale:
+            log.info("sublinear: planning %d graph(s) again for the step as this call ran it (%s)", len(stale),
+                     "; ".join(str(self.contexts.get(r.graph.code)) for r in stale))
+        return stale
+
+    def _learn_output_uses(self, runs: Sequence[_GraphRun], returned: Any) -> list[_GraphRuntime]:
+        """Record what the call did with each graph's outputs; forget the variants profiled otherwise and return
+        their graphs. A graph that runs several times gets, per output, the most demanding use of its runs."""
+        if returned is _UNSEEN:
+            return []
+        learned: dict[str, tuple[str, ...]] = {}
+        for run, uses in zip(runs, output_uses(runs, returned)):
+            code = run.runtime.graph.code
+            old = learned.get(code, uses)
+            learned[code] = tuple(min(a, b, key=_USE_ORDER.index) for a, b in zip(old, uses))
+        stale = []
+        for run in runs:
+            code = run.runtime.graph.code
+            if run.variant.uses != learned[code] and run.runtime not in stale:
+                self.uses[code] = learned[code]
+                run.runtime.forget(run.variant)
+                stale.append(run.runtime)
+        return stale
+
+    def use(self, point: ParetoPoint | Plan) -> None:
+        """Run ``point``'s plan for its graph from the next call on; a bare :class:`Plan` applies to the only graph
+        captured or planned so far."""
+        if isinstance(point, ParetoPoint):
+            plan, code = point.plan, point.graph_code
+        elif isinstance(point, Plan):
+            codes = {key[0] for key in self.store.entries} | {r.graph.code for r in self.graphs}
+            if len(codes) != 1:
+                raise ValueError(f"use(plan) applies a bare Plan to the only graph, and {len(codes)} graphs were "
+                                 "captured; pass a ParetoPoint from sublinear.pareto for the graph you mean")
+            plan, code = point, codes.pop()
+        else:
+            raise TypeError(f"use() takes a ParetoPoint or a Plan, got {type(point).__name__}")
+        self.overrides[code] = plan
+        for runtime in self.graphs:
+            runtime.variants.clear()
+
+    def note_breaks(self, breaks: Sequence[GraphBreak], what: str) -> None:
+        """Record graph breaks and say once, at WARNING, how many there were and where."""
+        new = [b for b in breaks if b not in self.breaks]
+        self.breaks.extend(new)
+        if new and not self._warned_breaks:
+            self._warned_breaks = True
+            log.warning("sublinear: TorchDynamo split %s into %d graphs at %d graph break(s); the code at each break "
+                        "runs eagerly, unplanned: %s", what, len(self.graphs) or len(new) + 1, len(new),
+                        "; ".join(str(b) for b in new[:5]) + (" ..." if len(new) > 5 else ""))
+
+    # -- planning ------------------------------------------------------------------------------------------------
+
+    def plan_graph(self, runtime: _GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool) -> _Variant:
+        """Profile and plan ``runtime``'s graph for a call with ``values`` (real or fake). Planning draws random
+        numbers (measuring op costs) under a forked RNG, so the training's random stream is as in eager, and runs
+        outside the caller's dispatch modes (a memory tracker around the step sees the step, not the planning)."""
+        devices = sorted({t.device.index or 0 for t in tree_leaves(list(values))
+                          if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices, device_type="cuda"), _disable_current_modes():
+            return self._plan_graph(runtime, values, key, dry_run)
+
+    def _plan_graph(self, runtime: _GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool) -> _Variant:
+        started = time.perf_counter()
+        graph, config = runtime.graph, self.config
+        sharding = key[-1]
+        context = self.contexts.get(graph.code)
+        uses = self.uses.get(graph.code)
+        profile_key = (graph.code, key, config.cost_model, uses)
+        store_key = (*profile_key, context, repr(sorted(config.planning_key().items())))
+        cached = self.store.get(store_key)
+        override = self.overrides.get(graph.code)
+        disk = PlanCache(cache_dir(config.cache_dir))
+        disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key(),
+                                 context=repr(context), uses=uses)
+        if cached is not None:
+            profile_, plan, result = cached
+        else:
+            profiled = self.profiles.get(profile_key)  # a graph planned again in a new context is not profiled again
+            entry = disk.load(disk_key) if override is None else None
+            if entry is not None:
+                estimated = profiled or profile(graph, values, cost_model="estimate", uses=uses)
+                entry = disk.check(entry, disk_key, estimated.num_ops)
+                if entry is not None and profiled is None:
+                    profiled = estimated.with_costs(entry["costs"])
+                    log.info("sublinear: plan cache hit (%s): search and timing runs skipped", disk_key[:12])
+            if profiled is None:
+                profiled = profile(graph, values, cost_model=config.cost_model, uses=uses)
+            self.profiles.put(profile_key, profiled)
+            profile_ = dataclasses.replace(profiled, sharding=sharding, step_context=context)
+            plan, result = (Plan.from_dict(entry), None) if entry is not None else (None, None)
+        budget = self.budget_for(runtime, profile_, values, dry_run)
+        objective = objective_for(config, budget)
+        eager = simulate(profile_, Plan.no_split(profile_.num_ops))
+        origin, from_cache, history = "cache", plan is not None and result is None, ()
+        if override is not None:
+            plan, origin = override, "use()"
+        elif plan is not None and not self._still_best(objective, plan, profile_, eager):
+            log.info("sublinear: the stored plan for graph %d no longer meets %s; planning again", runtime.index,
+                     objective.describe())
+            plan = result = None
+        if plan is None:
+            result = make_plan(profile_, config, memory_budget=budget)
+            plan, origin = result.plan, result.origin
+            disk.store(disk_key, {"num_ops": profile_.num_ops, **plan.as_dict(), "costs": profile_.costs(),
+                                  "history": [[c.simulation.peak_bytes, c.simulation.time_ratio]
+                                              for c in result.history]})
+        elif result is not None:
+            origin = result.origin
+        if result is not None:
+            history = tuple((c.simulation.peak_bytes, c.simulation.time_ratio) for c in result.history)
+        self.store.put(store_key, (profile_, plan, result))
+        sim = simulate(profile_, plan)
+        rewritten = rewrite(graph, profile_, plan)
+        summary = _summarise(runtime.index, values, graph, profile_, plan, result, sim, eager, origin, objective,
+                             time.perf_counter() - started, from_cache, history)
+        log.info("sublinear: planned %s", summary)
+        return _Variant(profile_, plan, sim, rewritten, summary, config.memory_budget == "auto", objective, context,
+                        profile_.output_uses)
+
+    @staticmethod
+    def _still_best(objective: Objective, plan: Plan, profile_: GraphProfile, eager: Simulation) -> bool:
+        """A stored plan is used when the objective accepts it now and, under a memory budget, it is eager
+        whenever eager fits (the least time that fits)."""
+        candidate = Candidate(plan, simulate(profile_, plan))
+        if not objective.accepts(candidate):
+            return False
+        if objective.memory_budget is None:
+            return True
+        eager_ok = objective.accepts(Candidate(Plan.no_split(profile_.num_ops), eager))
+        return not eager_ok or plan.num_blocks == 1
+
+    def budget_for(self, runtime: _GraphRuntime, profile_: GraphProfile, values: Sequence[Any],
+                   dry_run: bool) -> int | None:
+        """The memory budget in bytes for the step (the other graphs of the call are in the profile's context):
+        the config's; "auto" on CUDA: the allocator's free and cached memory, less the headroom, plus what the
+        profile counts that is already allocated (parameters, buffers, inputs, gradients)."""
+        budget = self.config.memory_budget
+        if budget is None:
+            return None
+        if budget != "auto":
+            return budget
+        device = _device_of(values)
+        if device.type != "cuda":
+            return None
+        return _cuda_auto_budget(device, runtime.graph, values, self.config.memory_headroom, dry_run)
+
+
+def _device_of(values: Sequence[Any]) -> torch.device:
+    return next((t.device for t in tree_leaves(list(values)) if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
+def _cuda_auto_budget(device: torch.device, graph: CapturedGraph, values: Sequence[Any], headroom: float,
+                      dry_run: bool) -> int:
+    free, _total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    resident: dict[int, int] = {}
+    for kind, v in zip(graph.kinds, values):
+        if not isinstance(v, torch.Tensor):
+            continue
+        real = not isinstance(v, torch._subclasses.fake_tensor.FakeTensor)
+        if real or (dry_run and kind in ("parameter", "buffer")):  # a dry run's model lives on the device
+            st = v.untyped_storage()
+            resident[st._cdata if real else id(v)] = st.nbytes()
+            if real and v.grad is not None:
+                resident[v.grad.untyped_storage()._cdata] = v.grad.untyped_storage().nbytes()
+    return int((free + cached) * (1 - headroom)) + sum(resident.values())
+
+
+class _GraphRuntime:
+    """What Dynamo calls in place of one graph: plain eager without grad, the planned graph otherwise."""
+
+    def __init__(self, graph: CapturedGraph, backend_: SublinearBackend, index: int) -> None:
+        self.graph = graph
+        self.backend = backend_
+        self.index = index
+        self.variants: dict[tuple, _Variant] = {}
+
+    def key(self, values: Sequence[Any]) -> tuple:
+        return (_value_key(values), autocast_state(), self.backend.sharding())
+
+    def variant_for(self, values: Sequence[Any], dry_run: bool = False) -> _Variant:
+        key = self.key(values)
+        variant = self.variants.get(key)
+        if variant is not None and variant.auto_budget and not dry_run and _device_of(values).type == "cuda":
+            budget = self.backend.budget_for(self, variant.profile, values, dry_run=False)
+            if budget is not None and variant.simulation.peak_bytes > budget:
+                log.info("sublinear: graph %d's plan (%.1f MiB) no longer fits the device's free memory (%.1f MiB); "
+                         "planning again", self.index, variant.simulation.peak_bytes / _MIB, budget / _MIB)
+                variant = None
+        if variant is None:
+            variant = self.variants[key] = self.backend.plan_graph(self, values, key, dry_run)
+        return variant
+
+    def forget(self, variant: _Variant) -> None:
+        """Plan this signature again at its next run."""
+        self.variants = {k: v for k, v in self.variants.items() if v is not variant}
+
+    def __call__(self, *values: Any) -> Any:
+        if not torch.is_grad_enabled() or not _any_requires_grad(values):
+            return self.graph.graph_module(*values)
+        backend_ = self.backend
+        if not backend_.explicit_calls and backend_.call and backend_.call[0].runtime.graph.code == self.graph.code:
+            backend_.finish_call()  # used as a bare backend, no call boundary is seen: the first graph starts a call
+        variant = self.variant_for(values)
+        run = _GraphRun.of(self, variant, values)
+        out = variant.rewritten(*values)
+        run.record(GraphOutputs.of(out))
+        backend_.call.append(run)
+        return out
+
+
+def backend(config: SublinearMemoryConfig | None = None) -> SublinearBackend:
+    """The ``torch.compile`` backend: ``torch.compile(model, backend=sublinear.backend(config))``."""
+    return SublinearBackend(config)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running modules through the backend
+
+
+MIN_RECOMPILE_LIMIT = 64
+
+
+def _ensure_recompile_room() -> None:
+    """TorchDynamo compiles a forward again for each new parameter shape, type or guarded Python value, and past
+    ``recompile_limit`` (8 by default) runs it eagerly. Sublinear's graphs are cheap to keep, so the limit is
+    raised to at least 64 (and the accumulated limit to at least 8 times that)."""
+    config = torch._dynamo.config
+    if config.recompile_limit < MIN_RECOMPILE_LIMIT:
+        log.debug("raising torch._dynamo.config.recompile_limit from %d to %d", config.recompile_limit,
+                  MIN_RECOMPILE_LIMIT)
+        config.recompile_limit = MIN_RECOMPILE_LIMIT
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * MIN_RECOMPILE_LIMIT)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Modules
+
+
+def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBackend, name: str,
+                    owner: nn.Module) -> Callable[..., Any]:
+    """``module`` (or a forward) under TorchDynamo with the shared backend, its graphs run under ``session``;
+    graph breaks are noted at the first call, and a training call that ran no graph is reported. ``owner`` is the
+    user's module, checked for FSDP units inside it at every call (their hooks would be bypassed)."""
+    _ensure_recompile_room()
+    compiled = compile_entry(module, name, dynamic=None)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        refuse_nested_fsdp(owner)
+        if any_torch_dispatch_mode_on_stack():
+            # TorchDynamo refuses to compile under such a mode and then skips the forward's code for good.
+            if not session._warned_mode:
+                session._warned_mode = True
+                log.warning("sublinear: %s ran under a TorchDispatchMode (such as FlopCounterMode or MemTracker) "
+                            "that TorchDynamo cannot compile under: this call runs the original forward, unplanned",
+                            name)
+            return module(*args, **kwargs)
+        session.ran_graph = False
+        session.explicit_calls = True
+        session.begin_call()
+        with receiving(session):
+            if session.graphs:
+                out = compiled(*args, **kwargs)
+            else:
+                with graph_breaks() as breaks:
+                    out = compiled(*args, **kwargs)
+                session.note_breaks(breaks, name)
+        session.finish_call(out)
+        if not session.ran_graph and not session._warned_unplanned:
+            session._warned_unplanned = True
+            log.warning("sublinear: this training call of %s ran no captured graph (TorchDynamo captured nothing, "
+                        "or reached its recompile limit and ran the forward eagerly): it was not planned", name)
+        return out
+
+    return run
+
+
+PLAN_AHEAD_ROUNDS = 3  # a graph planned again beside the others changes what they run beside: a few rounds settle
+
+
+def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any],
+                kwargs: dict[str, Any] | None) -> None:
+    """Plan every graph of ``module(*args, **kwargs)`` now, on a data-less twin (the module is not run); a model
+    whose eager code between graphs needs tensor values is planned at its first training call instead."""
+    try:
+        captured = capture(module, args, kwargs)
+    except NeedsData as exc:
+        log.info("sublinear: cannot plan %s ahead: %s", type(module).__name__, exc)
+        return
+    runtimes = []
+    for graph in captured.graphs:
+        runtime = _GraphRuntime(graph, backend_, len(backend_.graphs))
+        backend_.graphs.append(runtime)
+        runtimes.append(runtime)
+    for _round in range(PLAN_AHEAD_ROUNDS):
+        backend_.begin_call()
+        for runtime in runtimes:
+            run = _GraphRun.of(runtime, runtime.variant_for(runtime.graph.example_values, dry_run=True),
+                               runtime.graph.example_values)
+            run.record(runtime.graph.example_outputs)
+            backend_.call.append(run)
+        if not backend_.finish_call(captured.returned):
+            break
+    backend_.note_breaks(captured.breaks, type(module).__name__)
+    backend_.graphs.clear()  # the real calls capture their own graphs; the plans wait in the store
