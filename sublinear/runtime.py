@@ -31,7 +31,7 @@ from .core.analysis import analyse
 from .core.objective import Candidate, Objective, Simulation
 from .core.plan import Plan
 from .core.profile import GraphProfile, ShardedParameters, StepContext
-from .planners import PlanningResult, make_plan, objective_for
+from .planners import BudgetError, PlanningResult, make_plan, objective_for
 from .profiler import DROPPED, GRADIENT, KEPT, autocast_state, profile
 from .rewriter import RewrittenGraph, rewrite
 from .sharding import refuse_nested_fsdp
@@ -236,6 +236,7 @@ class _Variant:
     objective: Objective
     planned_in: StepContext | None  # the context the plan was searched in
     uses: tuple[str, ...]  # what the profiled step did with each output
+    settling: bool = False  # the lowest peak taken while earlier graphs of the call were not planned for this one
 
     def set_context(self, context: StepContext | None) -> None:
         """Simulate the plan (and eager, for the report) beside the call's other graphs as ``context`` says."""
@@ -265,15 +266,20 @@ class _GraphRun:
     """One graph's run in a training call: its variant and the storages it read and produced."""
 
     runtime: _GraphRuntime
-    variant: _Variant
+    variant: _Variant | None  # None: the run of a graph about to be planned
     state: dict[int, int]  # parameter and buffer storages -> bytes
     parameters: dict[int, int]  # parameter storages (backward gives each a gradient of its size)
     inputs: dict[int, int]  # the other tensor inputs
     outputs: dict[int, int] = field(default_factory=dict)  # storages it returned that it made (activations)
     returned: GraphOutputs | None = None  # every tensor output, watched until the call ends
 
+    @property
+    def held(self) -> int:
+        """What the run holds after its forward (0 for a graph about to be planned)."""
+        return self.variant.simulation.held_after_forward_bytes if self.variant is not None else 0
+
     @staticmethod
-    def of(runtime: _GraphRuntime, variant: _Variant, values: Sequence[Any]) -> _GraphRun:
+    def of(runtime: _GraphRuntime, variant: _Variant | None, values: Sequence[Any]) -> _GraphRun:
         kinds = runtime.graph.kinds
 
         def of_kind(*wanted: str) -> dict[int, int]:
@@ -292,13 +298,15 @@ def _sum_except(storages: dict[int, int], excluded: dict[int, int]) -> int:
     return sum(b for s, b in storages.items() if s not in excluded)
 
 
-def step_contexts(runs: Sequence[_GraphRun]) -> list[StepContext]:
-    """Per run of one call, what the other runs keep live beside it, with every run at its current plan.
+def step_contexts(runs: Sequence[_GraphRun], first: int = 0) -> list[StepContext]:
+    """Per run of one call, what the other runs keep live beside it, with every run at its current plan; complete
+    for the runs from ``first`` on (the later runs need plans, the earlier ones do not).
 
     Runs go forward in order and backward in reverse order. Beside run i: every parameter and buffer of the call
     that i does not read, and what each earlier run holds after its forward (less the outputs i reads, which its
     own profile counts as inputs); beside its backward also the gradients of later runs' parameters. The later
-    runs' highest peak includes what run i holds, so it is given relative to that.
+    runs' highest peak includes what run i holds, so it is given relative to that: a context does not depend on the
+    run's own plan.
     """
     everything: dict[int, int] = {}
     for r in runs:
@@ -312,16 +320,16 @@ def step_contexts(runs: Sequence[_GraphRun]) -> list[StepContext]:
         beside_forward = (_sum_except(everything, r.state) + held_before
                           - sum(b for s, b in r.inputs.items() if s in earlier_outputs))
         contexts.append(StepContext(beside_forward, beside_forward + _sum_except(later_parameters, r.state)))
-        held_before += r.variant.simulation.held_after_forward_bytes
+        held_before += r.held
         earlier_outputs |= r.outputs
     later_peak = None
-    for i in range(len(runs) - 1, -1, -1):
-        held = runs[i].variant.simulation.held_after_forward_bytes
+    for i in range(len(runs) - 1, first - 1, -1):
         contexts[i] = dataclasses.replace(contexts[i], later_beyond_held=None if later_peak is None
-                                          else later_peak - held)
-        peak = simulate(dataclasses.replace(runs[i].variant.profile, step_context=contexts[i]),
-                        runs[i].variant.plan).peak_bytes
-        later_peak = peak if later_peak is None else max(later_peak, peak)
+                                          else later_peak - runs[i].held)
+        if i > first:
+            peak = simulate(dataclasses.replace(runs[i].variant.profile, step_context=contexts[i]),
+                            runs[i].variant.plan).peak_bytes
+            later_peak = peak if later_peak is None else max(later_peak, peak)
     return contexts
 
 
@@ -340,6 +348,12 @@ def output_uses(runs: Sequence[_GraphRun], returned: Any) -> list[tuple[str, ...
         uses.append(tuple(GRADIENT if s in read_later or s in losses else KEPT if alive else DROPPED
                           for s, alive in zip(run.returned.storages, run.returned.alive())))
     return uses
+
+
+def _planned_knowing_later(variant: _Variant, context: StepContext | None) -> bool:
+    """Whether ``variant`` was planned knowing the graphs after it, where ``context`` says there are some."""
+    return context is None or context.later_beyond_held is None or (
+        variant.planned_in is not None and variant.planned_in.later_beyond_held is not None)
 
 
 def _widest(a: StepContext, b: StepContext) -> StepContext:
@@ -406,7 +420,7 @@ class SublinearBackend:
         self.breaks: list[GraphBreak] = []
         self.latest: dict[str, _Variant] = {}  # graph code -> what the latest call ran, in the order it ran
         self.call: list[_GraphRun] = []  # the graphs the current call has run so far
-        self.contexts: dict[str, StepContext] = {}  # graph code -> the other graphs of the call beside it
+        self.previous: list[_GraphRun] = []  # the graphs the last finished call ran, in order
         self.uses: dict[str, tuple[str, ...]] = {}  # graph code -> what calls do with each output
         self.explicit_calls = False  # whether begin_call/finish_call mark calls (else: the first graph starts one)
         self.store = _PlanStore()  # plans by graph, signature, context and config
@@ -458,6 +472,7 @@ class SublinearBackend:
         runs, self.call = self.call, []
         if not runs:
             return []
+        self.previous = runs
         stale = self._learn_output_uses(runs, returned)
         contexts: dict[str, StepContext] = {}
         if len(runs) > 1:
@@ -471,20 +486,34 @@ class SublinearBackend:
                 continue
             self.latest[code] = variant
             context = contexts.get(code)
-            if context == variant.profile.step_context or run.runtime in stale:
+            if run.runtime in stale or (context == variant.profile.step_context and not variant.settling):
                 continue
-            if context is not None:
-                self.contexts[code] = context
-            blind = context is not None and context.later_beyond_held is not None and (
-                variant.planned_in is None or variant.planned_in.later_beyond_held is None)
             variant.set_context(context)
-            if blind or not variant.accepted:
+            if variant.settling or not variant.accepted or not _planned_knowing_later(variant, context):
                 run.runtime.forget(variant)
                 stale.append(run.runtime)
         if stale:
             log.info("sublinear: planning %d graph(s) again for the step as this call ran it (%s)", len(stale),
-                     "; ".join(str(self.contexts.get(r.graph.code)) for r in stale))
+                     "; ".join(str(self.latest[r.graph.code].profile.step_context) for r in stale))
         return stale
+
+    def context_for(self, runtime: _GraphRuntime, values: Sequence[Any]) -> tuple[StepContext | None, bool]:
+        """The context of ``runtime``'s graph about to run next in the current call: this call's earlier graphs as
+        they ran, the later ones as the previous call ran them (None when it runs alone); and whether the call is
+        settled: every earlier graph of it was planned knowing the later ones. A graph planned in an unsettled
+        call may yet fit once the earlier graphs are planned for it."""
+        position, earlier, previous = len(self.call), self.call, self.previous
+        same_place = len(previous) > position and previous[position].runtime.graph.code == runtime.graph.code
+        later = previous[position + 1:] if same_place else []
+        settled = all(r.variant is not None and r.variant.planned_in is not None
+                      and r.variant.planned_in.later_beyond_held is not None for r in earlier)
+        if not earlier and not later:
+            return None, settled
+        upcoming = _GraphRun.of(runtime, None, values)
+        if same_place:  # the later runs read its outputs as the previous call made them
+            upcoming.outputs = previous[position].outputs
+        runs = [*earlier, upcoming, *later]
+        return step_contexts(runs, first=position)[position], settled
 
     def _learn_output_uses(self, runs: Sequence[_GraphRun], returned: Any) -> list[_GraphRuntime]:
         """Record what the call did with each graph's outputs; forget the variants profiled otherwise and return
@@ -547,7 +576,7 @@ class SublinearBackend:
         started = time.perf_counter()
         graph, config = runtime.graph, self.config
         sharding = key[-1]
-        context = self.contexts.get(graph.code)
+        context, settled = self.context_for(runtime, values)
         uses = self.uses.get(graph.code)
         profile_key = (graph.code, key, config.cost_model, uses)
         store_key = (*profile_key, context, repr(sorted(config.planning_key().items())))
@@ -582,24 +611,34 @@ class SublinearBackend:
             log.info("sublinear: the stored plan for graph %d no longer meets %s; planning again", runtime.index,
                      objective.describe())
             plan = result = None
+        settling = False
         if plan is None:
-            result = make_plan(profile_, config, memory_budget=budget)
-            plan, origin = result.plan, result.origin
-            disk.store(disk_key, {"num_ops": profile_.num_ops, **plan.as_dict(), "costs": profile_.costs(),
-                                  "history": [[c.simulation.peak_bytes, c.simulation.time_ratio]
-                                              for c in result.history]})
+            try:
+                result = make_plan(profile_, config, memory_budget=budget)
+            except BudgetError as exc:
+                if settled:
+                    raise
+                plan, origin, settling = exc.lowest.plan, "lowest peak, until the earlier graphs are planned for it", True
+                log.info("sublinear: graph %d does not fit beside the earlier graphs' plans yet; they are planned "
+                         "again for it", runtime.index)
+            else:
+                plan, origin = result.plan, result.origin
+                disk.store(disk_key, {"num_ops": profile_.num_ops, **plan.as_dict(), "costs": profile_.costs(),
+                                      "history": [[c.simulation.peak_bytes, c.simulation.time_ratio]
+                                                  for c in result.history]})
         elif result is not None:
             origin = result.origin
         if result is not None:
             history = tuple((c.simulation.peak_bytes, c.simulation.time_ratio) for c in result.history)
-        self.store.put(store_key, (profile_, plan, result))
+        if not settling:
+            self.store.put(store_key, (profile_, plan, result))
         sim = simulate(profile_, plan)
         rewritten = rewrite(graph, profile_, plan)
         summary = _summarise(runtime.index, values, graph, profile_, plan, result, sim, eager, origin, objective,
                              time.perf_counter() - started, from_cache, history)
         log.info("sublinear: planned %s", summary)
         return _Variant(profile_, plan, sim, rewritten, summary, config.memory_budget == "auto", objective, context,
-                        profile_.output_uses)
+                        profile_.output_uses, settling)
 
     @staticmethod
     def _still_best(objective: Objective, plan: Plan, profile_: GraphProfile, eager: Simulation) -> bool:
@@ -764,8 +803,9 @@ PLAN_AHEAD_ROUNDS = 3  # a graph planned again beside the others changes what th
 
 def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any],
                 kwargs: dict[str, Any] | None) -> None:
-    """Plan every graph of ``module(*args, **kwargs)`` now, on a data-less twin (the module is not run); a model
-    whose eager code between graphs needs tensor values is planned at its first training call instead."""
+    """Plan every graph of ``module(*args, **kwargs)`` now, on a data-less twin (the module is not run), each for the
+    whole step (in a few rounds when the call has several graphs); :class:`BudgetError` when the step cannot fit.
+    A model whose eager code between graphs needs tensor values is planned at its first training call instead."""
     try:
         captured = capture(module, args, kwargs)
     except NeedsData as exc:
@@ -786,4 +826,8 @@ def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any
         if not backend_.finish_call(captured.returned):
             break
     backend_.note_breaks(captured.breaks, type(module).__name__)
+    unfit = [v for v in backend_.latest.values() if not v.accepted]
+    if unfit:  # the graphs were planned for each other and the step still misses the budget
+        worst = max(unfit, key=lambda v: v.simulation.peak_bytes)
+        raise BudgetError(worst.objective, Candidate(worst.plan, worst.simulation), None)
     backend_.graphs.clear()  # the real calls capture their own graphs; the plans wait in the store

@@ -124,6 +124,26 @@ def test_a_step_split_into_graphs_is_predicted_as_one_step(caplog):
     assert alone < 0.9 * measured  # eager graph 0: the loss graph runs beside all it holds, which alone misses
 
 
+def test_a_budget_holds_for_a_step_split_into_graphs():
+    # The first graph alone fits the budget at once; the loss graph beside it fits only once the first graph is
+    # planned for it, which planning ahead does in a few rounds.
+    torch.manual_seed(0)
+    model, kind = tiny_model("gpt2", "eager", vocab=2048)
+    model.train()
+    inputs = tiny_inputs(kind)
+    eager = sublinear.compile(model, example_kwargs=inputs, config=PLAIN).sublinear_plan.baseline_peak_bytes
+    budget = int(0.9 * eager)
+    compiled = sublinear.compile(model, example_kwargs=inputs,
+                                 config=dataclasses.replace(PLAIN, memory_budget=budget))
+    assert len(compiled.sublinear_plan.graphs) == 2 and compiled.sublinear_plan.predicted_peak_bytes <= budget
+    measured = sublinear.measure(training_step, compiled, **inputs).peak_bytes
+    model.zero_grad(set_to_none=True)
+    assert measured <= budget
+    with pytest.raises(sublinear.BudgetError) as info:
+        sublinear.compile(model, example_kwargs=inputs, config=dataclasses.replace(PLAIN, memory_budget=budget // 2))
+    assert budget // 2 < info.value.smallest < budget
+
+
 def _full_size(family: str):
     T = transformers
     with torch.device("meta"):

@@ -40,6 +40,7 @@ class BudgetError(ValueError):
         text += ". Raise the budget, lower the batch size, or search longer (genetic_nr_iter)."
         super().__init__(text)
         self.budget, self.smallest = budget, smallest.simulation.peak_bytes
+        self.lowest = smallest  # the candidate with the smallest peak
 
 
 @dataclass(frozen=True)
