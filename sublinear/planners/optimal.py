@@ -67,8 +67,8 @@ from .base import PlanningProblem, register_planner
 
 __all__ = ["FlatModel", "OptimalPlanner", "Solution", "kept_sets", "solve"]
 
-TIME_LIMIT_SECONDS = 10.0  # per propose; searches stop there and report the best plan found and a bound
-EXACT_OPS = 600  # larger graphs are first solved over every stride-th boundary
+TIME_LIMIT_SECONDS = 3.0  # per propose; searches stop there and report the best plan found and a bound
+EXACT_OPS = 300  # larger graphs are first solved over every stride-th boundary
 COARSE_BOUNDARIES = 300  # boundaries the first search over a larger graph may use
 PEAK_TOLERANCE = 1e-3  # without a budget: the lowest peak is bracketed to this fraction of the eager peak
 RELAXED_RETRIES = 2  # where the model over-counts a plan, re-solve with the budget raised by the excess
