@@ -16,7 +16,7 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "SublinearModule": "api", "apply": "api", "compile": "api", "pareto": "api", "remove": "api", "trace": "api",
     "ParetoPoint": "runtime", "SublinearBackend": "runtime", "SublinearPlan": "runtime", "backend": "runtime",
-    "CaptureError": "capture", "capture": "capture",
+    "CaptureError": "capture",
     "SublinearMemoryConfig": "config", "parse_size": "config",
     "Candidate": "core", "GraphProfile": "core", "Objective": "core", "Plan": "core", "PlanAnalysis": "core",
     "PlanError": "core", "Simulation": "core", "StorageState": "core", "analyse": "core",

@@ -580,6 +580,15 @@ def test_bad_config_and_arguments():
         compiled.use(Plan.no_split(3))
 
 
+def test_no_package_name_is_both_a_submodule_and_a_function():
+    # Importing a submodule binds the package attribute of its name: a function exported under that name would be
+    # replaced by the module.
+    import pkgutil
+
+    submodules = {m.name for m in pkgutil.iter_modules(sublinear.__path__)}
+    assert not submodules & set(sublinear.__all__), submodules & set(sublinear.__all__)
+
+
 def test_the_backend_factory_stays_callable_after_the_package_loaded_its_modules():
     import importlib
 
