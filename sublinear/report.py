@@ -110,26 +110,37 @@ def plot_convergence(tunings: dict[str, Tuning], path: str) -> None:
 
 @dataclass(frozen=True)
 class ParetoSeries:
-    """One model's points: (label, peak bytes, FLOPs ratio); sublinear's Pareto plans and the reference points."""
+    """One model's strategies: sublinear's Pareto plans and the references (eager and hand-written checkpointing),
+    each with its peak bytes, predicted step-time ratio and measured step-time ratio (taken as ``measured_at``
+    says)."""
     title: str
-    front: Sequence[tuple[float, float]]  # (peak bytes, FLOPs ratio) of each Pareto plan
-    references: Sequence[tuple[str, float, float]]  # eager and the hand-written strategies
+    front: Sequence[tuple[float, float, float]]  # (peak bytes, predicted ratio, measured ratio) per Pareto plan
+    references: Sequence[tuple[str, float, float, float]]  # (label, peak bytes, predicted ratio, measured ratio)
+    measured_at: str
 
 
 def plot_pareto(series: Sequence[ParetoSeries], path: str) -> None:
+    """Step-time ratio against peak, one panel per series: predicted (filled) and measured (hollow) ratios, the
+    references as labelled squares."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 5.5), squeeze=False)
     for ax, s in zip(axes[0], series):
-        peaks = [p / 2**30 for p, _ in s.front]
-        ax.plot(peaks, [r for _, r in s.front], marker="o", label="sublinear Pareto front")
-        for label, peak, ratio in s.references:
-            ax.scatter([peak / 2**30], [ratio], marker="s", zorder=3)
-            ax.annotate(label, (peak / 2**30, ratio), textcoords="offset points", xytext=(5, 4), fontsize=8)
-        ax.set_xlabel("predicted peak of one step (GiB)")
-        ax.set_ylabel("step FLOPs relative to eager")
+        peaks = [peak / 2**30 for peak, _, _ in s.front]
+        line, = ax.plot(peaks, [predicted for _, predicted, _ in s.front], marker="o",
+                        label="sublinear Pareto plans: predicted")
+        ax.plot(peaks, [measured for _, _, measured in s.front], marker="o", linestyle=":", fillstyle="none",
+                color=line.get_color(), label=f"sublinear Pareto plans: measured ({s.measured_at})")
+        for k, (label, peak, predicted, measured) in enumerate(s.references):
+            ax.scatter([peak / 2**30], [predicted], marker="s", color="black", zorder=3,
+                       label="references: predicted" if k == 0 else None)
+            ax.scatter([peak / 2**30], [measured], marker="s", facecolors="none", edgecolors="black", zorder=3,
+                       label=f"references: measured ({s.measured_at})" if k == 0 else None)
+            ax.annotate(label, (peak / 2**30, predicted), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel("peak of one training step (GiB)")
+        ax.set_ylabel("step time relative to eager")
         ax.set_title(s.title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
