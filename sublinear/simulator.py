@@ -167,8 +167,8 @@ def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_fo
     """The timeline with FSDP's parameter and gradient memory in place of the profiled full parameters.
 
     The step starts with an all-gather slot. Through forward and backward the rank holds its shards and the
-    gathered parameters (padded), plus the all-gather buffer while the forward runs (and again when backward
-    starts, if FSDP resharded after forward). After backward FSDP frees the gathered parameters, copies the
+    gathered parameters (padded), plus the all-gather buffer while the forward runs (and again when the outputs'
+    gradients arrive, if FSDP resharded after forward). After backward FSDP frees the gathered parameters, copies the
     gradients into the reduce-scatter input, frees them, and keeps the reduce-scatter output as the rank's gradient
     shards. A backend workspace (gloo) is a copy of the collective's full buffer while it runs.
     """
@@ -179,8 +179,7 @@ def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_fo
     head = [profile.baseline_bytes + shards_for_parameters + s.all_gather_bytes + s.workspace(s.all_gather_bytes)]
     labels = [("FSDP all-gather", -1)] + labels
     if s.reshard_after_forward and len(step) > n:
-        regather = after_forward + shards_for_parameters + s.all_gather_bytes + \
-            max(s.unsharded_bytes, s.workspace(s.all_gather_bytes))
+        regather = after_forward + profile.output_gradient_bytes + shards_for_parameters + s.backward_gather_bytes()
         step = np.concatenate([step[:n], [regather], step[n:]])
         labels.insert(n + 1, ("FSDP all-gather for backward", -1))
     after = totals[-1] + shards_for_parameters - profile.gradient_bytes

@@ -83,6 +83,11 @@ class ShardedParameters:
         """The backend's copy of a collective's buffer while the collective runs."""
         return buffer_bytes if self.collective_workspace else 0
 
+    def backward_gather_bytes(self) -> int:
+        """Bytes beside the shards while FSDP gathers the parameters again for backward (resharded after
+        forward): the all-gather buffer and the larger of the gathered parameters and the backend's copy."""
+        return self.all_gather_bytes + max(self.unsharded_bytes, self.workspace(self.all_gather_bytes))
+
     def __str__(self) -> str:
         mib = 2**20
         return (f"FSDP over {self.world_size} ranks: parameter shards {self.sharded_bytes / mib:.1f} MiB, "
@@ -210,6 +215,12 @@ class GraphProfile:
             for c in consumers[o]:
                 release[o] = max(release[o], release[c])
         return release
+
+    @property
+    def output_gradient_bytes(self) -> int:
+        """The gradients handed to the outputs, live before the first backward node runs (FSDP's hook on them
+        gathers the parameters again)."""
+        return int(self.grad_start[-1]) if len(self.grad_start) else 0
 
     @property
     def forward_flops(self) -> int:

@@ -241,8 +241,7 @@ def _phase_terms(p: GraphProfile, end_bytes: int) -> tuple[int, int, tuple[int, 
         head = p.baseline_bytes + for_parameters + sharding.all_gather_bytes + \
             sharding.workspace(sharding.all_gather_bytes)
         if sharding.reshard_after_forward and len(p.node_op):
-            held.append(p.baseline_bytes + for_parameters + sharding.all_gather_bytes
-                        + max(sharding.unsharded_bytes, sharding.workspace(sharding.all_gather_bytes)))
+            held.append(p.baseline_bytes + p.output_gradient_bytes + for_parameters + sharding.backward_gather_bytes())
         after = end_slot + for_parameters - p.gradient_bytes
         scatter = sharding.reduce_scatter_bytes
         floor = max(head, after + p.gradient_bytes + scatter,
