@@ -59,6 +59,7 @@ def test_more_grid_points_never_hurt(chain_profile):
     assert score(grid_search(chain_profile, 10)[0]) <= score(grid_search(chain_profile, 1)[0])
 
 
+@pytest.mark.slow
 def test_grid_beats_eager_on_resnet50(resnet_profile):
     best = grid_search(resnet_profile, 10)[0]
     eager = simulate(resnet_profile, Plan.no_split(resnet_profile.num_ops))

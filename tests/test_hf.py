@@ -124,6 +124,7 @@ def test_a_step_split_into_graphs_is_predicted_as_one_step(caplog):
     assert alone < 0.9 * measured  # eager graph 0: the loss graph runs beside all it holds, which alone misses
 
 
+@pytest.mark.slow
 def test_a_budget_holds_for_a_step_split_into_graphs():
     # The first graph alone fits the budget at once; the loss graph beside it fits only once the first graph is
     # planned for it, which planning ahead does in a few rounds.

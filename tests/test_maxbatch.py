@@ -111,6 +111,7 @@ def test_baselines_edit_each_model_once():
     assert sum(isinstance(m, _Checkpointed) for m in twice.modules()) == 6  # applying again does nest
 
 
+@pytest.mark.slow
 def test_hf_gradient_checkpointing_row(monkeypatch):
     import transformers  # noqa: F401  (in the test extra)
     import sublinear.maxbatch

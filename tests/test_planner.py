@@ -89,6 +89,7 @@ def test_pareto_points_are_non_dominated_and_span_the_trade_off(resnet):
     assert times[-1] == 1.0 or points[-1].time_ratio < points[0].time_ratio
 
 
+@pytest.mark.slow
 def test_pareto_runs_one_grid_search(resnet, monkeypatch):
     import sublinear.planners.grid as grid
 

@@ -111,6 +111,7 @@ def test_dropout_on_cuda_matches_eager():
     assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
 
 
+@pytest.mark.slow
 def test_long_chain_of_100_layers():
     torch.manual_seed(0)
     base = Chain(100)
