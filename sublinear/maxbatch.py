@@ -118,7 +118,8 @@ def strategies(genetic_iters: tuple[int, ...], config: SublinearMemoryConfig | N
         return prepare
 
     def name(iters: int, cap: float) -> str:
-        search = "grid" if iters == 0 else f"grid+genetic({iters})"
+        search = "+".join(f"genetic({iters})" if p == "genetic" else p for p in base.planners
+                          if p != "genetic" or iters)
         return f"sublinear {search}, time <= {cap:g}" if math.isfinite(cap) else f"sublinear {search}, no time cap"
 
     budgeted = replace(base, memory_budget=budget)
