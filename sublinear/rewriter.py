@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -47,8 +47,10 @@ class RecomputeError(RuntimeError):
 
 
 def rewrite(graph: CapturedGraph, profile: GraphProfile, plan: Plan) -> RewrittenGraph:
-    """A callable computing ``graph`` on its placeholder values that recomputes per ``plan``."""
-    return RewrittenGraph(_Schedule(graph, profile, analyse(profile, plan)))
+    """A callable computing ``graph`` on its placeholder values that recomputes per ``plan``; a plan that
+    recomputes nothing runs the graph itself, with no saved-tensor hooks."""
+    schedule = _Schedule(graph, profile, analyse(profile, plan))
+    return RewrittenGraph(schedule, None if schedule.analysis.recomputed.any() else graph.graph_module)
 
 
 class _Schedule:
@@ -95,14 +97,17 @@ class _Schedule:
 class RewrittenGraph:
     """The graph under one plan: call it with the graph's placeholder values, as the graph itself."""
 
-    def __init__(self, schedule: _Schedule) -> None:
+    def __init__(self, schedule: _Schedule, unplanned: Callable[..., Any] | None = None) -> None:
         self.schedule = schedule
+        self.unplanned = unplanned  # the graph itself, when the plan recomputes nothing
 
     @property
     def plan(self) -> Plan:
         return self.schedule.analysis.plan
 
     def __call__(self, *values: Any) -> Any:
+        if self.unplanned is not None:
+            return self.unplanned(*values)
         return _ForwardCall(self.schedule).run(list(values))
 
 

@@ -258,3 +258,21 @@ def test_higher_order_gradients_through_recomputed_blocks(plan_for):
 
     for a, b in zip(second_order(compiled), second_order(reference)):
         assert torch.equal(a, b)
+
+
+def test_a_plan_that_recomputes_nothing_runs_the_graph_without_hooks(monkeypatch):
+    """A budget the eager step fits gives eager: the captured graph runs as it is, with no saved-tensor hooks."""
+    import sublinear.rewriter as rewriter
+
+    torch.manual_seed(0)
+    base = ResidualNet().train()
+    x = torch.randn(4, 3, 16, 16)
+    eager = train_steps(copy.deepcopy(base), (x,), steps=2)
+    model = copy.deepcopy(base)
+    compiled = sublinear.compile(model, (x,), config=sublinear.SublinearMemoryConfig(memory_budget="1GiB"))
+    assert compiled.sublinear_plan.num_blocks == 1
+
+    def hooked(*_):
+        raise AssertionError("an eager plan ran node by node under saved-tensor hooks")
+    monkeypatch.setattr(rewriter._ForwardCall, "run", hooked)
+    assert_same_training(eager, train_steps(compiled, (x,), steps=2))
