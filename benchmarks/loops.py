@@ -37,7 +37,8 @@ def hf_loop(steps: int, batch: int, seq: int, planned: bool, tmp: str) -> tuple[
     if planned:
         sublinear.apply(model)
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(0, 30522, (seq,), generator=g), "attention_mask": torch.ones(seq, dtype=torch.long),
+    data = [{"input_ids": torch.randint(0, 30522, (seq,), generator=g),
+             "attention_mask": torch.ones(seq, dtype=torch.long),
              "labels": torch.randint(0, 2, (), generator=g)} for _ in range(batch * (steps + 1))]
     times: list[float] = []
 

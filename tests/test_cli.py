@@ -263,7 +263,8 @@ def test_maxbatch_writes_markdown_with_its_command_and_plans_afresh(tmp_path, ca
     text = out.read_text()
     assert f"`sublinear {' '.join(argv)}`" in text
     rows = [line for line in text.splitlines() if line.startswith("| tiny-resnet")]
-    assert [r.split(" | ")[1] for r in rows] == ["eager", "sublinear grid+optimal, time <= 1.35", "sublinear grid+optimal, time <= 1.5"]
+    assert [r.split(" | ")[1] for r in rows] == ["eager", "sublinear grid+optimal, time <= 1.35",
+                                                 "sublinear grid+optimal, time <= 1.5"]
     capped, looser = rows[1].split(" | "), rows[2].split(" | ")
     assert int(capped[2]) > int(rows[0].split(" | ")[2]) and float(capped[4]) <= 1.35
     assert int(looser[2]) >= int(capped[2]) and float(looser[4]) <= 1.5
