@@ -1,8 +1,9 @@
 """Max batch at a memory budget: eager, hand-written torch checkpointing, sublinear's plans (the README's main job).
 
-    python benchmarks/maxbatch.py --model resnet50,bert-base --memory-budget 11GiB --genetic-iters 0,20,100 \
-        --time-limits 1.2,1.4,inf --out docs/maxbatch.md
-    python benchmarks/maxbatch.py --model resnet50 --autocast bf16 --genetic-iters 20 --time-limits inf --out docs/maxbatch_amp.md
+    python benchmarks/maxbatch.py --model resnet50,bert-base --memory-budget 11GiB --genetic-iters 0,20 \
+        --time-limits 1.2,inf --out docs/maxbatch.md
+    python benchmarks/maxbatch.py --model hf:BertForSequenceClassification,hf:GPT2LMHeadModel \
+        --memory-budget 11GiB --genetic-iters 20 --time-limits 1.4,inf --out docs/maxbatch_hf.md
 
 Takes every option of `sublinear maxbatch` (same engine); --device cuda measures on the GPU for real.
 """

@@ -16,6 +16,7 @@ import gc
 import logging
 import math
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -92,30 +93,14 @@ class DoesNotFit(Exception):
 
 def strategies(genetic_iters: tuple[int, ...], config: SublinearMemoryConfig | None, seq: int | None,
                spec: ModelSpec, baselines: bool = True, budget: int | None = None,
-               time_limits: tuple[float, ...] = ()) -> list[tuple[str, Prepare, bool]]:
-    """(name, prepare, is_sublinear) for eager, the baselines, and sublinear planning for ``budget`` (the least
-    predicted step time that fits) with each genetic setting under the config's time cap, then with the largest
-    setting under each of ``time_limits``."""
-    chosen: list[tuple[str, Prepare, bool]] = [("eager", lambda model, batch: model, False)]
+               time_limits: tuple[float, ...] = ()) -> list[tuple[str, Prepare]]:
+    """(name, prepare) for eager, the baselines, and sublinear planning for ``budget`` (the least predicted step
+    time that fits) with each genetic setting under the config's time cap, then with the largest setting under each
+    of ``time_limits``."""
+    chosen: list[tuple[str, Prepare]] = [("eager", lambda model, batch: model)]
     if baselines:
-        chosen.extend((name, _applied_once(apply), False) for name, apply in BASELINES.items())
+        chosen.extend((name, _applied_once(apply)) for name, apply in BASELINES.items())
     base = config or SublinearMemoryConfig()
-
-    def planned(cfg: SublinearMemoryConfig) -> Prepare:
-        compiled: dict[tuple[int, int], nn.Module] = {}
-
-        def prepare(model: nn.Module, batch: int) -> nn.Module:
-            key = (id(model), batch)
-            if key not in compiled:
-                args, kwargs = spec.example_inputs(batch, device="meta", seq=seq)
-                try:
-                    compiled[key] = sublinear_compile(model, args, kwargs, config=cfg)
-                except BudgetError as exc:
-                    raise DoesNotFit(str(exc)) from None
-            if compiled[key].sublinear_plan is None:
-                raise DoesNotFit(f"{spec.name} cannot be planned ahead on data-less tensors")
-            return compiled[key]
-        return prepare
 
     def name(iters: int, cap: float) -> str:
         search = "+".join(f"genetic({iters})" if p == "genetic" else p for p in base.planners
@@ -124,12 +109,37 @@ def strategies(genetic_iters: tuple[int, ...], config: SublinearMemoryConfig | N
 
     budgeted = replace(base, memory_budget=budget)
     for iters in genetic_iters:
-        chosen.append((name(iters, base.max_time_ratio), planned(replace(budgeted, genetic_nr_iter=iters)), True))
+        chosen.append((name(iters, base.max_time_ratio),
+                       _PlannedAtBatch(spec, seq, replace(budgeted, genetic_nr_iter=iters))))
     longest = max(genetic_iters, default=0)
     for cap in time_limits:
-        chosen.append((name(longest, cap), planned(replace(budgeted, genetic_nr_iter=longest, max_time_ratio=cap)),
-                       True))
+        chosen.append((name(longest, cap),
+                       _PlannedAtBatch(spec, seq, replace(budgeted, genetic_nr_iter=longest, max_time_ratio=cap))))
     return chosen
+
+
+class _PlannedAtBatch:
+    """A sublinear strategy's prepare: the model compiled and planned ahead once per batch, with the wall time that
+    took (capture, profile and search of every graph, including planning graphs again for each other)."""
+
+    def __init__(self, spec: ModelSpec, seq: int | None, config: SublinearMemoryConfig) -> None:
+        self.spec, self.seq, self.config = spec, seq, config
+        self.compiled: dict[tuple[int, int], nn.Module] = {}
+        self.planning_seconds: dict[tuple[int, int], float] = {}
+
+    def __call__(self, model: nn.Module, batch: int) -> nn.Module:
+        key = (id(model), batch)
+        if key not in self.compiled:
+            args, kwargs = self.spec.example_inputs(batch, device="meta", seq=self.seq)
+            started = time.perf_counter()
+            try:
+                self.compiled[key] = sublinear_compile(model, args, kwargs, config=self.config)
+            except BudgetError as exc:
+                raise DoesNotFit(str(exc)) from None
+            self.planning_seconds[key] = time.perf_counter() - started
+        if self.compiled[key].sublinear_plan is None:
+            raise DoesNotFit(f"{self.spec.name} cannot be planned ahead on data-less tensors")
+        return self.compiled[key]
 
 
 def _applied_once(apply: Callable[[nn.Module], nn.Module]) -> Prepare:
@@ -164,10 +174,10 @@ def compare(spec: ModelSpec, budget: int, genetic_iters: tuple[int, ...] = (0,),
         config = replace(config, cost_model="reference")  # as on meta, which the fake CPU tensors stand for
     chosen = strategies(genetic_iters, config, seq, spec, baselines, budget, time_limits)
     results = []
-    for done, (name, prepare, is_sublinear) in enumerate(chosen):
+    for done, (name, prepare) in enumerate(chosen):
         say(done, len(chosen), f"{spec.name}: {name} ...")
         try:
-            results.append(_largest_batch(spec, name, prepare, is_sublinear, budget, env, seq))
+            results.append(_largest_batch(spec, name, prepare, budget, env, seq))
         except Exception as exc:  # noqa: BLE001 - a hand-written baseline that fails on this model is left out
             if name not in BASELINES:
                 raise
@@ -181,8 +191,8 @@ def compare(spec: ModelSpec, budget: int, genetic_iters: tuple[int, ...] = (0,),
     return results
 
 
-def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, is_sublinear: bool, budget: int,
-                   env: _Environment, seq: int | None) -> StrategyResult:
+def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, budget: int, env: _Environment,
+                   seq: int | None) -> StrategyResult:
     """One strategy's max batch on a fresh model; on meta, the search starts from :func:`_bracket`."""
     model = env.build(spec)
     checked: dict[int, int | None] = {}
@@ -215,10 +225,11 @@ def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, is_sublinear: b
     label = env.device if env.autocast is None else f"{env.device}+{env.autocast}"
     if best == 0:
         return StrategyResult(name, 0, 0, float("nan"), float("nan"), None, None, label)
-    if is_sublinear:  # TorchDynamo does not compile under a dispatch mode that counts costs: the plan's own count
+    if isinstance(prepare, _PlannedAtBatch):  # TorchDynamo does not compile under a cost-counting dispatch mode:
+        # the plan's own count
         plan = prepare(model, best).sublinear_plan
-        return StrategyResult(name, best, peak(best) or 0, plan.flops_ratio, plan.time_ratio, plan.planning_seconds,
-                              plan.predicted_peak_bytes, label)
+        return StrategyResult(name, best, peak(best) or 0, plan.flops_ratio, plan.time_ratio,
+                              prepare.planning_seconds[id(model), best], plan.predicted_peak_bytes, label)
     flops, seconds = _cost_ratios(spec, prepare, best, seq, env)
     return StrategyResult(name, best, peak(best) or 0, flops, seconds, None, None, label)
 

@@ -99,7 +99,7 @@ def test_residual_blocks_are_the_outermost_layer_lists():
 
 def test_baselines_edit_each_model_once():
     spec = get_model("tiny-resnet")
-    prepare = {name: p for name, p, _ in strategies((), None, None, spec)}["checkpoint every block"]
+    prepare = dict(strategies((), None, None, spec))["checkpoint every block"]
     with torch.device("meta"):
         model = spec.build()
     blocks = len(residual_blocks(model))
@@ -130,3 +130,27 @@ def test_hf_gradient_checkpointing_row(monkeypatch):
     assert hf.peak_bytes <= 24 * 2**20 and hf.device == "meta"
     assert notes == [f"{spec.name}: checkpoint_sequential sqrt(n) skipped: checkpoint_sequential passes one tensor "
                      "between blocks, and these blocks take more arguments"]
+
+
+def test_planning_seconds_are_the_wall_time_of_planning_at_the_max_batch(monkeypatch):
+    """Capture, profile and search of every graph at the max batch, not what the last re-plan took."""
+    import time
+
+    import sublinear.maxbatch
+
+    real = sublinear.maxbatch.sublinear_compile
+    planned_batches = []
+
+    def slow_compile(model, args, kwargs, config):
+        planned_batches.append(args[0].shape[0])
+        time.sleep(0.05)
+        return real(model, args, kwargs, config=config)
+    monkeypatch.setattr(sublinear.maxbatch, "sublinear_compile", slow_compile)
+    from conftest import Chain
+    from sublinear.models import ModelSpec
+
+    spec = ModelSpec("chain", "8 Linear+GELU layers", lambda: Chain(8, width=64),
+                     lambda batch, device="cpu", seq=None: ((torch.randn(batch, 64, device=device),), {}), None)
+    (row,) = compare(spec, 2**20, (0,), baselines=False)[1:]
+    assert row.max_batch in planned_batches
+    assert 0.05 <= row.planning_seconds < 60
