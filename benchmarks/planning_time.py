@@ -15,27 +15,17 @@ import platform
 import sys
 import time
 
+import functools
+
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import sublinear
 from sublinear.capture import capture
 from sublinear.models import get_model
+from sublinear.models.chain import Chain
 from sublinear.models.hf import hf_model
 from sublinear.planners import make_plan
 from sublinear.profiler import profile
-
-
-class DeepMLP(nn.Module):
-    def __init__(self, depth: int = 2000, width: int = 64) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = F.gelu(layer(x))
-        return x
 
 
 def cases():
@@ -47,7 +37,7 @@ def cases():
     hf = hf_model("BertForSequenceClassification")
     yield "hf:BertForSequenceClassification @ batch 129", hf.build, hf.example_inputs(129, device="meta"), budget
     mlp_input = ((torch.empty(256, 64, device="meta"),), {})
-    yield "2000-layer MLP @ batch 256", DeepMLP, mlp_input, None
+    yield "2000-layer MLP @ batch 256", functools.partial(Chain, 2000, 64), mlp_input, None
     llama = hf_model("LlamaForCausalLM")
     yield "Llama-7B config, seq 2048 @ batch 1", llama.build, llama.example_inputs(1, device="meta", seq=2048), None
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import sublinear
 from sublinear.capture import capture
 from sublinear.config import SublinearMemoryConfig
+from sublinear.models.chain import Chain  # noqa: F401  (the tests' long chain)
 from sublinear.profiler import default_loss, profile
 
 # The suite compiles hundreds of models of a few classes in one process; TorchDynamo must not give up on them.
@@ -94,19 +95,6 @@ class Branchy(nn.Module):
         w = torch.cat([parts[1], parts[0]], dim=-1)
         w.mul_(2)
         return self.norm(w + h2), h1.sum(-1)
-
-
-class Chain(nn.Module):
-    """The reference system's long chain: ``depth`` Linear+GELU layers."""
-
-    def __init__(self, depth: int = 100, width: int = 8) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = F.gelu(layer(x))
-        return x
 
 
 def train_steps(module, inputs, kwargs=None, steps: int = 2, seed: int = 0, lr: float = 0.1):
