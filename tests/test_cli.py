@@ -183,6 +183,7 @@ def test_hf_model_plans_on_meta(capsys):
     one_error_line(capsys, "seq must be in [1, 1024]")
 
 
+@pytest.mark.slow
 def test_maxbatch_skips_baselines_that_do_not_apply_and_writes_markdown(user_models, capsys):
     out = user_models / "table.md"
     argv = ["maxbatch", *MLP, "--memory-budget", "800KB", "--genetic-iters", "0", "--out", str(out)]

@@ -79,6 +79,7 @@ def test_lb_memory_hands_memory_back_for_speed(resnet):
     assert relaxed.plan.kept  # memory handed back by keeping recomputed ops
 
 
+@pytest.mark.slow
 def test_pareto_points_are_non_dominated_and_span_the_trade_off(resnet):
     model, args, _ = resnet
     points = sublinear.pareto(model, args, budgets=4)

@@ -72,6 +72,7 @@ def test_plans_prediction_matches_measured_rewritten_step(name, batch):
         assert _close(predicted, measured), (label, predicted, measured)
 
 
+@pytest.mark.slow
 def test_one_block_predicts_no_recompute_and_more_blocks_predict_less_memory():
     model, args, kwargs = _meta_model("resnet50", 8)
     p = profile_of(model, *args, **kwargs)
