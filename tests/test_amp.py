@@ -53,6 +53,7 @@ def test_bf16_autocast_training_is_bit_for_bit_eager_and_predicted(name):
     assert abs(plan.predicted_peak_bytes - measured) / measured < 0.03
 
 
+@pytest.mark.slow
 def test_plan_counts_half_precision_activations_at_two_bytes():
     spec = get_model("tiny-resnet")
     model = spec.build().train()
