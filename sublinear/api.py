@@ -34,6 +34,7 @@ from .runtime import (GraphPlan, ParetoPoint, SublinearBackend, SublinearPlan, b
                       plan_ahead)
 from .capture import capture
 from .config import SublinearMemoryConfig
+from .core.objective import ratio_over
 from .core.plan import Plan
 from .core.profile import GraphProfile
 from .planners import BudgetError, make_plan, pareto_front
@@ -320,8 +321,8 @@ def pareto(module: nn.Module, example_inputs: Sequence[Any] | Any = (), example_
             continue
         for c in result.candidates:
             found.setdefault(c.plan, c)
-    step = profile_.step_flops or 1
     return [ParetoPoint(c.plan, c.simulation.peak_bytes, c.simulation.recompute_flops,
-                        1 + c.simulation.recompute_flops / step, c.simulation.time_ratio, graph.code)
+                        ratio_over(c.simulation.recompute_flops, profile_.step_flops), c.simulation.time_ratio,
+                        graph.code)
             for c in pareto_front(found.values())]
 

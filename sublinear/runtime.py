@@ -28,7 +28,7 @@ from .capture import (BUFFER, INPUT, PARAMETER, CapturedGraph, GraphBreak, Graph
                       capture, compile_entry, graph_breaks, input_signature, receiving)
 from .config import SublinearMemoryConfig
 from .core.analysis import analyse
-from .core.objective import Candidate, Objective, Simulation
+from .core.objective import Candidate, Objective, Simulation, ratio_over
 from .core.plan import Plan
 from .core.profile import GraphProfile, ShardedParameters, StepContext
 from .planners import BudgetError, PlanningResult, make_plan, objective_for
@@ -111,11 +111,11 @@ class GraphPlan:
 
     @property
     def time_ratio(self) -> float:
-        return 1.0 + self.recompute_seconds / self.eager_seconds if self.eager_seconds > 0 else 1.0
+        return ratio_over(self.recompute_seconds, self.eager_seconds)
 
     @property
     def flops_ratio(self) -> float:
-        return 1.0 + self.recompute_flops / self.step_flops if self.step_flops else 1.0
+        return ratio_over(self.recompute_flops, self.step_flops)
 
     def __str__(self) -> str:
         nested = f" ({len(self.plan.soft)} nested)" if self.plan.soft else ""
@@ -153,8 +153,7 @@ class SublinearPlan:
 
     @property
     def time_ratio(self) -> float:
-        eager = sum(g.eager_seconds for g in self.graphs)
-        return 1.0 + sum(g.recompute_seconds for g in self.graphs) / eager if eager > 0 else 1.0
+        return ratio_over(sum(g.recompute_seconds for g in self.graphs), sum(g.eager_seconds for g in self.graphs))
 
     @property
     def recompute_flops(self) -> int:
@@ -162,16 +161,7 @@ class SublinearPlan:
 
     @property
     def flops_ratio(self) -> float:
-        step = sum(g.step_flops for g in self.graphs)
-        return 1.0 + self.recompute_flops / step if step else 1.0
-
-    @property
-    def planning_seconds(self) -> float:
-        return sum(g.planning_seconds for g in self.graphs)
-
-    @property
-    def search_seconds(self) -> float:
-        return sum(g.search_seconds for g in self.graphs)
+        return ratio_over(self.recompute_flops, sum(g.step_flops for g in self.graphs))
 
     @property
     def from_cache(self) -> bool:

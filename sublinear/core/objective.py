@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 from .plan import Plan
 
-__all__ = ["Candidate", "Objective", "Simulation"]
+__all__ = ["Candidate", "Objective", "Simulation", "ratio_over"]
+
+
+def ratio_over(extra: float, base: float) -> float:
+    """``1 + extra / base``: a step's cost with ``extra`` added, relative to ``base`` (1 when ``base`` is 0)."""
+    return 1.0 + extra / base if base > 0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ class Simulation:
     @property
     def time_ratio(self) -> float:
         """Predicted step time relative to eager's."""
-        return 1.0 + self.recompute_seconds / self.eager_seconds if self.eager_seconds > 0 else 1.0
+        return ratio_over(self.recompute_seconds, self.eager_seconds)
 
 
 @dataclass(frozen=True)
