@@ -38,7 +38,7 @@ def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
         eager_seconds=profile.step_seconds,
         forward_peak_bytes=int(totals[:n].max()),
         backward_peak_bytes=int(totals[n:].max()),
-        peak_slot=_describe(slots[peak_at], profile),
+        peak_slot=_describe(slots, peak_at, profile),
         held_after_forward_bytes=held_after_forward,
     )
 
@@ -46,61 +46,85 @@ def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
 def timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -> tuple[np.ndarray, list[str]]:
     """Predicted live bytes at every slot of the step (forward ops, recomputes, backward ops), with labels."""
     totals, slots, _ = _timeline(profile, plan, a or analyse(profile, plan))
-    return totals, [_describe(slot, profile) for slot in slots]
+    return totals, [_describe(slots, i, profile) for i in range(len(totals))]
 
 
-Slot = tuple[str, int]  # (what happens, op index or -1): labels are made only for the slots someone reads
-_SLOT_TEXT = {"forward": "forward {}", "recompute": "recompute {}", "backward": "backward {}",
-              "released": "backward {}, after release"}
+# What happens at a slot: an index into _SLOT_TEXT, with the op it names (-1: none). Labels are made only for the
+# slots someone reads.
+_SLOT_TEXT = ("forward {}", "recompute {}", "backward {}", "backward {}, after release", "end of step",
+              "FSDP all-gather", "FSDP all-gather for backward", "FSDP reduce-scatter copy-in", "FSDP reduce-scatter",
+              "later graphs of the call, beside what this graph holds")
+(_FORWARD, _RECOMPUTE, _BACKWARD, _RELEASED, _END, _GATHER, _REGATHER, _SCATTER_COPY, _SCATTER,
+ _LATER) = range(len(_SLOT_TEXT))
+Slots = tuple[np.ndarray, np.ndarray]  # per slot: what happens, and the op
 
 
-def _describe(slot: Slot, profile: GraphProfile) -> str:
-    kind, op = slot
-    return _SLOT_TEXT[kind].format(profile.ops[op].name) if op >= 0 else kind
+def _describe(slots: Slots, i: int, profile: GraphProfile) -> str:
+    kind, op = int(slots[0][i]), int(slots[1][i])
+    return _SLOT_TEXT[kind].format(profile.ops[op].name) if op >= 0 else _SLOT_TEXT[kind]
 
 
-def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.ndarray, list[Slot], int]:
+def _special(kind: int) -> Slots:
+    return np.array([kind], dtype=np.int8), np.array([-1], dtype=np.int64)
+
+
+def _joined(*parts: Slots) -> Slots:
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _expand(bounds: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(position in ``rows``, index) for every index in ``bounds[row]:bounds[row + 1]`` of every row."""
+    starts = bounds[rows]
+    counts = bounds[rows + 1] - starts
+    owner = np.repeat(np.arange(len(rows), dtype=np.int64), counts)
+    return owner, starts[owner] + np.arange(int(counts.sum()), dtype=np.int64) - (np.cumsum(counts) - counts)[owner]
+
+
+def _find(sorted_keys: np.ndarray, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(position, found) of each query in ``sorted_keys``."""
+    if not len(sorted_keys):
+        return np.zeros(len(queries), dtype=np.int64), np.zeros(len(queries), dtype=bool)
+    pos = np.minimum(np.searchsorted(sorted_keys, queries), len(sorted_keys) - 1)
+    return pos, sorted_keys[pos] == queries
+
+
+def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.ndarray, Slots, int]:
     """The timeline with what happens at each slot, and the activation bytes still held when backward starts."""
     n = profile.num_ops
-    ops = profile.ops
-
-    # Timeline: forward slots 0..n-1, then backward node by node (two slots each: before and after it frees what
-    # it saved), with each block's recompute just before the backward of the node that first needs it.
     node_op = profile.node_op
-    backward_slot = np.zeros(len(node_op), dtype=np.int64)
-    recompute_slot: dict[tuple[int, int], int] = {}  # (block, op) -> slot: an op may be re-run by several blocks
-    extra: list[int] = [op.forward_extra_bytes for op in ops]
-    labels: list[Slot] = [("forward", o) for o in range(n)]
-    triggers = {r: b for b, r in enumerate(a.trigger) if r >= 0}
-    t = n
-    for r in range(len(node_op) - 1, -1, -1):
-        o = int(node_op[r])
-        b = triggers.get(r)
-        if b is not None:
-            for j in a.closure[b]:
-                recompute_slot[b, j] = t
-                extra.append(ops[j].forward_extra_bytes + int(profile.grad_start[r]))
-                labels.append(("recompute", j))
-                t += 1
-        backward_slot[r] = t
-        extra.extend((int(profile.grad_peak[r]), int(profile.grad_after_release[r])))
-        labels.extend((("backward", o), ("released", o)))
-        t += 2
-    end = t
-    extra.append(profile.gradient_bytes)
-    labels.append(("end of step", -1))
-    held = np.zeros(end + 2, dtype=np.int64)
 
-    def hold(start: int, stop: int, nbytes: int) -> None:
-        # Allocated during slot `start` (counted there by `extra`), released after slot `stop`.
-        if stop > start:
-            held[start + 1] += nbytes
-            held[stop + 1] -= nbytes
+    # Timeline: forward slots 0..n-1, then backward node by node from the last rank (two slots each: before and
+    # after it frees what it saved), with each block's recompute just before the backward of the node that first
+    # needs it (its trigger), one slot per closure op.
+    c_blocks, c_ops = a.closure_pairs
+    trigger = np.asarray(a.trigger, dtype=np.int64)
+    lengths = np.bincount(c_blocks, minlength=len(trigger))
+    recomputes = np.zeros(len(node_op), dtype=np.int64)
+    recomputes[trigger[trigger >= 0]] = lengths[trigger >= 0]
+    width = recomputes + 2
+    group_start = n + np.cumsum(width[::-1])[::-1] - width  # the ranks after r run before it
+    backward_slot = group_start + recomputes
+    end = n + int(width.sum())
+    c_slot = group_start[trigger[c_blocks]] + np.arange(len(c_ops)) - (np.cumsum(lengths) - lengths)[c_blocks]
+
+    extra = np.empty(end + 1, dtype=np.int64)
+    kinds = np.empty(end + 1, dtype=np.int8)
+    slot_ops = np.empty(end + 1, dtype=np.int64)
+    extra[:n], kinds[:n], slot_ops[:n] = profile.forward_extra, _FORWARD, np.arange(n)
+    extra[c_slot] = profile.forward_extra[c_ops] + profile.grad_start[trigger[c_blocks]]
+    kinds[c_slot], slot_ops[c_slot] = _RECOMPUTE, c_ops
+    extra[backward_slot], kinds[backward_slot], slot_ops[backward_slot] = profile.grad_peak, _BACKWARD, node_op
+    extra[backward_slot + 1], kinds[backward_slot + 1], slot_ops[backward_slot + 1] = \
+        profile.grad_after_release, _RELEASED, node_op
+    extra[end], kinds[end], slot_ops[end] = profile.gradient_bytes, _END, -1
+    held = np.zeros(end + 2, dtype=np.int64)
 
     retained, dropped = a.retained, a.dropped
     producer, sizes = profile.storage_producer, profile.storage_bytes
     reaches = profile.reaches_output
-    frame_stop = np.array([backward_slot[e] if e >= 0 else -1 for e in a.frame_end], dtype=np.int64)
+    frame_end = np.asarray(a.frame_end, dtype=np.int64)
+    frame_stop = np.full(len(frame_end), -1, dtype=np.int64)
+    frame_stop[frame_end >= 0] = backward_slot[frame_end[frame_end >= 0]]
     # Each storage lives from its producer until the last of: its last forward reader (the end of the step for
     # outputs), autocast's cache (the end of forward), autograd (a node that never reaches the outputs dies in
     # forward and keeps what it saved until then; a reaching node keeps a retained storage until its backward),
@@ -109,8 +133,8 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     if len(profile.held_through_forward):
         stop[profile.held_through_forward] = np.maximum(stop[profile.held_through_forward], n - 1)
     saved, ranks = profile.saved_pairs
+    savers = node_op[ranks]
     if len(saved):
-        savers = node_op[ranks]
         lost = ~reaches[savers]
         np.maximum.at(stop, saved[lost], forward_release(profile, end)[savers[lost]])
         held_by_autograd = ~lost & retained[saved]
@@ -119,51 +143,66 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     if len(read):
         framed = a.recomputed[readers] & retained[read]
         np.maximum.at(stop, read[framed], np.asarray(a.group_end, dtype=np.int64)[a.block_of[readers[framed]]])
-    for s, blocks in _frame_inputs(profile, a).items():
-        stop[s] = max(int(stop[s]), *(int(frame_stop[b]) for b in blocks))
+    # What closure ops read: values of the same closure are its recomputed copies; anything else its frame holds.
+    reader_at, triple = _expand(profile.input_bounds, c_ops)
+    triple_storages, _, triple_producers = profile.input_triples
+    read_storage, read_block = triple_storages[triple], c_blocks[reader_at]
+    _, inside = _find(c_blocks * n + c_ops, read_block * n + triple_producers[triple])
+    np.maximum.at(stop, read_storage[~inside], frame_stop[read_block[~inside]])
     lives = stop > producer
     np.add.at(held, producer[lives] + 1, sizes[lives])
     np.add.at(held, stop[lives] + 1, -sizes[lives])
 
-    # Recomputed copies: live from their recompute until the last closure reader or the last dropped-save holder.
-    for b, members in enumerate(a.closure):
-        if not members:
-            continue
-        readers = _closure_readers(profile, members)
-        for s in np.concatenate([profile.produced[j] for j in members]):
-            j = int(producer[s])
-            start = recompute_slot[b, j]
-            stop = start
-            for k in readers.get(s, ()):
-                stop = max(stop, recompute_slot[b, k])
-            if dropped[s]:  # this block's copy serves the block's own savers
-                stop = max(stop, *(int(backward_slot[r]) for r in profile.storage_saved_at[s]
-                                   if reaches[node_op[r]] and a.block_of[node_op[r]] == b), 0)
-            hold(start, stop, int(sizes[s]))
+    # Recomputed copies: live from their recompute until the last closure reader or the last dropped-save holder
+    # of the same block.
+    order, bounds = profile.produced_order
+    copy_at, produced_at = _expand(bounds, c_ops)
+    copy_storage = order[produced_at]
+    copy_start = c_slot[copy_at]
+    copy_stop = copy_start.copy()
+    copy_keys = c_blocks[copy_at] * len(producer) + copy_storage
+    by_key = np.argsort(copy_keys)
 
-    in_closure = {j for members in a.closure for j in members}
-    for op in ops:
-        if op.snapshot_bytes and a.recomputed[op.index]:
-            b = int(a.block_of[op.index])
-            stop = frame_stop[b] if op.index in in_closure else a.group_end[b]
-            hold(op.index, max(stop, op.index + 1), op.snapshot_bytes)
+    def extend(blocks: np.ndarray, storages: np.ndarray, slots: np.ndarray) -> None:
+        pos, found = _find(copy_keys[by_key], blocks * len(producer) + storages)
+        np.maximum.at(copy_stop, by_key[pos[found]], slots[found])
+
+    extend(read_block[inside], read_storage[inside], c_slot[reader_at[inside]])
+    own = dropped[saved] & reaches[savers]
+    extend(a.block_of[savers[own]], saved[own], backward_slot[ranks[own]])
+    copied = copy_stop > copy_start
+    np.add.at(held, copy_start[copied] + 1, sizes[copy_storage[copied]])
+    np.add.at(held, copy_stop[copied] + 1, -sizes[copy_storage[copied]])
+
+    # Snapshots of state a recomputable op writes: held until its block's frame ends (or its group ends in forward).
+    snapshot_ops, snapshot_bytes = profile.snapshots
+    snapshotted = a.recomputed[snapshot_ops]
+    if snapshotted.any():
+        o, nbytes = snapshot_ops[snapshotted], snapshot_bytes[snapshotted]
+        in_closure = np.zeros(n, dtype=bool)
+        in_closure[c_ops] = True
+        b = a.block_of[o]
+        until = np.maximum(np.where(in_closure[o], frame_stop[b], np.asarray(a.group_end, dtype=np.int64)[b]), o + 1)
+        np.add.at(held, o + 1, nbytes)
+        np.add.at(held, until + 1, -nbytes)
 
     live = np.cumsum(held)[: end + 1]
-    totals = live + np.asarray(extra, dtype=np.int64) + profile.baseline_bytes
+    totals = live + extra + profile.baseline_bytes
+    slots = (kinds, slot_ops)
     context = profile.step_context
     if context is not None:
         totals[:n] += context.beside_forward
         totals[n:] += context.beside_backward
     if profile.sharding is not None:
-        totals, labels = _with_sharded_parameters(profile, totals, int(live[n]) + profile.baseline_bytes, labels, n)
+        totals, slots = _with_sharded_parameters(profile, totals, int(live[n]) + profile.baseline_bytes, slots, n)
     if context is not None and context.later_beyond_held is not None:
         totals = np.append(totals, int(live[n]) + context.later_beyond_held)
-        labels.append(("later graphs of the call, beside what this graph holds", -1))
-    return totals, labels, int(live[n])
+        slots = _joined(slots, _special(_LATER))
+    return totals, slots, int(live[n])
 
 
-def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_forward: int, labels: list[Slot],
-                             n: int):
+def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_forward: int, slots: Slots,
+                             n: int) -> tuple[np.ndarray, Slots]:
     """The timeline with FSDP's parameter and gradient memory in place of the profiled full parameters.
 
     The step starts with an all-gather slot. Through forward and backward the rank holds its shards and the
@@ -177,17 +216,17 @@ def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_fo
     step = totals[:-1] + shards_for_parameters + s.unsharded_bytes
     step[:n] += s.all_gather_bytes
     head = [profile.baseline_bytes + shards_for_parameters + s.all_gather_bytes + s.workspace(s.all_gather_bytes)]
-    labels = [("FSDP all-gather", -1)] + labels
     if s.reshard_after_forward and len(step) > n:
         regather = after_forward + profile.output_gradient_bytes + shards_for_parameters + s.backward_gather_bytes()
         step = np.concatenate([step[:n], [regather], step[n:]])
-        labels.insert(n + 1, ("FSDP all-gather for backward", -1))
+        slots = _joined((slots[0][:n], slots[1][:n]), _special(_REGATHER), (slots[0][n:], slots[1][n:]))
     after = totals[-1] + shards_for_parameters - profile.gradient_bytes
     tail = [after + profile.gradient_bytes + s.reduce_scatter_bytes,
             after + s.reduce_scatter_bytes + s.workspace(s.reduce_scatter_bytes) + s.sharded_gradient_bytes,
             after + s.sharded_gradient_bytes]
     return (np.concatenate([head, step, tail]).astype(np.int64),
-            labels[:-1] + [("FSDP reduce-scatter copy-in", -1), ("FSDP reduce-scatter", -1), labels[-1]])
+            _joined(_special(_GATHER), (slots[0][:-1], slots[1][:-1]), _special(_SCATTER_COPY), _special(_SCATTER),
+                    (slots[0][-1:], slots[1][-1:])))
 
 
 def forward_release(profile: GraphProfile, end: int) -> np.ndarray:
@@ -195,28 +234,3 @@ def forward_release(profile: GraphProfile, end: int) -> np.ndarray:
     (:attr:`GraphProfile.op_release`), with the end of the step at slot ``end``."""
     release = profile.op_release
     return np.where(release >= profile.num_ops, end, release)
-
-
-def _closure_readers(profile: GraphProfile, members: list[int]) -> dict[int, list[int]]:
-    """storage -> ops of one closure that read it from a producer in the same closure."""
-    readers: dict[int, list[int]] = {}
-    inside = set(members)
-    for j in members:
-        for p, storages in profile.op_inputs[j]:
-            if p in inside:
-                for s in storages:
-                    readers.setdefault(s, []).append(j)
-    return readers
-
-
-def _frame_inputs(profile: GraphProfile, a: PlanAnalysis) -> dict[int, list[int]]:
-    """storage -> blocks whose frame holds it until the block's backward ends (closure inputs from outside)."""
-    holds: dict[int, list[int]] = {}
-    for b, members in enumerate(a.closure):
-        inside = set(members)
-        for j in members:
-            for p, storages in profile.op_inputs[j]:
-                if p not in inside:
-                    for s in storages:
-                        holds.setdefault(s, []).append(b)
-    return holds

@@ -15,6 +15,7 @@ The enum leaves room for further states (such as offloaded to host memory) witho
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
@@ -64,6 +65,13 @@ class PlanAnalysis:
         return {node: bool(all(retained[s] for s in self.profile.node_storages.get(node, ()) if s >= 0))
                 for node in self.profile.op_of_node}
 
+    @cached_property
+    def closure_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(block, op) for every op of every closure, by block and then ascending op: ``closure`` as two arrays."""
+        lengths = [len(members) for members in self.closure]
+        ops = np.fromiter(itertools.chain.from_iterable(self.closure), dtype=np.int64, count=sum(lengths))
+        return np.repeat(np.arange(len(lengths), dtype=np.int64), lengths), ops
+
     @property
     def num_blocks(self) -> int:
         return len(self.plan.split_points)
@@ -74,10 +82,10 @@ class PlanAnalysis:
         return self.block_of != self.num_blocks - 1
 
     def recompute_seconds(self, profile: GraphProfile) -> float:
-        return float(sum(profile.ops[j].forward_seconds for members in self.closure for j in members))
+        return float(profile.op_seconds[self.closure_pairs[1]].sum())
 
     def recompute_flops(self, profile: GraphProfile) -> int:
-        return int(sum(profile.ops[j].flops for members in self.closure for j in members))
+        return int(profile.op_flops[self.closure_pairs[1]].sum())
 
 
 def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
@@ -85,15 +93,12 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
     n = profile.num_ops
     plan.validate(n)
     splits = np.asarray(plan.split_points, dtype=np.int64)
-    ops = np.arange(n)
-    block_of = np.searchsorted(splits, ops) if n else np.zeros(0, dtype=np.int64)
-    last_block = len(splits) - 1
-    recomputed = block_of != last_block
-    for o in plan.kept:
-        recomputed[o] = False
-    for op in profile.ops:
-        if op.pinned:
-            recomputed[op.index] = False
+    block_of = np.searchsorted(splits, np.arange(n)) if n else np.zeros(0, dtype=np.int64)
+    num_blocks = len(splits)
+    recomputed = block_of != num_blocks - 1
+    if plan.kept:
+        recomputed[list(plan.kept)] = False
+    recomputed[profile.pinned_ops] = False
 
     group_of = np.asarray(plan.group_of_blocks(), dtype=np.int64)
     group_of_op = group_of[block_of] if n else block_of
@@ -106,40 +111,41 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
         retained = (~recomputed[producer]) | (reader_group > producer_group)
     else:
         retained = np.zeros(0, dtype=bool)
-    for o in np.flatnonzero(~recomputed):  # a kept op's values stay, and so do the storages they view
-        retained[list(profile.op_storages[o])] = True
-    reaches = profile.reaches_output
-    saved = np.array([any(reaches[o] for o in savers) for savers in profile.storage_saved_by], dtype=bool)
-    dropped = saved & ~retained
+    outputs_of, storages_out = profile.op_storage_pairs
+    retained[storages_out[~recomputed[outputs_of]]] = True  # a kept op's values stay, and so do the storages they view
+    dropped = profile.saved_reaching & ~retained
     state = np.full(len(producer), StorageState.TRANSIENT, dtype=np.int8)
     state[retained] = StorageState.KEPT
     state[dropped] = StorageState.REBUILT
 
-    num_blocks = len(splits)
+    # Each block that saves a dropped storage (from a node that reaches the outputs) rebuilds its own copy.
+    saved, ranks = profile.saved_pairs
+    savers = profile.node_op[ranks]
+    rebuilds = dropped[saved] & profile.reaches_output[savers]
+    seed_blocks, seed_ranks = block_of[savers[rebuilds]], ranks[rebuilds]
+    trigger = np.full(num_blocks, -1, dtype=np.int64)
+    np.maximum.at(trigger, seed_blocks, seed_ranks)
+    num_groups = int(group_of[-1]) + 1 if num_blocks else 0
+    first_rebuild = np.full(num_groups, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first_rebuild, group_of[seed_blocks], seed_ranks)
+    frame_end = np.where(first_rebuild == np.iinfo(np.int64).max, -1, first_rebuild)[group_of]
+    last_split = np.zeros(num_groups, dtype=np.int64)
+    np.maximum.at(last_split, group_of, splits)
+
+    # A closure re-runs the producer of every value it reads whose storages are not all kept.
     closure_sets: list[set[int]] = [set() for _ in range(num_blocks)]
-    trigger = [-1] * num_blocks
-    group_frame_end: dict[int, int] = {}
-    node_op = profile.node_op
-    for s in np.flatnonzero(dropped):
-        for r in profile.storage_saved_at[s]:  # each saving block rebuilds its own copy
-            if not reaches[node_op[r]]:
-                continue
-            b = int(block_of[node_op[r]])
-            closure_sets[b].add(int(producer[s]))
-            trigger[b] = max(trigger[b], r)
-            g = int(group_of[b])
-            group_frame_end[g] = min(group_frame_end.get(g, r), r)
-    frame_end = [group_frame_end.get(int(g), -1) for g in group_of]
-    group_last = {int(g): splits[b] for b, g in enumerate(group_of)}
-    group_end = [int(group_last[int(g)]) for g in group_of]
+    for b, j in zip(seed_blocks.tolist(), producer[saved[rebuilds]].tolist()):
+        closure_sets[b].add(j)
+    kept = retained.tolist()
+    inputs = profile.inputs_by_reader
     closure = []
     for members in closure_sets:
         stack = list(members)
         while stack:
-            j = stack.pop()
-            for p, storages in profile.op_inputs[j]:
-                if p not in members and any(not retained[s] for s in storages):
+            for p, s in inputs[stack.pop()]:
+                if not kept[s] and p not in members:
                     members.add(p)
                     stack.append(p)
         closure.append(sorted(members))
-    return PlanAnalysis(plan, block_of, group_of, recomputed, state, closure, trigger, frame_end, group_end, profile)
+    return PlanAnalysis(plan, block_of, group_of, recomputed, state, closure, trigger.tolist(), frame_end.tolist(),
+                        last_split[group_of].tolist(), profile)

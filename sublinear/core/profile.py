@@ -187,17 +187,59 @@ class GraphProfile:
         return _pair_arrays(pairs)
 
     @functools.cached_property
-    def read_pairs(self) -> tuple[np.ndarray, np.ndarray]:
-        """(storage, op) for every value an op reads from another op: ``op_inputs`` as two arrays."""
-        pairs = [(s, o) for o, inputs in enumerate(self.op_inputs) for _, storages in inputs for s in storages]
-        return _pair_arrays(pairs)
+    def input_triples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(storage, reader op, producer op) for every storage of every value an op reads from another op:
+        ``op_inputs`` as three arrays, ordered by reader."""
+        triples = [(s, o, p) for o, inputs in enumerate(self.op_inputs) for p, storages in inputs for s in storages]
+        array = np.asarray(triples, dtype=np.int64).reshape(-1, 3)
+        return array[:, 0].copy(), array[:, 1].copy(), array[:, 2].copy()
 
     @functools.cached_property
-    def produced(self) -> list[np.ndarray]:
-        """Per op: the storages it produces."""
+    def read_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(storage, op) for every value an op reads from another op: ``op_inputs`` as two arrays."""
+        storages, readers, _ = self.input_triples
+        return storages, readers
+
+    @functools.cached_property
+    def input_bounds(self) -> np.ndarray:
+        """Per op ``o``: its entries of :attr:`input_triples` are ``input_bounds[o]:input_bounds[o + 1]``."""
+        return np.searchsorted(self.input_triples[1], np.arange(self.num_ops + 1))
+
+    @functools.cached_property
+    def inputs_by_reader(self) -> list[list[tuple[int, int]]]:
+        """Per op: ``(producer op, storage)`` for every storage of every value it reads from another op."""
+        return [[(p, s) for p, storages in inputs for s in storages] for inputs in self.op_inputs]
+
+    @functools.cached_property
+    def produced_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """(storages sorted by producer, bounds): op ``o`` produces ``order[bounds[o]:bounds[o + 1]]``."""
         order = np.argsort(self.storage_producer, kind="stable")
-        bounds = np.searchsorted(self.storage_producer[order], np.arange(self.num_ops + 1))
-        return [order[bounds[o]:bounds[o + 1]] for o in range(self.num_ops)]
+        return order, np.searchsorted(self.storage_producer[order], np.arange(self.num_ops + 1))
+
+    @functools.cached_property
+    def op_storage_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(op, storage) for every storage of every value an op outputs: ``op_storages`` as two arrays."""
+        return _pair_arrays([(o, s) for o, storages in enumerate(self.op_storages) for s in storages])
+
+    @functools.cached_property
+    def saved_reaching(self) -> np.ndarray:
+        """Per storage: an op whose values reach the outputs saves it for backward."""
+        reaches = self.reaches_output
+        return np.array([any(reaches[o] for o in savers) for savers in self.storage_saved_by], dtype=bool)
+
+    @functools.cached_property
+    def pinned_ops(self) -> np.ndarray:
+        return np.array([op.index for op in self.ops if op.pinned], dtype=np.int64)
+
+    @functools.cached_property
+    def forward_extra(self) -> np.ndarray:
+        """Per op: ``forward_extra_bytes``."""
+        return np.array([op.forward_extra_bytes for op in self.ops], dtype=np.int64)
+
+    @functools.cached_property
+    def snapshots(self) -> tuple[np.ndarray, np.ndarray]:
+        """(op, bytes) for every op that snapshots state it writes."""
+        return _pair_arrays([(op.index, op.snapshot_bytes) for op in self.ops if op.snapshot_bytes])
 
     @functools.cached_property
     def op_release(self) -> np.ndarray:
@@ -222,6 +264,15 @@ class GraphProfile:
         gathers the parameters again)."""
         return int(self.grad_start[-1]) if len(self.grad_start) else 0
 
+    @functools.cached_property
+    def op_flops(self) -> np.ndarray:
+        return np.array([op.flops for op in self.ops], dtype=np.int64)
+
+    @functools.cached_property
+    def op_seconds(self) -> np.ndarray:
+        """Per op: ``forward_seconds``."""
+        return np.array([op.forward_seconds for op in self.ops], dtype=np.float64)
+
     @property
     def forward_flops(self) -> int:
         return sum(op.flops for op in self.ops)
@@ -235,7 +286,7 @@ class GraphProfile:
     def forward_seconds(self) -> float:
         return float(sum(op.forward_seconds for op in self.ops))
 
-    @property
+    @functools.cached_property
     def step_seconds(self) -> float:
         """Predicted time of one eager training step (forward and backward)."""
         return self.forward_seconds + float(np.sum(self.backward_seconds))
