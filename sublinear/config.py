@@ -34,7 +34,7 @@ class SublinearMemoryConfig:
     cost_model: op times "measure"d on the device, "estimate"d from FLOPs and bytes moved over the device's rates
         (meta: a reference GPU's), estimated for the "reference" GPU whatever the device, or "auto": measured on
         CPU and CUDA tensors, estimated on meta.
-    seed: seed of the genetic search; the same seed gives the same plan.
+    seed: seed of the genetic and local searches; the same seed gives the same plan.
     cache_dir: plan cache folder; None uses $SUBLINEAR_CACHE_DIR or the user cache dir; "" disables it.
     """
 
@@ -46,7 +46,7 @@ class SublinearMemoryConfig:
     memory_budget: int | str | None = "auto"
     memory_headroom: float = 0.1
     max_time_ratio: float = 1.35
-    planners: tuple[str, ...] = ("grid", "optimal", "genetic")
+    planners: tuple[str, ...] = ("grid", "optimal", "genetic", "local")
     cost_model: str = "auto"
     seed: int = 0
     cache_dir: str | None = None

@@ -283,7 +283,7 @@ def test_planner_runs_the_genetic_search_only_when_asked(chain_profile, monkeypa
 
     monkeypatch.setattr(genetic, "genetic_search", refuse)
     result = make_plan(chain_profile, SublinearMemoryConfig(genetic_nr_iter=0, cache_dir=""))
-    assert len(result.history) == 2  # the grid and the optimal planner
+    assert len(result.history) == 3  # the grid, the optimal planner and the local search
     with pytest.raises(AssertionError, match="genetic search called"):
         make_plan(chain_profile, SublinearMemoryConfig(genetic_nr_iter=1, cache_dir=""))
 
@@ -292,7 +292,8 @@ def test_planner_uses_the_genetic_result(chain_profile):
     grid = make_plan(chain_profile, SublinearMemoryConfig(planners=("grid",), cache_dir=""))
     refined = make_plan(chain_profile, _config(cache_dir=""))
     objective = refined.objective
-    assert len(refined.history) == 1 + 1 + 6 + 1  # the grid, the optimal planner, each generation, the GA's result
+    # the grid, the optimal planner, each generation, the GA's result, the local search
+    assert len(refined.history) == 1 + 1 + 6 + 1 + 1
     assert refined.history[0].plan == grid.plan
     ranks = [objective(c) for c in refined.history]
     assert ranks == sorted(ranks, reverse=True)  # the best objective value so far

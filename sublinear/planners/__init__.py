@@ -2,10 +2,11 @@
 
 Built in: ``grid`` (Chen's greedy blocks over MegEngine's threshold grid, with keep variants), ``genetic``
 (MegEngine's genetic refinement, with DEAP) and ``optimal`` (the least-time plan without soft split points under a
-memory model of the simulator, by dynamic programming over block boundaries).
+memory model of the simulator, by dynamic programming over block boundaries) and ``local`` (hill climbing by
+one-edit neighbours from the best plans found).
 """
 
-from . import genetic, grid, optimal  # noqa: F401  (register the built-in planners)
+from . import genetic, grid, local, optimal  # noqa: F401  (register the built-in planners)
 from .base import PLANNERS, Planner, PlanningProblem, register_planner
 from .driver import BudgetError, PlanningResult, hand_back, make_plan, objective_for, pareto_front
 
