@@ -198,7 +198,7 @@ def test_maxbatch_skips_baselines_that_do_not_apply_and_writes_markdown(user_mod
     text = out.read_text()
     assert f"`sublinear {' '.join(argv)}`" in text
     rows = [line.split(" | ")[1] for line in text.splitlines() if line.startswith("| cli_test_models:deep_mlp")]
-    assert rows == ["eager", "sublinear grid+optimal, time <= 1.35"]
+    assert rows == ["eager", "sublinear grid+optimal+local, time <= 1.35"]
     assert text.count("Note: ") == 3
     assert not (user_models / "plan-cache").exists()  # planning time is reported: no plan from (or to) the cache
 
@@ -264,8 +264,8 @@ def test_maxbatch_writes_markdown_with_its_command_and_plans_afresh(tmp_path, ca
     text = out.read_text()
     assert f"`sublinear {' '.join(argv)}`" in text
     rows = [line for line in text.splitlines() if line.startswith("| tiny-resnet")]
-    assert [r.split(" | ")[1] for r in rows] == ["eager", "sublinear grid+optimal, time <= 1.35",
-                                                 "sublinear grid+optimal, time <= 1.5"]
+    assert [r.split(" | ")[1] for r in rows] == ["eager", "sublinear grid+optimal+local, time <= 1.35",
+                                                 "sublinear grid+optimal+local, time <= 1.5"]
     capped, looser = rows[1].split(" | "), rows[2].split(" | ")
     assert int(capped[2]) > int(rows[0].split(" | ")[2]) and float(capped[4]) <= 1.35
     assert int(looser[2]) >= int(capped[2]) and float(looser[4]) <= 1.5
@@ -279,7 +279,7 @@ def test_maxbatch_hf_model_end_to_end(capsys):
     out = capsys.readouterr().out
     rows = {line[:44].strip(): line[44:].split() for line in out.splitlines()
             if line.startswith(("eager", "checkpoint every", "HF gradient", "sublinear grid+optimal"))}
-    grid = "sublinear grid+optimal, time <= 1.35"
+    grid = "sublinear grid+optimal+local, time <= 1.35"
     assert set(rows) == {"eager", "checkpoint every block", "HF gradient_checkpointing_enable", grid}
     assert int(rows["HF gradient_checkpointing_enable"][0]) > int(rows["eager"][0])
     assert int(rows[grid][0]) > int(rows["eager"][0]) and float(rows[grid][2]) <= 1.35

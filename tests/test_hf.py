@@ -80,7 +80,8 @@ def hf_training(model, inputs: dict, steps: int = 3):
 
 
 @pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "t5", "vit"])
+@pytest.mark.parametrize("family", ["bert", pytest.param("gpt2", marks=pytest.mark.slow), "llama",
+                                    pytest.param("t5", marks=pytest.mark.slow), "vit"])
 def test_trains_bit_for_bit_like_eager(family, attn):
     torch.manual_seed(0)
     model, kind = tiny_model(family, attn)
@@ -100,6 +101,7 @@ def test_trains_bit_for_bit_like_eager(family, attn):
     assert torch.equal(eager[3], planned[3])
 
 
+@pytest.mark.slow
 def test_a_step_split_into_graphs_is_predicted_as_one_step(caplog):
     # GPT-2 in transformers 5 logs a warning in its loss property, and TorchDynamo breaks the graph there: the loss
     # runs as a second graph beside everything the first one holds. Its vocabulary is 65 times its width, as GPT-2's

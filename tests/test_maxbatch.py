@@ -133,6 +133,7 @@ def test_hf_gradient_checkpointing_row(monkeypatch):
                      "between blocks, and these blocks take more arguments"]
 
 
+@pytest.mark.slow
 def test_planning_seconds_are_the_wall_time_of_planning_at_the_max_batch(monkeypatch):
     """Capture, profile and search of every graph at the max batch, not what the last re-plan took."""
     import time
