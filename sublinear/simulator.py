@@ -97,7 +97,7 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     # after it frees what it saved), with each block's recompute just before the backward of the node that first
     # needs it (its trigger), one slot per closure op.
     c_blocks, c_ops = a.closure_pairs
-    trigger = np.asarray(a.trigger, dtype=np.int64)
+    trigger = a.trigger
     lengths = np.bincount(c_blocks, minlength=len(trigger))
     recomputes = np.zeros(len(node_op), dtype=np.int64)
     recomputes[trigger[trigger >= 0]] = lengths[trigger >= 0]
@@ -122,7 +122,7 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     retained, dropped = a.retained, a.dropped
     producer, sizes = profile.storage_producer, profile.storage_bytes
     reaches = profile.reaches_output
-    frame_end = np.asarray(a.frame_end, dtype=np.int64)
+    frame_end = a.frame_end
     frame_stop = np.full(len(frame_end), -1, dtype=np.int64)
     frame_stop[frame_end >= 0] = backward_slot[frame_end[frame_end >= 0]]
     # Each storage lives from its producer until the last of: its last forward reader (the end of the step for
@@ -142,7 +142,7 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     read, readers = profile.read_pairs
     if len(read):
         framed = a.recomputed[readers] & retained[read]
-        np.maximum.at(stop, read[framed], np.asarray(a.group_end, dtype=np.int64)[a.block_of[readers[framed]]])
+        np.maximum.at(stop, read[framed], a.group_end[a.block_of[readers[framed]]])
     # What closure ops read: values of the same closure are its recomputed copies; anything else its frame holds.
     reader_at, triple = _expand(profile.input_bounds, c_ops)
     triple_storages, _, triple_producers = profile.input_triples
@@ -182,7 +182,7 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
         in_closure = np.zeros(n, dtype=bool)
         in_closure[c_ops] = True
         b = a.block_of[o]
-        until = np.maximum(np.where(in_closure[o], frame_stop[b], np.asarray(a.group_end, dtype=np.int64)[b]), o + 1)
+        until = np.maximum(np.where(in_closure[o], frame_stop[b], a.group_end[b]), o + 1)
         np.add.at(held, o + 1, nbytes)
         np.add.at(held, until + 1, -nbytes)
 

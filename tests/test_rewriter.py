@@ -35,13 +35,17 @@ def _random_soft_plan(rng: random.Random, n: int) -> Plan:
     return Plan.of(points, n, kept=rng.sample(range(n), n // 6), soft=rng.sample(points, len(points) // 2))
 
 
-@pytest.mark.parametrize("plan_name", PLANS)
-def test_residual_net_trains_bit_for_bit_like_eager(plan_name):
+def _residual_net_and_eager_training(steps: int):
+    """A fresh ResidualNet, an input batch, and what ``steps`` eager SGD steps do to an identical copy."""
     torch.manual_seed(0)
     base = ResidualNet().train()
     x = torch.randn(4, 3, 16, 16)
-    eager = train_steps(copy.deepcopy(base), (x,), steps=3)
-    model = copy.deepcopy(base)
+    return copy.deepcopy(base), x, train_steps(copy.deepcopy(base), (x,), steps=steps)
+
+
+@pytest.mark.parametrize("plan_name", PLANS)
+def test_residual_net_trains_bit_for_bit_like_eager(plan_name):
+    model, x, eager = _residual_net_and_eager_training(steps=3)
     compiled, _ = _compile_with(model, PLANS[plan_name], (x,))
     assert_same_training(eager, train_steps(compiled, (x,), steps=3))
 
@@ -265,11 +269,7 @@ def test_a_plan_that_recomputes_nothing_runs_the_graph_without_hooks(monkeypatch
     """A budget the eager step fits gives eager: the captured graph runs as it is, with no saved-tensor hooks."""
     import sublinear.rewriter as rewriter
 
-    torch.manual_seed(0)
-    base = ResidualNet().train()
-    x = torch.randn(4, 3, 16, 16)
-    eager = train_steps(copy.deepcopy(base), (x,), steps=2)
-    model = copy.deepcopy(base)
+    model, x, eager = _residual_net_and_eager_training(steps=2)
     compiled = sublinear.compile(model, (x,), config=sublinear.SublinearMemoryConfig(memory_budget="1GiB"))
     assert compiled.sublinear_plan.num_blocks == 1
 

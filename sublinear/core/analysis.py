@@ -42,9 +42,9 @@ class PlanAnalysis:
     recomputed: np.ndarray  # per op: may be re-run in backward (not kept, not pinned, not in the last block)
     state: np.ndarray  # per storage: StorageState
     closure: list[list[int]]  # per block: ops re-run in backward, ascending (may reach into earlier blocks of its group)
-    trigger: list[int]  # per block: rank whose backward first needs a rebuilt storage (-1: none)
-    frame_end: list[int]  # per block: rank after whose backward its group's frame is released (-1: none)
-    group_end: list[int]  # per block: the last op of its group
+    trigger: np.ndarray  # per block: rank whose backward first needs a rebuilt storage (-1: none)
+    frame_end: np.ndarray  # per block: rank after whose backward its group's frame is released (-1: none)
+    group_end: np.ndarray  # per block: the last op of its group
     profile: GraphProfile = field(repr=False, compare=False)
 
     @cached_property
@@ -147,5 +147,5 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
                     members.add(p)
                     stack.append(p)
         closure.append(sorted(members))
-    return PlanAnalysis(plan, block_of, group_of, recomputed, state, closure, trigger.tolist(), frame_end.tolist(),
-                        last_split[group_of].tolist(), profile)
+    return PlanAnalysis(plan, block_of, group_of, recomputed, state, closure, trigger, frame_end, last_split[group_of],
+                        profile)

@@ -126,9 +126,10 @@ def _empty(dtype=np.int64) -> np.ndarray:
     return np.zeros(0, dtype=dtype)
 
 
-def _pair_arrays(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    array = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
-    return array[:, 0].copy(), array[:, 1].copy()
+def _columns(rows: list[tuple[int, ...]], width: int = 2) -> tuple[np.ndarray, ...]:
+    """Rows of ``width`` integers as one int64 array per column (empty rows: empty columns)."""
+    array = np.asarray(rows, dtype=np.int64).reshape(-1, width)
+    return tuple(array[:, k].copy() for k in range(width))
 
 
 @dataclass
@@ -184,15 +185,14 @@ class GraphProfile:
     def saved_pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """(storage, rank) for every operator node that saves a storage: ``storage_saved_at`` as two arrays."""
         pairs = [(s, r) for s, ranks in enumerate(self.storage_saved_at) for r in ranks]
-        return _pair_arrays(pairs)
+        return _columns(pairs)
 
     @functools.cached_property
     def input_triples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(storage, reader op, producer op) for every storage of every value an op reads from another op:
         ``op_inputs`` as three arrays, ordered by reader."""
-        triples = [(s, o, p) for o, inputs in enumerate(self.op_inputs) for p, storages in inputs for s in storages]
-        array = np.asarray(triples, dtype=np.int64).reshape(-1, 3)
-        return array[:, 0].copy(), array[:, 1].copy(), array[:, 2].copy()
+        return _columns([(s, o, p) for o, inputs in enumerate(self.op_inputs) for p, storages in inputs
+                         for s in storages], width=3)
 
     @functools.cached_property
     def read_pairs(self) -> tuple[np.ndarray, np.ndarray]:
@@ -219,7 +219,7 @@ class GraphProfile:
     @functools.cached_property
     def op_storage_pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """(op, storage) for every storage of every value an op outputs: ``op_storages`` as two arrays."""
-        return _pair_arrays([(o, s) for o, storages in enumerate(self.op_storages) for s in storages])
+        return _columns([(o, s) for o, storages in enumerate(self.op_storages) for s in storages])
 
     @functools.cached_property
     def saved_reaching(self) -> np.ndarray:
@@ -239,7 +239,7 @@ class GraphProfile:
     @functools.cached_property
     def snapshots(self) -> tuple[np.ndarray, np.ndarray]:
         """(op, bytes) for every op that snapshots state it writes."""
-        return _pair_arrays([(op.index, op.snapshot_bytes) for op in self.ops if op.snapshot_bytes])
+        return _columns([(op.index, op.snapshot_bytes) for op in self.ops if op.snapshot_bytes])
 
     @functools.cached_property
     def op_release(self) -> np.ndarray:

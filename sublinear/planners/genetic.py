@@ -250,7 +250,7 @@ def genetic_search(problem: PlanningProblem, seeds: Sequence[Plan]) -> GeneticRe
 def _search(problem: PlanningProblem, seeds: Sequence[Plan], map_: Callable) -> GeneticResult:
     profile, config, objective = problem.profile, problem.config, problem.objective
     pool_size = config.genetic_pool_size
-    pinned = frozenset(op.index for op in profile.ops if op.pinned)
+    pinned = frozenset(profile.pinned_ops.tolist())
     toolbox = base.Toolbox()
     toolbox.register("map", map_)
     toolbox.register("evaluate", _simulate_in_worker if map_ is not map else _simulate_here(profile))

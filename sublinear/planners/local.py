@@ -51,10 +51,11 @@ def neighbours(problem: PlanningProblem, plan: Plan) -> list[Plan]:
         found.append(Plan.of([*points[:i], *points[i + 1:]], n, kept, soft - {point}))
         found.append(Plan.of(points, n, kept, soft ^ {point}))
     found.extend(Plan.of(points, n, kept - {o}, soft) for o in sorted(kept))
-    pinned = {op.index for op in problem.profile.ops if op.pinned}
+    pinned = set(problem.profile.pinned_ops.tolist())
     rerun = sorted(set(itertools.chain.from_iterable(analyse(problem.profile, plan).closure)) - pinned)
     found.extend(Plan.of(points, n, kept | {o}, soft) for o in rerun if o not in kept)
-    found.extend(Plan.of([*points, o], n, kept, soft) for o in range(n - 1) if o not in plan.split_points)
+    splits = set(points)
+    found.extend(Plan.of([*points, o], n, kept, soft) for o in range(n - 1) if o not in splits)
     return [p for p in dict.fromkeys(found) if p != plan]
 
 
