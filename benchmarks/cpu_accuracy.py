@@ -10,12 +10,17 @@ eager peak, and one block per op. For each plan:
 - time: the median wall time of ``--repeats`` training steps (forward and backward), the plans interleaved so
   that drift hits every plan alike, divided by eager's median, beside the plan's predicted ratio;
 - memory: ``sublinear.measure_cpu_allocator`` of one step (every CPU allocation at its requested size, kernel
-  scratch space included) beside the predicted peak; a budget plan must measure within its budget.
+  scratch space included) beside the predicted peak; a budget plan must measure within its budget;
+- the same plan's time ratio under the estimated cost model (FLOPs and bytes moved over this CPU's measured matmul
+  rate and bandwidth, ``cost_model="estimate"``): how far a plan made where nothing can be timed (the meta device)
+  is from the step it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import platform
 import statistics
 import sys
@@ -50,9 +55,15 @@ def plans_for(model, args, kwargs):
             continue
         chosen.append((f"least time within {fraction:.0%} of eager's peak", result.plan, budget))
     chosen.append(("one block per op", Plan.every_op(n), None))
+    estimated = sublinear.compile(model, args, kwargs, config=dataclasses.replace(config, cost_model="estimate"))
+    estimated_profile = next(iter(estimated.sublinear_backend.latest.values())).profile
+    uncapped = dataclasses.replace(config, max_time_ratio=math.inf)
     for label, plan, budget in chosen:
         point = sublinear.ParetoPoint(plan, 0, 0, 1.0, 1.0, code)
-        yield label, sublinear.compile(model, args, kwargs, config=config, plan=point), profile, plan, budget
+        # Costs are measured again for each module, so a plan the first measurement put just within the time cap
+        # may land just over it: the given plans are compiled without the cap.
+        module = sublinear.compile(model, args, kwargs, config=uncapped, plan=point)
+        yield label, module, profile, plan, budget, simulate(estimated_profile, plan).time_ratio
 
 
 def step_seconds(module, args, kwargs) -> float:
@@ -75,12 +86,13 @@ def rows(name: str, batch: int, repeats: int):
         for label, module, *_ in planned:
             times[label].append(step_seconds(module, args, kwargs))
     eager = statistics.median(times["eager"])
-    for label, module, profile, plan, budget in planned:
+    for label, module, profile, plan, budget, estimated in planned:
         sim = simulate(profile, plan)
         model.zero_grad(set_to_none=True)  # a step that starts with gradients accumulates into them in place
         measured = sublinear.measure_cpu_allocator(training_step, module, *args, **kwargs).peak_bytes
         yield dict(model=name, batch=batch, plan=label, blocks=plan.num_blocks,
                    predicted_time=sim.time_ratio, measured_time=statistics.median(times[label]) / eager,
+                   estimated_time=estimated,
                    predicted_peak=sim.peak_bytes, measured_peak=measured, budget=budget)
 
 
@@ -95,23 +107,27 @@ def main() -> None:
     lines = [f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}; op costs "
              f"measured on this CPU. Command: `{command}`", "",
              "| model | batch | plan | blocks | predicted time ratio | measured time ratio | error | "
-             "predicted peak (MiB) | allocator peak (MiB) | error | budget (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    time_errors, peak_errors, over_budget = [], [], []
+             "predicted peak (MiB) | allocator peak (MiB) | error | budget (MiB) | estimated time ratio | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    time_errors, peak_errors, estimate_errors, over_budget = [], [], [], []
     for name, batch in zip(options.model.split(","), map(int, options.batch.split(","))):
         for r in rows(name, batch, options.repeats):
             t_err = (r["predicted_time"] - r["measured_time"]) / r["measured_time"]
             m_err = (r["predicted_peak"] - r["measured_peak"]) / r["measured_peak"]
+            e_err = (r["estimated_time"] - r["measured_time"]) / r["measured_time"]
             time_errors.append(abs(t_err))
+            estimate_errors.append(abs(e_err))
             peak_errors.append(abs(m_err))
             if r["budget"] is not None and r["measured_peak"] > r["budget"]:
                 over_budget.append(f"{r['model']} {r['plan']}")
             budget = "" if r["budget"] is None else f"{r['budget'] / 2**20:,.1f}"
             lines.append(f"| {r['model']} | {r['batch']} | {r['plan']} | {r['blocks']} | {r['predicted_time']:.3f} | "
                          f"{r['measured_time']:.3f} | {t_err:+.1%} | {r['predicted_peak'] / 2**20:,.1f} | "
-                         f"{r['measured_peak'] / 2**20:,.1f} | {m_err:+.2%} | {budget} |")
+                         f"{r['measured_peak'] / 2**20:,.1f} | {m_err:+.2%} | {budget} | {r['estimated_time']:.3f} | "
+                         f"{e_err:+.1%} |")
             print(lines[-1], flush=True)
-    lines += ["", f"Largest error: step-time ratio {max(time_errors):.1%}, peak {max(peak_errors):.2%}. "
+    lines += ["", f"Largest error: step-time ratio {max(time_errors):.1%} (estimated cost model: "
+              f"{max(estimate_errors):.1%}), peak {max(peak_errors):.2%}. "
               f"Budget plans measured above their budget: {', '.join(over_budget) or 'none'}."]
     text = "\n".join(lines) + "\n"
     print(lines[-1])

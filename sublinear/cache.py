@@ -23,7 +23,7 @@ from .core.plan import Plan, PlanError
 __all__ = ["PlanCache", "cache_dir"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 3
+_FORMAT = 4
 
 
 def cache_dir(configured: str | os.PathLike | None) -> Path | None:

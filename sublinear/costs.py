@@ -58,13 +58,37 @@ def estimate_seconds(flops: float, io_bytes: float, calls: int, rates: DeviceRat
     return flops / rates.flops_per_second + io_bytes / rates.bytes_per_second + calls * rates.seconds_per_call
 
 
+_aten = torch.ops.aten
+# Calls that allocate without writing, or that return a tensor sharing its input's storage although their schema
+# declares no alias (``_unsafe_view`` reinterprets a temporary in place): no data moves.
+_NO_TRAFFIC = frozenset({_aten.empty_like, _aten.empty, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided,
+                         _aten._unsafe_view})
+# Calls that read only the metadata of their tensor arguments and write their result.
+_WRITE_ONLY = frozenset({_aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.rand_like, _aten.randn_like,
+                         _aten.randint_like, _aten.new_zeros, _aten.new_ones, _aten.new_full})
+
+
 def aten_work(func, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
     """(FLOPs, bytes read and written) of one aten call: torch.utils.flop_counter's formulas (0 for ops it has none
-    for), and every tensor argument and result counted once in full."""
+    for); each tensor argument read once over the memory its view spans (a broadcast mask is its storage, not its
+    expanded size), each result written in full. Views, aliases and bare allocations move nothing."""
     count = flop_registry.get(func._overloadpacket)
     flops = count(*args, **kwargs, out_val=out) if count is not None else 0
-    moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
-    return int(flops), int(moved)
+    if func.is_view or func._overloadpacket in _NO_TRAFFIC:
+        return int(flops), 0
+    written = sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    if func._overloadpacket in _WRITE_ONLY:
+        return int(flops), int(written)
+    read = sum(_span_bytes(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    return int(flops), int(read + written)
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes of memory a view covers: its elements, or fewer where strides repeat them (0-stride broadcasts)."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return min(t.numel(), span) * t.element_size()
 
 
 class StepCost(TorchDispatchMode):

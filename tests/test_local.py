@@ -8,7 +8,7 @@ import torch
 
 import sublinear.planners.local as local
 from sublinear.core import Plan
-from sublinear.core.objective import Objective
+from sublinear.planners import BudgetError
 from sublinear.planners import make_plan
 from sublinear.planners.local import LocalSearchPlanner, climb, neighbours
 from sublinear.simulator import simulate
@@ -110,19 +110,20 @@ def test_local_search_stops_at_its_time_limit(chain_profile, monkeypatch):
     assert len(problem.simulations) == before and time.perf_counter() - started < 1.0
 
 
-def test_climbs_under_a_budget_rank_by_least_time_that_fits_whatever_the_cap(chain_profile):
-    """A capped problem's climbs use the budget alone: a plan that fits over the cap outranks one within the cap
-    that does not fit."""
+def test_capped_objective_ranks_fitting_plans_over_the_cap_above_plans_that_do_not_fit(chain_profile):
+    """Under a budget, the climbs rank any plan that fits above every plan that does not, whatever the cap; plans
+    within both still rank first, and the driver accepts only those."""
     p = chain_profile
     budget = _budget_between(p, 0.5)
     problem = problem_for(p, memory_budget=budget, max_time_ratio=1.0)
-    planner_objective = Objective(budget)
+    objective = problem.objective
     fits = make_plan(p, problem_for(p, memory_budget=budget, planners=("grid",)).config).candidates[0]
-    over = problem.candidate(Plan.no_split(p.num_ops), "")
-    assert planner_objective.fits(fits) and planner_objective(fits) < planner_objective(over)
-    assert problem.objective(over) < problem.objective(fits)  # the capped objective ranks the other way
-    # Under the capped objective no neighbour of eager that recomputes anything ranks above it; under the budget
-    # alone the climb from eager reaches plans that fit.
+    over = problem.candidate(Plan.no_split(p.num_ops), "")  # eager: within every cap, over the budget
+    assert objective.fits(fits) and not objective.within_time(fits) and objective.within_time(over)
+    assert objective(fits) < objective(over)
+    assert not objective.accepts(fits) and not objective.accepts(over)
     problem.simulations = {over.plan: over.simulation}
     ends = LocalSearchPlanner().propose(problem, [over])
-    assert ends and any(planner_objective.fits(c) for c in ends)
+    assert ends and any(objective.fits(c) for c in ends)
+    with pytest.raises(BudgetError, match="the fastest plan that fits needs time"):
+        make_plan(p, problem.config)
