@@ -2,6 +2,7 @@
 front, and the planner interface."""
 
 import copy
+import gc
 import math
 import sys
 import subprocess
@@ -134,6 +135,37 @@ def test_a_registered_planner_plugs_in_and_competes(resnet):
             SublinearMemoryConfig(planners=("nope",))
     finally:
         del PLANNERS["every-other"]
+
+
+def test_planners_search_without_cycle_collection_and_the_collector_comes_back(resnet):
+    """A full collection of a large heap inside a planner's wall-clock limit would cut its search short."""
+    _, _, p = resnet
+    seen = []
+
+    class Probe:
+        name = "gc-probe"
+
+        def enabled(self, config):
+            return True
+
+        def propose(self, problem, pool):
+            seen.append(gc.isenabled())
+            return []
+
+    register_planner("gc-probe", Probe)
+    try:
+        config = SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf, planners=("grid", "gc-probe"))
+        assert gc.isenabled()
+        make_plan(p, config)
+        assert seen == [False] and gc.isenabled()
+        gc.disable()  # a caller that turned the collector off keeps it off
+        try:
+            make_plan(p, config)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    finally:
+        del PLANNERS["gc-probe"]
 
 
 def test_the_planning_core_imports_without_torch():

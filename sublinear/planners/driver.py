@@ -8,8 +8,10 @@ kept again, most recompute time first, while the peak stays within the floor.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from ..config import SublinearMemoryConfig
@@ -84,7 +86,9 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
         if not planner.enabled(config):
             continue
         ranked = sorted(found.values(), key=problem.objective)
-        for c in planner.propose(problem, ranked):
+        with _no_cycle_collection():
+            proposed = planner.propose(problem, ranked)
+        for c in proposed:
             found.setdefault(c.plan, c)
         best = problem.best(found.values())
         problem.history.append(best)
@@ -102,6 +106,20 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
     history = _running_best(problem.history, problem.objective)
     return PlanningResult(best.plan, best.simulation, eager.simulation, problem.objective, tuple(ranked),
                           history, problem.seconds, best.origin)
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Planners stop at wall-clock limits, and a full collection of a large heap (a long-running process's: seconds)
+    landing inside one cuts its search short and changes its plan. Inside, memory is freed by reference counting;
+    reference cycles wait until the planner returns."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _running_best(history: Iterable[Candidate], objective: Objective) -> tuple[Candidate, ...]:
