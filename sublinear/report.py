@@ -169,7 +169,7 @@ def plot_step_memory(profile: GraphProfile, plan: Plan, path: str, title: str = 
     ax.set_ylabel("predicted live MiB")
     ax.set_title(title or "Live memory through one training step")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper right")  # the upper left holds eager's forward and the forward | backward note
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
