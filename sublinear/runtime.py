@@ -199,7 +199,7 @@ def _summarise(index: int, values: Sequence[Any], graph: CapturedGraph, profile_
         mask = a.retained & (a.block_of[profile_.storage_producer] == b) if len(profile_.storage_producer) else []
         blocks.append(BlockSummary(b, profile_.ops[ops[0]].name, profile_.ops[ops[-1]].name, recomputed, kept,
                                    int(profile_.storage_bytes[mask].sum()) if len(mask) else 0,
-                                   float(sum(profile_.ops[o].forward_seconds for o in a.closure[b])),
+                                   float(profile_.op_seconds[a.closure[b]].sum()),
                                    ops[-1] in plan.soft))
     inputs = [v for k, v in zip(graph.kinds, values) if k == "input"]
     return GraphPlan(index, input_signature(inputs).describe(graph.model_device), plan, profile_.num_ops, tuple(blocks),

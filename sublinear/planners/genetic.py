@@ -156,7 +156,7 @@ def uniform_plans(profile: GraphProfile) -> list[Plan]:
     layers."""
     n = profile.num_ops
     plans = []
-    for weight in (np.ones(n), _rebuild_bytes(profile), np.array([op.flops for op in profile.ops], dtype=float)):
+    for weight in (np.ones(n), _rebuild_bytes(profile), profile.op_flops.astype(float)):
         cumulative = np.cumsum(weight)
         if not n or cumulative[-1] <= 0:
             continue

@@ -94,10 +94,12 @@ class FlatModel:
         self.grad_start = np.asarray(p.grad_start, dtype=np.int64)
         self.grad_peak = np.asarray(p.grad_peak, dtype=np.int64)
         self.grad_after = np.asarray(p.grad_after_release, dtype=np.int64)
-        self.op_seconds = np.array([op.forward_seconds for op in p.ops], dtype=float)
-        self.op_extra = np.array([op.forward_extra_bytes for op in p.ops], dtype=np.int64)
+        self.op_seconds = p.op_seconds
+        self.op_extra = p.forward_extra
         self.snapshot = np.array([op.snapshot_bytes for op in p.ops], dtype=np.int64)
-        stays = self.stays = np.array([op.pinned or op.index in self.kept for op in p.ops], dtype=bool)
+        stays = self.stays = np.zeros(n, dtype=bool)
+        stays[p.pinned_ops] = True
+        stays[list(self.kept)] = True
         reaches = np.asarray(p.reaches_output, dtype=bool)
 
         size = self.size = np.asarray(p.storage_bytes, dtype=np.int64)
