@@ -353,13 +353,16 @@ def _widest(a: StepContext, b: StepContext) -> StepContext:
                        max(later) if later else None)
 
 
-def _value_key(values: Sequence[Any]) -> tuple:
+def _value_key(values: Sequence[Any], model_device: str | None = None) -> tuple:
     """What a plan depends on in a graph's inputs: every tensor's shape, stride, dtype, device and requires_grad
-    (parameters included), and every other input's value."""
+    (parameters included), and every other input's value. Values captured for a model on the meta device are fake
+    CPU tensors that stand for meta ones (``model_device="meta"``): their key is the meta tensors', so the real
+    calls find the plans made ahead."""
     key = []
     for v in values:
         if isinstance(v, torch.Tensor):
-            key.append((tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device), v.requires_grad))
+            device = "meta" if model_device == "meta" and v.device.type == "cpu" else str(v.device)
+            key.append((tuple(v.shape), tuple(v.stride()), str(v.dtype), device, v.requires_grad))
         else:
             key.append(repr(v))
     return tuple(key)
@@ -689,7 +692,7 @@ class _GraphRuntime:
         self.variants: dict[tuple, _Variant] = {}
 
     def key(self, values: Sequence[Any]) -> tuple:
-        return (_value_key(values), autocast_state(), self.backend.sharding())
+        return (_value_key(values, self.graph.model_device), autocast_state(), self.backend.sharding())
 
     def variant_for(self, values: Sequence[Any], dry_run: bool = False) -> _Variant:
         key = self.key(values)

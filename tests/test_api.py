@@ -478,6 +478,21 @@ def test_replans_when_the_signature_changes():
     assert compiled.sublinear_plan.graphs[0].signature == "(6, 3, 8, 8):float32@cpu" != first.signature
 
 
+
+def test_a_model_on_meta_planned_ahead_is_not_planned_again_at_its_first_step(monkeypatch):
+    # Planning ahead captures a meta model on fake CPU tensors; the step's meta tensors must find that plan.
+    searches = []
+    real_make_plan = sublinear.runtime.make_plan
+    monkeypatch.setattr(sublinear.runtime, "make_plan", lambda *a, **k: searches.append(1) or real_make_plan(*a, **k))
+    with torch.device("meta"):
+        model = ResidualNet()
+        x = torch.randn(4, 3, 8, 8)
+    compiled = sublinear.compile(model, (x,), config=PLAIN)
+    planned = compiled.sublinear_plan.graphs[0]
+    assert len(searches) == 1 and planned.signature == "(4, 3, 8, 8):float32@meta"
+    compiled(x).sum().backward()
+    assert len(searches) == 1 and compiled.sublinear_plan.graphs[0].plan == planned.plan
+
 def test_pareto_point_applies_in_one_call():
     torch.manual_seed(0)
     model = Chain(20, 32)
