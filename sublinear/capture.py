@@ -377,6 +377,11 @@ def compile_entry(target: Callable[..., Any], name: str, dynamic: bool | None) -
     in the process shares, and a forward with no tensor ops (``nn.Identity``) marks that code skipped: every
     ``torch.nn`` model compiled afterwards would then run eagerly, unplanned. A code object of its own confines
     each mark and each cache to one model.
+
+    TorchDynamo keeps the graphs compiled for a code object in a cache that the code object owns, and maps each
+    compiled code back to its source code strongly, which keeps a dropped entry's code object (and every graph in
+    its cache) alive for good. The cache is cleared when the entry goes, so a process that compiles many models,
+    or one model at many batch sizes, does not keep every graph it ever captured.
     """
 
     self = target  # the graphs' sources then read L['self'].<module path>, as for a module compiled directly
@@ -385,6 +390,7 @@ def compile_entry(target: Callable[..., Any], name: str, dynamic: bool | None) -
         return self(*args, **kwargs)
 
     entry.__code__ = entry.__code__.replace(co_name="sublinear_entry_" + re.sub(r"\W", "_", name))
+    weakref.finalize(entry, torch._dynamo.eval_frame.remove_from_cache, entry.__code__)
     return torch.compile(entry, backend=DISPATCH, dynamic=dynamic)
 
 

@@ -34,6 +34,7 @@ from .measurement import measure
 from .models import ModelSpec
 from .planners import BudgetError
 from .profiler import step_backward
+from .runtime import SublinearPlan
 
 __all__ = ["StrategyResult", "Tuning", "TuningRow", "baseline_costs", "compare", "largest_fitting", "tune"]
 
@@ -119,27 +120,44 @@ def strategies(genetic_iters: tuple[int, ...], config: SublinearMemoryConfig | N
 
 
 class _PlannedAtBatch:
-    """A sublinear strategy's prepare: the model compiled and planned ahead once per batch, with the wall time that
-    took (capture, profile and search of every graph, including planning graphs again for each other)."""
+    """A sublinear strategy's prepare: the model compiled and planned ahead at each batch, with the wall time that
+    took (capture, profile and search of every graph, including planning graphs again for each other).
+
+    Only the latest compiled module is kept: a search probes dozens of batches, and every module kept grows the
+    heap that each full garbage collection walks, which then lands inside later plannings' wall time. Of the
+    others, the plan (as their step left it) and the planning time remain."""
 
     def __init__(self, spec: ModelSpec, seq: int | None, config: SublinearMemoryConfig) -> None:
         self.spec, self.seq, self.config = spec, seq, config
-        self.compiled: dict[tuple[int, int], nn.Module] = {}
         self.planning_seconds: dict[tuple[int, int], float] = {}
+        self._plans: dict[tuple[int, int], SublinearPlan | None] = {}
+        self._latest: tuple[tuple[int, int], nn.Module] | None = None
 
     def __call__(self, model: nn.Module, batch: int) -> nn.Module:
         key = (id(model), batch)
-        if key not in self.compiled:
+        if self._latest is None or self._latest[0] != key:
+            if self._latest is not None:
+                self._plans[self._latest[0]] = self._latest[1].sublinear_plan
+            self._latest = None
             args, kwargs = self.spec.example_inputs(batch, device="meta", seq=self.seq)
             started = time.perf_counter()
             try:
-                self.compiled[key] = sublinear_compile(model, args, kwargs, config=self.config)
+                compiled = sublinear_compile(model, args, kwargs, config=self.config)
             except BudgetError as exc:
                 raise DoesNotFit(str(exc)) from None
             self.planning_seconds[key] = time.perf_counter() - started
-        if self.compiled[key].sublinear_plan is None:
+            self._latest = (key, compiled)
+        compiled = self._latest[1]
+        if compiled.sublinear_plan is None:
             raise DoesNotFit(f"{self.spec.name} cannot be planned ahead on data-less tensors")
-        return self.compiled[key]
+        return compiled
+
+    def plan(self, model: nn.Module, batch: int) -> SublinearPlan:
+        """The plan at ``batch`` as its latest step left it."""
+        key = (id(model), batch)
+        if self._latest is not None and self._latest[0] == key:
+            return self._latest[1].sublinear_plan
+        return self._plans[key]
 
 
 def _applied_once(apply: Callable[[nn.Module], nn.Module]) -> Prepare:
@@ -227,7 +245,7 @@ def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, budget: int, en
         return StrategyResult(name, 0, 0, float("nan"), float("nan"), None, None, label)
     if isinstance(prepare, _PlannedAtBatch):  # TorchDynamo does not compile under a cost-counting dispatch mode:
         # the plan's own count
-        plan = prepare(model, best).sublinear_plan
+        plan = prepare.plan(model, best)
         return StrategyResult(name, best, peak(best) or 0, plan.flops_ratio, plan.time_ratio,
                               prepare.planning_seconds[id(model), best], plan.predicted_peak_bytes, label)
     flops, seconds = _cost_ratios(spec, prepare, best, seq, env)

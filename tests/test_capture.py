@@ -1,14 +1,16 @@
 """Capture: TorchDynamo graphs of the forward, taken on a data-less twin; what they hold and what capture says."""
 
+import gc
 import logging
 import re
+import weakref
 
 import pytest
 import torch
 from torch import nn
 
-from sublinear.capture import (BUFFER, INPUT, PARAMETER, CaptureError, NeedsData, capture, compile_entry,
-                               describe_node, graph_breaks, receiving)
+from sublinear.capture import (BUFFER, INPUT, PARAMETER, CaptureError, NeedsData, _Dispatch, capture,
+                               compile_entry, describe_node, graph_breaks, receiving)
 import sublinear
 from sublinear.interpret import NodeProgram
 from sublinear.profiler import profile
@@ -166,6 +168,28 @@ def test_a_forward_without_ops_does_not_stop_later_captures():
     assert capture(nn.Identity(), (x,)).graphs == []
     assert len(capture(nn.Linear(8, 8), (x,)).graphs) == 1
     assert len(capture(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (x,)).graphs) == 1
+
+
+def test_graphs_of_a_dropped_compiled_model_are_freed(monkeypatch):
+    # TorchDynamo maps each compiled code to its source code strongly, so a dropped entry's cache (every graph
+    # captured through it) would stay alive: a max-batch search compiles dozens of times in one process.
+    captured = weakref.WeakSet()
+    real_backend = _Dispatch.__call__
+
+    def recording(self, gm, example_inputs):
+        captured.add(gm)
+        return real_backend(self, gm, example_inputs)
+    monkeypatch.setattr(_Dispatch, "__call__", recording)
+    for _ in range(2):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        x = torch.randn(4, 8)
+        compiled = sublinear.compile(model, (x,), config=PLAIN)  # planned ahead on a capture, then a real call
+        compiled(x).sum().backward()
+    assert len(captured) >= 2
+    del model, compiled
+    for _ in range(3):  # the entry's collection clears the cache, the next one frees the graphs
+        gc.collect()
+    assert len(captured) == 0
 
 
 class GrowingCache(nn.Module):
