@@ -10,11 +10,13 @@ data-less twin before training. :class:`SublinearPlan` describes the latest call
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -562,7 +564,8 @@ class SublinearBackend:
         outside the caller's dispatch modes (a memory tracker around the step sees the step, not the planning)."""
         devices = sorted({t.device.index or 0 for t in tree_leaves(list(values))
                           if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
-        with torch.random.fork_rng(devices=devices, device_type="cuda"), _disable_current_modes():
+        with torch.random.fork_rng(devices=devices, device_type="cuda"), _disable_current_modes(), \
+                _collecting_new_objects_only():
             return self._plan_graph(runtime, values, key, dry_run)
 
     def _plan_graph(self, runtime: _GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool) -> _Variant:
@@ -791,6 +794,22 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
     return run
 
 
+@contextlib.contextmanager
+def _collecting_new_objects_only() -> Iterator[None]:
+    """Garbage collections inside scan only the objects made inside: the process's older objects are frozen
+    (``gc.freeze``) and go back to the oldest generation at the end. Capture and profiling make enough objects to
+    set off full collections, and one over a long-running process's heap took 1-3 s (a max-batch search, after
+    some dozens of compiles), inside the planning's wall time. A heap the process froze itself is left as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 PLAN_AHEAD_ROUNDS = 3  # a graph planned again beside the others changes what they run beside: a few rounds settle
 
 
@@ -799,6 +818,12 @@ def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any
     """Plan every graph of ``module(*args, **kwargs)`` now, on a data-less twin (the module is not run), each for the
     whole step (in a few rounds when the call has several graphs); :class:`BudgetError` when the step cannot fit.
     A model whose eager code between graphs needs tensor values is planned at its first training call instead."""
+    with _collecting_new_objects_only():
+        _plan_ahead(module, backend_, args, kwargs)
+
+
+def _plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any],
+                kwargs: dict[str, Any] | None) -> None:
     try:
         captured = capture(module, args, kwargs)
     except NeedsData as exc:

@@ -3,6 +3,7 @@ autograd.Functions, state stored on modules, attribute and forward changes, opti
 graph breaks, torch.compile around a compiled module, pickling."""
 
 import copy
+import gc
 import io
 import logging
 import math
@@ -477,6 +478,27 @@ def test_replans_when_the_signature_changes():
     step(model, torch.randn(6, 3, 8, 8))
     assert compiled.sublinear_plan.graphs[0].signature == "(6, 3, 8, 8):float32@cpu" != first.signature
 
+
+
+def test_planning_collects_only_its_own_garbage_and_leaves_a_frozen_heap_frozen(monkeypatch):
+    # A full collection over a long-running process's heap would land inside the planning's wall time.
+    frozen_while_searching = []
+    real_make_plan = sublinear.runtime.make_plan
+
+    def searching(*args, **kwargs):
+        frozen_while_searching.append(gc.get_freeze_count())
+        return real_make_plan(*args, **kwargs)
+    monkeypatch.setattr(sublinear.runtime, "make_plan", searching)
+    x = torch.randn(2, 3, 8, 8)
+    sublinear.compile(ResidualNet(), (x,), config=PLAIN)
+    assert frozen_while_searching[-1] > 0 and gc.get_freeze_count() == 0
+    gc.freeze()  # the user's own freeze stays
+    try:
+        frozen = gc.get_freeze_count()
+        sublinear.compile(ResidualNet(), (torch.randn(3, 3, 8, 8),), config=PLAIN)
+        assert len(frozen_while_searching) == 2 and gc.get_freeze_count() > frozen // 2
+    finally:
+        gc.unfreeze()
 
 
 def test_a_model_on_meta_planned_ahead_is_not_planned_again_at_its_first_step(monkeypatch):
