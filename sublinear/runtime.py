@@ -565,7 +565,7 @@ class SublinearBackend:
         devices = sorted({t.device.index or 0 for t in tree_leaves(list(values))
                           if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices, device_type="cuda"), _disable_current_modes(), \
-                _collecting_new_objects_only():
+                collecting_new_objects_only():
             return self._plan_graph(runtime, values, key, dry_run)
 
     def _plan_graph(self, runtime: _GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool) -> _Variant:
@@ -795,7 +795,7 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
 
 
 @contextlib.contextmanager
-def _collecting_new_objects_only() -> Iterator[None]:
+def collecting_new_objects_only() -> Iterator[None]:
     """Garbage collections inside scan only the objects made inside: the process's older objects are frozen
     (``gc.freeze``) and go back to the oldest generation at the end. Capture and profiling make enough objects to
     set off full collections, and one over a long-running process's heap took 1-3 s (a max-batch search, after
@@ -818,7 +818,7 @@ def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any
     """Plan every graph of ``module(*args, **kwargs)`` now, on a data-less twin (the module is not run), each for the
     whole step (in a few rounds when the call has several graphs); :class:`BudgetError` when the step cannot fit.
     A model whose eager code between graphs needs tensor values is planned at its first training call instead."""
-    with _collecting_new_objects_only():
+    with collecting_new_objects_only():
         _plan_ahead(module, backend_, args, kwargs)
 
 
