@@ -390,7 +390,7 @@ def compile_entry(target: Callable[..., Any], name: str, dynamic: bool | None) -
         return self(*args, **kwargs)
 
     entry.__code__ = entry.__code__.replace(co_name="sublinear_entry_" + re.sub(r"\W", "_", name))
-    weakref.finalize(entry, torch._dynamo.eval_frame.remove_from_cache, entry.__code__)
+    weakref.finalize(entry, torch._dynamo.eval_frame.remove_from_cache, entry.__code__).atexit = False
     return torch.compile(entry, backend=DISPATCH, dynamic=dynamic)
 
 
