@@ -813,17 +813,12 @@ def collecting_new_objects_only() -> Iterator[None]:
 PLAN_AHEAD_ROUNDS = 3  # a graph planned again beside the others changes what they run beside: a few rounds settle
 
 
+@collecting_new_objects_only()
 def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any],
-                kwargs: dict[str, Any] | None) -> None:
+               kwargs: dict[str, Any] | None) -> None:
     """Plan every graph of ``module(*args, **kwargs)`` now, on a data-less twin (the module is not run), each for the
     whole step (in a few rounds when the call has several graphs); :class:`BudgetError` when the step cannot fit.
     A model whose eager code between graphs needs tensor values is planned at its first training call instead."""
-    with collecting_new_objects_only():
-        _plan_ahead(module, backend_, args, kwargs)
-
-
-def _plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any],
-                kwargs: dict[str, Any] | None) -> None:
     try:
         captured = capture(module, args, kwargs)
     except NeedsData as exc:
