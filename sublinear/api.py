@@ -116,23 +116,15 @@ class SublinearModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()) or torch.is_inference_mode_enabled():
             return self.original_module(*args, **kwargs)
-        if torch.compiler.is_compiling():
-            _warn_outer_compile(type(self.original_module).__name__)
-            return self.original_module(*args, **kwargs)
-        return self._run(*args, **kwargs)
+        return _planned_call(self._run, *args, **kwargs)
 
 
-_warned_outer: set[str] = set()
-
-
-def _warn_outer_compile(name: str) -> None:
-    """Inside an outer ``torch.compile`` the outer compiler traces the original forward (its graph trains exactly,
-    with its own memory choices); sublinear's plan is not applied there."""
-    if name not in _warned_outer:
-        _warned_outer.add(name)
-        log.warning("sublinear: %s runs inside torch.compile, which compiles its original forward with its own "
-                    "backend: gradients are exact, but sublinear's plan is not applied. Call the sublinear module "
-                    "outside torch.compile to train with the plan.", name)
+@torch.compiler.disable
+def _planned_call(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a planned module's own compile. An outer ``torch.compile`` that reaches it stops its graph here (a graph
+    break) and compiles the code around the module itself; the module's graphs are sublinear's, planned and compiled
+    by sublinear's backend (``fullgraph=True`` cannot hold it: compile the code around the model instead)."""
+    return run(*args, **kwargs)
 
 
 def _examples(example_inputs: Sequence[Any] | Any) -> tuple:
@@ -188,14 +180,15 @@ class _PlannedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module()
-        forward = type(module).forward.__get__(module)
         if not (module.training and torch.is_grad_enabled()) or torch.is_inference_mode_enabled():
-            return forward(*args, **kwargs)
-        if torch.compiler.is_compiling():
-            _warn_outer_compile(type(module).__name__)
-            return forward(*args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
+        return _planned_call(self._planned_run, *args, **kwargs)
+
+    def _planned_run(self, *args: Any, **kwargs: Any) -> Any:
         if self._run is None:
-            self._run = compile_module(forward, self.sublinear_backend, type(module).__name__, module)
+            module = self._module()
+            self._run = compile_module(type(module).forward.__get__(module), self.sublinear_backend,
+                                       type(module).__name__, module)
         return self._run(*args, **kwargs)
 
 

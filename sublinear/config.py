@@ -14,6 +14,7 @@ MAX_THRESH_NR_TRY = 1000
 MAX_GENETIC_POOL_SIZE = 1000
 MAX_GENETIC_NR_ITER = 10000
 COST_MODELS = ("auto", "measure", "estimate", "reference")
+COMPILERS = ("auto", "inductor", "eager")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ class SublinearMemoryConfig:
         (meta: a reference GPU's), estimated for the "reference" GPU whatever the device, or "auto": measured on
         CPU and CUDA tensors, estimated on meta.
     seed: seed of the genetic and local searches; the same seed gives the same plan.
+    compiler: what runs each planned graph. "inductor": AOTAutograd partitions the graph as the plan says and
+        inductor compiles forward and backward (recompute included); "eager": sublinear's own executor runs the
+        graph op by op on eager kernels (for debugging: exact like eager, slower); "auto" (default):
+        $SUBLINEAR_COMPILER when set, else inductor where it can compile for the device (CPU: a C++ compiler;
+        CUDA: triton), else eager.
     cache_dir: plan cache folder; None uses $SUBLINEAR_CACHE_DIR or the user cache dir; "" disables it.
     """
 
@@ -49,6 +55,7 @@ class SublinearMemoryConfig:
     planners: tuple[str, ...] = ("grid", "optimal", "genetic", "local")
     cost_model: str = "auto"
     seed: int = 0
+    compiler: str = "auto"
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -89,6 +96,8 @@ class SublinearMemoryConfig:
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model must be one of {COST_MODELS}; got {self.cost_model!r}")
         _int_at_least("seed", self.seed, 0)
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {COMPILERS}; got {self.compiler!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise ValueError(f"cache_dir must be a path, '' (no cache) or None; got {type(self.cache_dir).__name__}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -26,6 +27,7 @@ from torch.utils._python_dispatch import _disable_current_modes, any_torch_dispa
 from torch.utils._pytree import tree_leaves
 
 from .cache import PlanCache, cache_dir
+from .compiled import CompiledGraph, JointTraceError, compiled_profile, resolve_compiler
 from .capture import (BUFFER, INPUT, PARAMETER, CapturedGraph, GraphBreak, GraphOutputs, NeedsData, SharedGraph,
                       capture, compile_entry, graph_breaks, input_signature, receiving)
 from .config import SublinearMemoryConfig
@@ -222,7 +224,7 @@ class _Variant:
     profile: GraphProfile
     plan: Plan
     simulation: Simulation
-    rewritten: RewrittenGraph
+    rewritten: RewrittenGraph | CompiledGraph
     summary: GraphPlan
     auto_budget: bool
     objective: Objective
@@ -425,6 +427,7 @@ class SublinearBackend:
         self._warned_breaks = False
         self._warned_unplanned = False
         self._warned_mode = False
+        self.eager_only: dict[str, str] = {}  # graph code -> why inductor cannot compile it
         self.ran_graph = False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -566,7 +569,13 @@ class SublinearBackend:
                           if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices, device_type="cuda"), _disable_current_modes(), \
                 collecting_new_objects_only():
-            return self._plan_graph(runtime, values, key, dry_run)
+            try:
+                return self._plan_graph(runtime, values, key, dry_run)
+            except JointTraceError as exc:
+                self.eager_only[runtime.graph.code] = str(exc)
+                log.warning("sublinear: graph %d runs on sublinear's eager executor: inductor could not trace its "
+                            "forward and backward (%s)", runtime.index, exc)
+                return self._plan_graph(runtime, values, key, dry_run)
 
     def _plan_graph(self, runtime: _GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool) -> _Variant:
         started = time.perf_counter()
@@ -574,28 +583,37 @@ class SublinearBackend:
         sharding = key[-1]
         context, settled = self.context_for(runtime, values)
         uses = self.uses.get(graph.code)
-        profile_key = (graph.code, key, config.cost_model, uses)
+        compiler = runtime.compiler(values)
+        profile_key = (graph.code, key, config.cost_model, uses, compiler)
         store_key = (*profile_key, context, repr(sorted(config.planning_key().items())))
         cached = self.store.get(store_key)
         override = self.overrides.get(graph.code)
         disk = PlanCache(cache_dir(config.cache_dir))
         disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key(),
-                                 context=repr(context), uses=uses)
+                                 context=repr(context), uses=uses, compiler=compiler)
         if cached is not None:
-            profile_, plan, result = cached
+            profile_, node_names, plan, result = cached
         else:
             profiled = self.profiles.get(profile_key)  # a graph planned again in a new context is not profiled again
             entry = disk.load(disk_key) if override is None else None
-            if entry is not None:
-                estimated = profiled or profile(graph, values, cost_model="estimate", uses=uses)
-                entry = disk.check(entry, disk_key, estimated.num_ops)
+            if compiler == "inductor":
+                if profiled is None:
+                    compiled = compiled_profile(graph, values, uses)
+                    profiled = compiled.profile, compiled.node_names
+                if entry is not None:
+                    entry = disk.check(entry, disk_key, profiled[0].num_ops)
+            elif entry is not None:
+                estimated = profiled or (profile(graph, values, cost_model="estimate", uses=uses), None)
+                entry = disk.check(entry, disk_key, estimated[0].num_ops)
                 if entry is not None and profiled is None:
-                    profiled = estimated.with_costs(entry["costs"])
-                    log.info("sublinear: plan cache hit (%s): search and timing runs skipped", disk_key[:12])
+                    profiled = estimated[0].with_costs(entry["costs"]), None
+            if entry is not None:
+                log.info("sublinear: plan cache hit (%s): search and timing runs skipped", disk_key[:12])
             if profiled is None:
-                profiled = profile(graph, values, cost_model=config.cost_model, uses=uses)
+                profiled = profile(graph, values, cost_model=config.cost_model, uses=uses), None
             self.profiles.put(profile_key, profiled)
-            profile_ = dataclasses.replace(profiled, sharding=sharding, step_context=context)
+            profile_ = dataclasses.replace(profiled[0], sharding=sharding, step_context=context)
+            node_names = profiled[1]
             plan, result = (Plan.from_dict(entry), None) if entry is not None else (None, None)
         budget = self.budget_for(runtime, profile_, values, dry_run)
         objective = objective_for(config, budget)
@@ -627,9 +645,10 @@ class SublinearBackend:
         if result is not None:
             history = tuple((c.simulation.peak_bytes, c.simulation.time_ratio) for c in result.history)
         if not settling:
-            self.store.put(store_key, (profile_, plan, result))
+            self.store.put(store_key, (profile_, node_names, plan, result))
         sim = simulate(profile_, plan)
-        rewritten = rewrite(graph, profile_, plan)
+        rewritten = (CompiledGraph(graph, analyse(profile_, plan), node_names) if node_names is not None
+                     else rewrite(graph, profile_, plan))
         summary = _summarise(runtime.index, values, graph, profile_, plan, result, sim, eager, origin, objective,
                              time.perf_counter() - started, from_cache, history)
         log.info("sublinear: planned %s", summary)
@@ -697,6 +716,17 @@ class _GraphRuntime:
     def key(self, values: Sequence[Any]) -> tuple:
         return (_value_key(values, self.graph.model_device), autocast_state(), self.backend.sharding())
 
+    def compiler(self, values: Sequence[Any]) -> str:
+        """What runs the graph for ``values``: inductor or sublinear's eager executor (see
+        :func:`sublinear.compiled.resolve_compiler`); a graph inductor cannot trace runs eagerly."""
+        if self.graph.code in self.backend.eager_only:
+            return "eager"
+        compiler = resolve_compiler(self.backend.config.compiler, _device_of(values).type)
+        if compiler == "inductor" and self.backend.sharding() is not None:
+            _say_fsdp_runs_eagerly()
+            return "eager"
+        return compiler
+
     def variant_for(self, values: Sequence[Any], dry_run: bool = False) -> _Variant:
         key = self.key(values)
         variant = self.variants.get(key)
@@ -726,6 +756,12 @@ class _GraphRuntime:
         run.record(GraphOutputs.of(out))
         backend_.call.append(run)
         return out
+
+
+@functools.cache
+def _say_fsdp_runs_eagerly() -> None:
+    log.warning("sublinear: under FSDP2 the planned graphs run on sublinear's eager executor, whose recompute FSDP's "
+                "gather and reduce-scatter hooks are tested with; the compiled executor is not applied there")
 
 
 def backend(config: SublinearMemoryConfig | None = None) -> SublinearBackend:

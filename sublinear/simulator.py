@@ -96,7 +96,7 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     # Timeline: forward slots 0..n-1, then backward node by node from the last rank (two slots each: before and
     # after it frees what it saved), with each block's recompute just before the backward of the node that first
     # needs it (its trigger), one slot per closure op.
-    c_blocks, c_ops = a.closure_pairs
+    c_blocks, c_ops = a.recompute_pairs
     trigger = a.trigger
     lengths = np.bincount(c_blocks, minlength=len(trigger))
     recomputes = np.zeros(len(node_op), dtype=np.int64)
@@ -130,6 +130,8 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     # forward and keeps what it saved until then; a reaching node keeps a retained storage until its backward),
     # the forward frame of a block whose recomputable op reads it, and the frame of a block whose closure reads it.
     stop = np.where(profile.storage_last_use >= n, end, profile.storage_last_use).astype(np.int64)
+    if len(profile.materialized_in_forward):  # fused into its forward readers: no memory until something else holds it
+        stop[~profile.materialized_in_forward] = producer[~profile.materialized_in_forward]
     if len(profile.held_through_forward):
         stop[profile.held_through_forward] = np.maximum(stop[profile.held_through_forward], n - 1)
     saved, ranks = profile.saved_pairs
@@ -147,7 +149,11 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     reader_at, triple = _expand(profile.input_bounds, c_ops)
     triple_storages, _, triple_producers = profile.input_triples
     read_storage, read_block = triple_storages[triple], c_blocks[reader_at]
-    _, inside = _find(c_blocks * n + c_ops, read_block * n + triple_producers[triple])
+    if profile.recompute_shared:  # one recomputed copy of each op's values, whichever block rebuilt it; what is
+        _, inside = _find(np.unique(c_ops), triple_producers[triple])  # kept is read as kept
+        inside &= ~retained[read_storage]
+    else:
+        _, inside = _find(c_blocks * n + c_ops, read_block * n + triple_producers[triple])
     np.maximum.at(stop, read_storage[~inside], frame_stop[read_block[~inside]])
     lives = stop > producer
     np.add.at(held, producer[lives] + 1, sizes[lives])
@@ -160,17 +166,20 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     copy_storage = order[produced_at]
     copy_start = c_slot[copy_at]
     copy_stop = copy_start.copy()
-    copy_keys = c_blocks[copy_at] * len(producer) + copy_storage
+    shared = profile.recompute_shared
+    copy_keys = copy_storage if shared else c_blocks[copy_at] * len(producer) + copy_storage
     by_key = np.argsort(copy_keys)
 
     def extend(blocks: np.ndarray, storages: np.ndarray, slots: np.ndarray) -> None:
-        pos, found = _find(copy_keys[by_key], blocks * len(producer) + storages)
+        pos, found = _find(copy_keys[by_key], storages if shared else blocks * len(producer) + storages)
         np.maximum.at(copy_stop, by_key[pos[found]], slots[found])
 
     extend(read_block[inside], read_storage[inside], c_slot[reader_at[inside]])
     own = dropped[saved] & reaches[savers]
     extend(a.block_of[savers[own]], saved[own], backward_slot[ranks[own]])
     copied = copy_stop > copy_start
+    if len(profile.materialized_when_rebuilt):  # fused into the backward kernels that read it
+        copied &= profile.materialized_when_rebuilt[copy_storage]
     np.add.at(held, copy_start[copied] + 1, sizes[copy_storage[copied]])
     np.add.at(held, copy_stop[copied] + 1, -sizes[copy_storage[copied]])
 

@@ -4,6 +4,7 @@ helpers that capture, profile and plan them."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -15,6 +16,12 @@ from sublinear.capture import capture
 from sublinear.config import SublinearMemoryConfig
 from sublinear.models.chain import Chain  # noqa: F401  (the tests' long chain)
 from sublinear.profiler import default_loss, profile
+
+# Tests run graphs on sublinear's eager executor unless they ask for inductor (tests/test_compiled.py): it is exact
+# bit for bit against eager, and it needs no C++ compile per model (seconds each on two cores).
+os.environ.setdefault("SUBLINEAR_COMPILER", "eager")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one process per core: each runs its kernels on one thread
+    torch.set_num_threads(1)
 
 # The suite compiles hundreds of models of a few classes in one process; TorchDynamo must not give up on them.
 torch._dynamo.config.recompile_limit = 10_000

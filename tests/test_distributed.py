@@ -45,8 +45,9 @@ def _train(rank, mode, result_path):
 
     x = _data()[rank * PER_RANK:(rank + 1) * PER_RANK]
     model = _model()
-    if mode == "ddp":
-        compiled = sublinear.compile(model, x)
+    if mode in ("ddp", "ddp-inductor"):
+        config = sublinear.SublinearMemoryConfig(compiler="inductor" if mode == "ddp-inductor" else "eager")
+        compiled = sublinear.compile(model, x, config=config)
         net = nn.parallel.DistributedDataParallel(compiled)
         net(x).sum().backward()
         blocks = compiled.sublinear_plan.num_blocks
@@ -87,7 +88,7 @@ def _train(rank, mode, result_path):
         torch.save((blocks, [g * WORLD for g in grads]), result_path)  # DDP and FSDP average over ranks
 
 
-@pytest.mark.parametrize("mode", ["ddp", "ddp-decorator", "fsdp2", "fsdp2-stages"])
+@pytest.mark.parametrize("mode", ["ddp", "ddp-inductor", "ddp-decorator", "fsdp2", "fsdp2-stages"])
 def test_two_processes_match_single_process_on_the_whole_batch(tmp_path, mode):
     result_path = str(tmp_path / "rank0.pt")
     mp.start_processes(_worker, args=(str(tmp_path / "store"), mode, result_path), nprocs=WORLD, join=True,

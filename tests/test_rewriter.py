@@ -62,7 +62,7 @@ def test_branchy_dag_with_views_in_place_kwargs_and_two_outputs(plan_name):
     assert_same_training(eager, train_steps(compiled, (x, y), kwargs, steps=2))
 
 
-@pytest.mark.parametrize("name", ["tiny-resnet", "tiny-bert", "tiny-gpt",
+@pytest.mark.parametrize("name", ["tiny-resnet", "tiny-bert", pytest.param("tiny-gpt", marks=pytest.mark.slow),
                                   pytest.param("resnet18", marks=pytest.mark.slow)])
 def test_zoo_models_match_eager_under_the_grid_plan(name):
     spec = get_model(name)

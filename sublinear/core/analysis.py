@@ -72,6 +72,20 @@ class PlanAnalysis:
         ops = np.fromiter(itertools.chain.from_iterable(self.closure), dtype=np.int64, count=sum(lengths))
         return np.repeat(np.arange(len(lengths), dtype=np.int64), lengths), ops
 
+    @cached_property
+    def recompute_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(block, op) for every op a recompute runs, ordered as :attr:`closure_pairs`: every closure's ops, or,
+        where recomputes are shared (``GraphProfile.recompute_shared``), each op once, in the block whose
+        recompute runs first in backward (the highest trigger)."""
+        blocks, ops = self.closure_pairs
+        if not self.profile.recompute_shared or not len(ops):
+            return blocks, ops
+        order = np.lexsort((-self.trigger[blocks], ops))
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = ops[order][1:] != ops[order][:-1]
+        keep = np.sort(order[first])
+        return blocks[keep], ops[keep]
+
     @property
     def num_blocks(self) -> int:
         return len(self.plan.split_points)
@@ -82,10 +96,10 @@ class PlanAnalysis:
         return self.block_of != self.num_blocks - 1
 
     def recompute_seconds(self, profile: GraphProfile) -> float:
-        return float(profile.op_seconds[self.closure_pairs[1]].sum())
+        return float(profile.op_seconds[self.recompute_pairs[1]].sum())
 
     def recompute_flops(self, profile: GraphProfile) -> int:
-        return int(profile.op_flops[self.closure_pairs[1]].sum())
+        return int(profile.op_flops[self.recompute_pairs[1]].sum())
 
 
 def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:

@@ -176,6 +176,14 @@ class GraphProfile:
     sharding: ShardedParameters | None = None  # FSDP2's per-rank layout; None: full parameters and gradients
     step_context: StepContext | None = None  # the other graphs of the call; None: this graph is the whole step
     output_uses: tuple[str, ...] = ()  # per tensor output: "gradient", "kept" (to the step's end) or "dropped"
+    # Per storage, for a compiled step (empty: every storage is memory whenever it is live): whether it takes memory
+    # while only forward readers hold it (a compiler that fuses its producer into its readers makes no buffer), and
+    # whether a copy a recompute rebuilds takes memory (or is fused into the backward kernels that read it).
+    materialized_in_forward: np.ndarray = field(default_factory=lambda: _empty(bool))
+    materialized_when_rebuilt: np.ndarray = field(default_factory=lambda: _empty(bool))
+    # A compiled backward runs each recomputed op once, in the block whose recompute comes first, and keeps its
+    # values until every block that reads them is done (False: every block's recompute rebuilds its own copies).
+    recompute_shared: bool = False
 
     @property
     def num_ops(self) -> int:

@@ -1,0 +1,183 @@
+"""Run a plan compiled: the plan as AOTAutograd's partition, forward and backward compiled by inductor.
+
+The partitioner splits the joint graph (:mod:`sublinear.compiled.joint`) into a forward graph, which returns what
+backward reads (the saved values), and a backward graph, which recomputes every other forward value it reads.
+Inductor compiles both, so recompute fuses into the backward's kernels. The plan enters as the partitioner's
+recompute tags (``CheckpointPolicy`` in ``node.meta["recompute"]``), set on every forward node of the joint graph by
+a :class:`~torch._inductor.custom_graph_pass.CustomPartitionerFn` that then runs inductor's own min-cut partitioner:
+
+- a node of an op the plan recomputes is ``MUST_RECOMPUTE`` unless every storage of its value is kept (a block
+  boundary, or a value a later block reads): backward rebuilds it from the nearest saved values, as the block's
+  recompute closure does;
+- every other node is ``MUST_SAVE``: the forward saves it when backward, or a recompute, reads it;
+- backward nodes are ``MUST_RECOMPUTE``: left to itself, the partitioner computes in forward (and saves) a backward
+  node that needs no gradient, where that saves fewer bytes than what it reads; kept in backward, what forward saves
+  is exactly what backward reads.
+
+With every node tagged the partition is the plan's, and the simulator's reading of it
+(:mod:`sublinear.compiled.profile`) is what runs. Random numbers recompute as drawn in forward: inductor draws them
+from seeds that forward saves (where it falls back to aten's generators, the partitioner saves and restores the
+generator state around each recomputed random op). BatchNorm updates its running statistics once: AOTAutograd traces
+the update as a write after the forward, which a recompute does not repeat.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..capture import CapturedGraph
+from ..core.analysis import PlanAnalysis, StorageState, analyse
+from ..core.plan import Plan
+from .joint import JointGraph, labelled_copy, normalise
+from .profile import CompiledProfile
+
+__all__ = ["CompiledGraph", "PlanPartitioner", "compile_plan", "inductor_unavailable", "recompute_tags",
+           "resolve_compiler"]
+
+log = logging.getLogger("sublinear.compiled")
+
+
+def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[str, bool]:
+    """Per forward node of the joint graph (by name): True when backward must recompute it, False when forward must
+    save it if anything in backward reads it."""
+    profile = analysis.profile
+    kept = analysis.state == StorageState.KEPT
+    tags = {}
+    for i, name in enumerate(node_names):
+        op = profile.op_of_node[i]
+        storages = [s for s in profile.node_storages.get(i, ()) if s >= 0]
+        recomputed = bool(analysis.recomputed[op]) and not (storages and all(kept[s] for s in storages))
+        tags[name] = recomputed
+    return tags
+
+
+class PlanPartitioner(CustomPartitionerFn):
+    """Inductor's min-cut partitioner on a joint graph whose forward nodes carry a plan's recompute tags."""
+
+    def __init__(self, tags: dict[str, bool]) -> None:
+        self.tags = tags
+        self.applied: bool | None = None  # whether the joint graph matched the planned one
+        self._uuid = hashlib.sha256(repr(sorted(tags.items())).encode()).hexdigest()
+
+    def uuid(self) -> str:
+        return self._uuid
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> tuple[fx.GraphModule,
+                                                                                                fx.GraphModule]:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        joint = JointGraph.of(normalise(gm), kwargs["num_fwd_outputs"])
+        self.applied = [n.name for n in joint.forward] == list(self.tags)
+        if self.applied:
+            recompute = dict(self.tags)
+            for node in joint.forward:  # a multi-output node is recomputed when any output is: it cannot be saved
+                if not isinstance(node.meta.get("val"), torch.Tensor) and node.users:
+                    recompute[node.name] = recompute[node.name] or any(recompute.get(u.name, False)
+                                                                       for u in node.users)
+            for node in joint.forward:
+                node.meta["recompute"] = (CheckpointPolicy.MUST_RECOMPUTE if recompute[node.name]
+                                          else CheckpointPolicy.MUST_SAVE)
+            for node in joint.backward:  # backward stays in backward: forward saves what backward reads, as planned
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+class CompiledGraph:
+    """A captured graph under a plan, compiled by inductor at its first call (for that call's input shapes); call it
+    with the graph's placeholder values, as the graph itself."""
+
+    def __init__(self, graph: CapturedGraph, analysis: PlanAnalysis, node_names: Sequence[str]) -> None:
+        self.graph = graph
+        self.analysis = analysis
+        self.partitioner = PlanPartitioner(recompute_tags(analysis, node_names))
+        self._compiled: Callable[..., Any] | None = None
+
+    @property
+    def plan(self) -> Plan:
+        return self.analysis.plan
+
+    def __call__(self, *values: Any) -> Any:
+        if self._compiled is None:
+            self._compiled = self._compile(list(values))
+        return self._compiled(*values)
+
+    def _compile(self, values: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        from torch._functorch import config as functorch_config
+
+        # Backward is compiled now, under these settings, rather than at its first run after they are gone.
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            compiled = compile_fx(labelled_copy(self.graph.graph_module), values,
+                                  config_patches=compile_patches(self.partitioner))
+        if self.partitioner.applied is False:
+            log.warning("sublinear: the graph inductor traced to compile differs from the one planned; it runs with "
+                        "torch.compile's own partition (exact gradients, the plan's memory not guaranteed)")
+        return compiled
+
+
+def compile_patches(partitioner: CustomPartitionerFn) -> dict[str, Any]:
+    """Inductor settings for a planned graph: the plan's partition, and every buffer freed after its last use.
+    Inductor otherwise keeps a dead buffer until a later one of the same size takes its place, which in a
+    backward that recomputes holds dead activations for most of the step; the allocator reuses the memory itself."""
+    return {"custom_partitioner_fn": partitioner, "allow_buffer_reuse": False}
+
+
+def compile_plan(graph: CapturedGraph, compiled: CompiledProfile, plan: Plan) -> CompiledGraph:
+    """``graph`` under ``plan`` (for ``compiled.profile``), to be compiled by inductor at its first call."""
+    return CompiledGraph(graph, analyse(compiled.profile, plan), compiled.node_names)
+
+
+@functools.cache
+def inductor_unavailable(device_type: str) -> str:
+    """Why inductor cannot compile for ``device_type`` here ("" when it can)."""
+    if device_type == "cpu":
+        from torch._inductor import cpp_builder
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except Exception as exc:  # noqa: BLE001 - any failure means no compiler
+            return f"no C++ compiler for inductor's CPU kernels ({exc})"
+        return ""
+    if device_type == "cuda":
+        try:
+            import triton  # noqa: F401, PLC0415
+        except ImportError:
+            return "triton is not installed"
+        return ""
+    return f"inductor does not compile for {device_type}"
+
+
+def resolve_compiler(setting: str, device_type: str) -> str:
+    """The compiler that runs graphs on ``device_type`` for the config's ``compiler`` setting: "auto" is
+    ``$SUBLINEAR_COMPILER`` when set, else inductor where it can compile for the device, else eager (said once at
+    WARNING). Meta tensors run nowhere: "auto" plans them for the eager executor, whose memory the max-batch
+    comparison's eager baselines share; set ``compiler="inductor"`` to plan a meta model as inductor would run it."""
+    if setting == "auto":
+        setting = os.environ.get("SUBLINEAR_COMPILER", "") or "auto"
+        if setting not in ("auto", "inductor", "eager"):
+            raise ValueError(f"SUBLINEAR_COMPILER must be inductor or eager; got {setting!r}")
+    if setting != "auto":
+        return setting
+    if device_type == "meta":
+        return "eager"
+    reason = inductor_unavailable(device_type)
+    if reason:
+        _warn_eager(device_type, reason)
+        return "eager"
+    return "inductor"
+
+
+@functools.cache
+def _warn_eager(device_type: str, reason: str) -> None:
+    log.warning("sublinear: graphs on %s run on sublinear's eager executor: %s", device_type, reason)

@@ -1,0 +1,165 @@
+"""The joint forward+backward graph AOTAutograd traces for a captured graph, as inductor's partitioner receives it.
+
+:func:`trace_joint` runs inductor's own front end (``compile_fx``: pre-grad passes, AOTAutograd's joint trace with
+inductor's decompositions, the joint-graph pattern passes) on the graph's values, real or fake, and stops at the
+partitioner, before any kernel is generated. Each captured node carries its position (``node.meta["custom"]``), and
+AOTAutograd copies that field to every aten node it traces from the captured node, forward and backward, so each
+joint node names the captured node it comes from. Nodes a pattern pass puts in place of others carry none.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from ..capture import CapturedGraph
+
+__all__ = ["JointGraph", "JointTraceError", "labelled_copy", "normalise", "origin", "trace_joint"]
+
+NODE_KEY = "sublinear_node"  # key of a captured node's position in node.meta["custom"]
+
+
+class JointTraceError(RuntimeError):
+    """AOTAutograd or inductor could not trace the graph's joint forward and backward."""
+
+
+def origin(node: fx.Node) -> int | None:
+    """The position of the captured node that ``node`` was traced from (None: unknown)."""
+    custom = node.meta.get("custom")
+    return custom.get(NODE_KEY) if isinstance(custom, dict) else None
+
+
+def is_backward(node: fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_backward"
+
+
+def labelled_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` (inductor takes ownership of what it compiles) whose nodes carry their positions."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for i, node in enumerate(graph.nodes):
+        if node.op != "output":
+            node.meta["custom"] = {**(node.meta.get("custom") or {}), NODE_KEY: i}
+    return fx.GraphModule(gm, graph)
+
+
+def normalise(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as the min-cut partitioner reads it: dead nodes removed and common subexpressions merged (a backward
+    node that computes what a forward node already has reads the forward node instead). The partitioner does the
+    same again, which changes nothing, so the nodes planned are the nodes partitioned."""
+    from torch._functorch import config as functorch_config  # noqa: PLC0415
+    from torch._functorch.compile_utils import fx_graph_cse  # noqa: PLC0415
+
+    gm.graph.eliminate_dead_code()
+    if functorch_config.cse:
+        gm.graph = fx_graph_cse(gm.graph)
+    gm.recompile()
+    return gm
+
+
+@dataclass
+class JointGraph:
+    """A joint graph: forward nodes (the operators forward runs, in order), backward nodes (in the order autograd
+    would run them), the placeholders (``primals``: the captured graph's inputs in order; ``tangents``: gradients of
+    the forward's outputs) and the outputs (``forward_outputs``, then a gradient or None per primal)."""
+
+    gm: fx.GraphModule
+    forward: list[fx.Node]
+    backward: list[fx.Node]
+    primals: list[fx.Node]
+    tangents: list[fx.Node]
+    forward_outputs: list[Any]
+    gradients: list[Any]
+
+    @staticmethod
+    def of(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
+        """The joint graph's parts. A node traced in forward that no forward output (nor a write into an input)
+        needs runs in backward, before its first backward reader, as the partitioner places it."""
+        nodes = list(gm.graph.nodes)
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        operators = [n for n in nodes if n.op == "call_function"]
+        outputs = list(nodes[-1].args[0])
+        needed: set[fx.Node] = set()
+        stack = [n for n in outputs[:num_fwd_outputs] if isinstance(n, fx.Node)]
+        stack += [n for n in operators if n.meta.get("partitioner_tag") == "must_be_in_forward"]
+        while stack:
+            node = stack.pop()
+            if node not in needed and not is_backward(node):
+                needed.add(node)
+                stack.extend(node.all_input_nodes)
+                if not isinstance(node.meta.get("val"), torch.Tensor):  # its outputs are taken where it runs
+                    stack.extend(u for u in node.users if u.target is operator.getitem)
+        forward = [n for n in operators if n in needed]
+        backward: list[fx.Node] = []
+        placed: set[fx.Node] = set()
+
+        def place(node: fx.Node) -> None:
+            if node in placed or node in needed or node.op != "call_function":
+                return
+            for arg in node.all_input_nodes:
+                place(arg)
+            placed.add(node)
+            backward.append(node)
+
+        for node in operators:
+            if is_backward(node):
+                place(node)
+        return JointGraph(gm, forward, backward, [n for n in placeholders if not is_backward(n)],
+                          [n for n in placeholders if is_backward(n)], outputs[:num_fwd_outputs],
+                          outputs[num_fwd_outputs:])
+
+
+class _Stop(Exception):
+    """Raised by the recording partitioner once it holds the joint graph: nothing after it is wanted."""
+
+
+class _Recorder(CustomPartitionerFn):
+    def __init__(self) -> None:
+        self.joint: JointGraph | None = None
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+        self.joint = JointGraph.of(normalise(gm), kwargs["num_fwd_outputs"])
+        raise _Stop
+
+    def uuid(self) -> None:
+        return None  # never cached: it compiles nothing
+
+
+def trace_joint(graph: CapturedGraph, values: Sequence[Any]) -> JointGraph:
+    """The joint graph inductor would partition for ``graph`` called on ``values`` (real or fake tensors)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    recorder = _Recorder()
+    try:
+        compile_fx(labelled_copy(graph.graph_module), list(values),
+                   config_patches={"custom_partitioner_fn": recorder})
+    except Exception as exc:  # noqa: BLE001 - the recorder's stop, or a failure to report
+        if not _stopped(exc):
+            raise JointTraceError(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}") \
+                from exc
+    if recorder.joint is None:
+        raise JointTraceError("inductor did not partition the graph (it has no backward)")
+    return recorder.joint
+
+
+def _stopped(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if isinstance(exc, _Stop):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def is_view(node: fx.Node) -> bool:
+    """``node``'s value shares its input's storage (a view op, or an element of a view op's outputs)."""
+    target = node.target
+    if target is operator.getitem:
+        parent = node.args[0]
+        return isinstance(parent, fx.Node) and is_view(parent)
+    return isinstance(target, torch._ops.OpOverload) and target.is_view

@@ -1,0 +1,241 @@
+"""The compiled executor: the plan as AOTAutograd's partition, forward and backward compiled by inductor.
+
+Inductor's fused kernels round differently from eager and from each other, so training is compared with plain
+``torch.compile`` of the same model: losses and gradients to float tolerance; BatchNorm's step counter, the global
+RNG stream and the dropout masks exactly (a different mask would move the gradients far beyond the tolerance).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import sublinear
+from sublinear.compiled import CompiledGraph, JointTraceError, compiled_profile, trace_joint
+from sublinear.compiled import executor as compiled_executor
+from sublinear.core import Plan, StorageState, analyse
+from sublinear.measurement import measure_cpu_allocator
+from sublinear.profiler import default_loss
+from sublinear.simulator import simulate
+
+from conftest import PLAIN, ResidualNet, train_steps
+
+INDUCTOR = dataclasses.replace(PLAIN, compiler="inductor")
+
+
+def recomputing_plan(profile) -> Plan:
+    """A plan that drops and rebuilds most of the step: a block per three ops."""
+    return Plan.of(range(2, profile.num_ops, 3), profile.num_ops)
+
+
+def close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), rtol=rtol, atol=atol) for k in a)
+
+
+def unprefixed(state: dict) -> dict:
+    return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+
+
+@pytest.fixture(scope="module")
+def residual_training():
+    """ResidualNet (convolutions, BatchNorm, in-place ReLU, max-pool indices, dropout) trained two SGD steps under
+    a recomputing plan compiled by inductor, and under plain torch.compile; with the compiled graph that ran."""
+    torch.manual_seed(0)
+    base = ResidualNet().train()
+    x = torch.randn(4, 3, 16, 16)
+    model = copy.deepcopy(base)
+    compiled = sublinear.compile(model, (x,), config=INDUCTOR)
+    plan = recomputing_plan(compiled.sublinear_profile)
+    compiled.use(plan)
+    planned = train_steps(compiled, (x,), steps=2)
+    graph = next(iter(compiled.sublinear_backend.latest.values())).rewritten
+    reference = train_steps(torch.compile(copy.deepcopy(base)), (x,), steps=2)
+    return planned, tuple(unprefixed(part) if isinstance(part, dict) else part for part in reference), graph
+
+
+def test_a_recomputing_plan_runs_compiled_as_planned(residual_training):
+    _, _, graph = residual_training
+    assert isinstance(graph, CompiledGraph)
+    assert graph.partitioner.applied
+    assert any(graph.partitioner.tags.values())  # forward nodes backward recomputes
+
+
+def test_compiled_gradients_match_torch_compile(residual_training):
+    (losses, grads, _, _), (ref_losses, ref_grads, _, _), _ = residual_training
+    assert all(torch.allclose(a, b, rtol=1e-5) for a, b in zip(losses, ref_losses))
+    assert close(grads, ref_grads)
+
+
+def test_compiled_batchnorm_statistics_update_once(residual_training):
+    (_, _, state, _), (_, _, ref_state, _), _ = residual_training
+    counters = [k for k in state if k.endswith("num_batches_tracked")]
+    assert counters and all(state[k].item() == 2 for k in counters)  # two steps, recompute included
+    assert close(state, ref_state)
+
+
+def test_compiled_rng_stream_and_dropout_masks_match_torch_compile(residual_training):
+    (_, grads, _, rng), (_, ref_grads, _, ref_rng), _ = residual_training
+    assert torch.equal(rng, ref_rng)
+    assert torch.allclose(grads["fc.weight"], ref_grads["fc.weight"], rtol=1e-4, atol=1e-6)  # behind the dropout
+
+
+def test_forward_saves_exactly_what_the_plan_keeps(monkeypatch):
+    """The partition's saved values are the storages the plan keeps for backward or for a recompute."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).train()
+    x = torch.randn(16, 32)
+    compiled = sublinear.compile(model, (x,), config=INDUCTOR)
+    profile = compiled.sublinear_profile
+    plan = recomputing_plan(profile)
+    compiled.use(plan)
+    saved = {}
+    partition = compiled_executor.PlanPartitioner.__call__
+
+    def recording(self, gm, joint_inputs, **kwargs):
+        fw, bw = partition(self, gm, joint_inputs, **kwargs)
+        outputs = list(fw.graph.nodes)[-1].args[0][kwargs["num_fwd_outputs"]:]
+        saved["names"] = {n.name for n in outputs if not n.name.startswith("primals")}
+        return fw, bw
+
+    monkeypatch.setattr(compiled_executor.PlanPartitioner, "__call__", recording)
+    default_loss(compiled(x)).backward()
+    graph = next(iter(compiled.sublinear_backend.latest.values())).rewritten
+    a = analyse(profile, plan)
+    names = list(graph.partitioner.tags)
+    read_by_recompute = {s for o in a.recompute_pairs[1] for _, storages in profile.op_inputs[o] for s in storages}
+    expected = {s for s in range(len(profile.storage_bytes)) if a.state[s] == StorageState.KEPT
+                and (profile.saved_reaching[s] or s in read_by_recompute)}
+    got = {s for i, name in enumerate(names) if name in saved["names"] for s in profile.node_storages[i] if s >= 0}
+    assert expected and got == expected
+    assert any(a.state == StorageState.REBUILT)
+
+
+def test_compiled_prediction_matches_the_cpu_allocator():
+    """Predicted peak of the compiled step against the CPU allocator's own count, eager plan and recomputing plan."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512), nn.LayerNorm(512))
+                            for _ in range(4)]).train()
+    x = torch.randn(256, 512)
+    compiled = sublinear.compile(model, (x,), config=INDUCTOR)
+    profile = compiled.sublinear_profile
+
+    def step(m):
+        default_loss(m(x)).backward()
+
+    for plan in (Plan.no_split(profile.num_ops), recomputing_plan(profile)):
+        compiled.use(plan)
+        step(compiled)  # compile
+        model.zero_grad(set_to_none=True)
+        measured = measure_cpu_allocator(step, compiled).peak_bytes
+        model.zero_grad(set_to_none=True)
+        predicted = simulate(profile, plan).peak_bytes
+        assert abs(measured - predicted) / measured < 0.05, (plan.num_blocks, measured, predicted)
+
+
+def test_compiled_budget_plan_stays_within_its_budget():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(4)])
+    x = torch.randn(256, 256)
+    lowest = sublinear.compile(copy.deepcopy(model), (x,), config=INDUCTOR).sublinear_plan  # no budget: lowest peak
+    budget = (lowest.predicted_peak_bytes + lowest.baseline_peak_bytes) // 2
+    config = dataclasses.replace(INDUCTOR, memory_budget=budget)
+    compiled = sublinear.compile(model, (x,), config=config)
+    assert compiled.sublinear_plan.predicted_peak_bytes <= budget
+
+    def step(m):
+        default_loss(m(x)).backward()
+
+    step(compiled)
+    model.zero_grad(set_to_none=True)
+    assert measure_cpu_allocator(step, compiled).peak_bytes <= budget
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward scales the gradient (so a lost custom backward shows in the gradients)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3.0
+
+
+class _WithFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = F.gelu(self.a(x))
+        h = _ScaleGrad.apply(torch.tanh(self.b(h)))
+        return self.c(h)
+
+
+def test_compiled_autograd_function_keeps_its_backward():
+    torch.manual_seed(0)
+    base = _WithFunction().train()
+    x = torch.randn(8, 32)
+    compiled = sublinear.compile(copy.deepcopy(base), (x,), config=INDUCTOR)
+    compiled.use(recomputing_plan(compiled.sublinear_profile))
+    _, grads, _, _ = train_steps(compiled, (x,), steps=1)
+    _, ref_grads, _, _ = train_steps(copy.deepcopy(base), (x,), steps=1)
+    assert close(grads, ref_grads)
+
+
+def test_compiled_bf16_autocast_matches_torch_compile():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.Dropout(0.1), nn.Linear(128, 8))
+    x = torch.randn(16, 64)
+
+    def training(module):
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = default_loss(module(x))
+        loss.backward()
+        return loss.detach(), {k.removeprefix("_orig_mod."): p.grad for k, p in module.named_parameters()}
+
+    model = copy.deepcopy(base).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled = sublinear.compile(model, (x,), config=INDUCTOR)
+    assert compiled.sublinear_profile.ops[0].name  # planned at the dtypes autocast makes
+    compiled.use(recomputing_plan(compiled.sublinear_profile))
+    loss, grads = training(compiled)
+    ref_loss, ref_grads = training(torch.compile(copy.deepcopy(base).train()))
+    assert torch.allclose(loss.float(), ref_loss.float(), rtol=1e-2)
+    assert close(grads, ref_grads, rtol=2e-2, atol=2e-3)
+
+
+def test_a_graph_inductor_cannot_trace_runs_on_the_eager_executor(monkeypatch, caplog):
+    def refuse(*_args, **_kwargs):
+        raise JointTraceError("RuntimeError: no lowering for this op")
+
+    monkeypatch.setattr("sublinear.compiled.trace_joint", refuse)
+    torch.manual_seed(0)
+    base = ResidualNet().train()
+    x = torch.randn(2, 3, 8, 8)
+    with caplog.at_level(logging.WARNING, logger="sublinear"):
+        compiled = sublinear.compile(copy.deepcopy(base), (x,), config=INDUCTOR)
+    assert "eager executor" in caplog.text and "no lowering" in caplog.text
+    eager = train_steps(copy.deepcopy(base), (x,), steps=1)
+    planned = train_steps(compiled, (x,), steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(eager[0], planned[0]))  # the eager executor is exact
+
+
+def test_the_joint_graph_names_every_forward_node_after_its_captured_node():
+    torch.manual_seed(0)
+    model = ResidualNet().train()
+    graph = sublinear.capture.capture(model, (torch.randn(2, 3, 8, 8),)).graph
+    joint = trace_joint(graph, graph.example_values)
+    profile = compiled_profile(graph, graph.example_values).profile
+    assert len(profile.op_of_node) == len(joint.forward)
+    named = [op.name for op in profile.ops]
+    assert any(name.startswith("blocks.0.c1") for name in named) and any(name.startswith("fc") for name in named)
