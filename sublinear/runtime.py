@@ -108,6 +108,7 @@ class GraphPlan:
     planning_seconds: float  # profile + search
     search_seconds: float  # the search alone; 0 for a cache hit
     from_cache: bool
+    compiled_peak_bytes: int | None = None  # the graph alone, as its compiled forward and backward hold memory
 
     @property
     def num_blocks(self) -> int:
@@ -123,8 +124,9 @@ class GraphPlan:
 
     def __str__(self) -> str:
         nested = f" ({len(self.plan.soft)} nested)" if self.plan.soft else ""
+        compiled = " (as compiled)" if self.compiled_peak_bytes is not None else ""
         return (f"graph {self.graph} at {self.signature}: {self.num_blocks} blocks{nested} over {self.num_ops} ops, "
-                f"predicted peak {self.predicted_peak_bytes / _MIB:.1f} MiB vs eager "
+                f"predicted peak {self.predicted_peak_bytes / _MIB:.1f} MiB{compiled} vs eager "
                 f"{self.baseline_peak_bytes / _MIB:.1f} MiB, step time x{self.time_ratio:.3f} (FLOPs "
                 f"x{self.flops_ratio:.3f}); {self.objective}; by {self.origin}{' (cache)' if self.from_cache else ''}")
 
@@ -230,15 +232,29 @@ class _Variant:
     objective: Objective
     planned_in: StepContext | None  # the context the plan was searched in
     uses: tuple[str, ...]  # what the profiled step did with each output
+    budget: int | None  # the memory budget the step must fit (the search may have aimed lower)
     settling: bool = False  # the lowest peak taken while earlier graphs of the call were not planned for this one
+    compiled_excess: int = 0  # what the compiled graphs hold beyond the simulation, once compiled
+
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted peak: simulated, and once compiled, as the compiled forward and backward hold memory."""
+        return self.simulation.peak_bytes + self.compiled_excess
 
     def set_context(self, context: StepContext | None) -> None:
         """Simulate the plan (and eager, for the report) beside the call's other graphs as ``context`` says."""
         self.profile = dataclasses.replace(self.profile, step_context=context)
         self.simulation = simulate(self.profile, self.plan)
         eager = simulate(self.profile, Plan.no_split(self.profile.num_ops))
-        self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.simulation.peak_bytes,
+        self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.peak_bytes,
                                            baseline_peak_bytes=eager.peak_bytes)
+
+    def note_compiled(self, peak_alone: int) -> None:
+        """The compiled graphs hold ``peak_alone`` at their peak in a step of this graph alone."""
+        alone = simulate(dataclasses.replace(self.profile, step_context=None), self.plan).peak_bytes
+        self.compiled_excess = max(0, peak_alone - alone)
+        self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.peak_bytes,
+                                           compiled_peak_bytes=peak_alone)
 
     @property
     def accepted(self) -> bool:
@@ -428,6 +444,7 @@ class SublinearBackend:
         self._warned_unplanned = False
         self._warned_mode = False
         self.eager_only: dict[str, str] = {}  # graph code -> why inductor cannot compile it
+        self.budget_cuts: dict[str, int] = {}  # graph code -> bytes its search aims below the budget (compiled)
         self.ran_graph = False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -585,12 +602,13 @@ class SublinearBackend:
         uses = self.uses.get(graph.code)
         compiler = runtime.compiler(values)
         profile_key = (graph.code, key, config.cost_model, uses, compiler)
-        store_key = (*profile_key, context, repr(sorted(config.planning_key().items())))
+        cut = self.budget_cuts.get(graph.code, 0)
+        store_key = (*profile_key, context, repr(sorted(config.planning_key().items())), cut)
         cached = self.store.get(store_key)
         override = self.overrides.get(graph.code)
         disk = PlanCache(cache_dir(config.cache_dir))
         disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key(),
-                                 context=repr(context), uses=uses, compiler=compiler)
+                                 context=repr(context), uses=uses, compiler=compiler, cut=cut)
         if cached is not None:
             profile_, node_names, plan, result = cached
         else:
@@ -616,7 +634,7 @@ class SublinearBackend:
             node_names = profiled[1]
             plan, result = (Plan.from_dict(entry), None) if entry is not None else (None, None)
         budget = self.budget_for(runtime, profile_, values, dry_run)
-        objective = objective_for(config, budget)
+        objective = objective_for(config, None if budget is None else max(budget - cut, 1))
         eager = simulate(profile_, Plan.no_split(profile_.num_ops))
         origin, from_cache, history = "cache", plan is not None and result is None, ()
         if override is not None:
@@ -628,7 +646,7 @@ class SublinearBackend:
         settling = False
         if plan is None:
             try:
-                result = make_plan(profile_, config, memory_budget=budget)
+                result = make_plan(profile_, config, memory_budget=objective.memory_budget)
             except BudgetError as exc:
                 if settled:
                     raise
@@ -653,7 +671,7 @@ class SublinearBackend:
                              time.perf_counter() - started, from_cache, history)
         log.info("sublinear: planned %s", summary)
         return _Variant(profile_, plan, sim, rewritten, summary, config.memory_budget == "auto", objective, context,
-                        profile_.output_uses, settling)
+                        profile_.output_uses, budget, settling)
 
     @staticmethod
     def _still_best(objective: Objective, plan: Plan, profile_: GraphProfile, eager: Simulation) -> bool:
@@ -738,6 +756,46 @@ class _GraphRuntime:
                 variant = None
         if variant is None:
             variant = self.variants[key] = self.backend.plan_graph(self, values, key, dry_run)
+        if not dry_run:
+            variant = self._compiled_within_budget(variant, values, key)
+        return variant
+
+    def _compiled_within_budget(self, variant: _Variant, values: Sequence[Any], key: tuple) -> _Variant:
+        """Compile a new variant now and read what its compiled graphs hold; when that is above the budget, plan
+        again aiming below it by the excess (a few rounds), so that the compiled step fits."""
+        for _ in range(COMPILED_ROUNDS):
+            graph = variant.rewritten
+            if not isinstance(graph, CompiledGraph) or graph.compiled:
+                return variant
+            graph.compile(values)
+            if graph.peak_bytes is None:
+                return variant
+            variant.note_compiled(graph.peak_bytes)
+            if variant.budget is None or variant.peak_bytes <= variant.budget:
+                return variant
+            over = variant.peak_bytes - variant.budget
+            code = self.graph.code
+            self.backend.budget_cuts[code] = self.backend.budget_cuts.get(code, 0) + over
+            log.info("sublinear: graph %d compiled holds %.1f MiB, %.1f MiB above the budget: planning again %.1f MiB "
+                     "lower", self.index, variant.peak_bytes / _MIB, over / _MIB, self.backend.budget_cuts[code] / _MIB)
+            self.forget(variant)
+            excess, budget, objective = variant.compiled_excess, variant.budget, variant.objective
+            try:
+                variant = self.variants[key] = self.backend.plan_graph(self, values, key, False)
+            except BudgetError as exc:  # said for the budget asked for, with what the compiled step would hold
+                lowest = exc.lowest.simulation
+                raise BudgetError(dataclasses.replace(objective, memory_budget=budget),
+                                  Candidate(exc.lowest.plan, dataclasses.replace(
+                                      lowest, peak_bytes=lowest.peak_bytes + excess)), None) from None
+        graph = variant.rewritten
+        if isinstance(graph, CompiledGraph) and not graph.compiled:
+            graph.compile(values)
+            if graph.peak_bytes is not None:
+                variant.note_compiled(graph.peak_bytes)
+        if variant.budget is not None and variant.peak_bytes > variant.budget:
+            raise BudgetError(dataclasses.replace(variant.objective, memory_budget=variant.budget),
+                              Candidate(variant.plan, dataclasses.replace(variant.simulation,
+                                                                          peak_bytes=variant.peak_bytes)), None)
         return variant
 
     def forget(self, variant: _Variant) -> None:
@@ -846,6 +904,7 @@ def collecting_new_objects_only() -> Iterator[None]:
         gc.unfreeze()
 
 
+COMPILED_ROUNDS = 3  # plans searched again below the budget when the compiled graphs hold more than simulated
 PLAN_AHEAD_ROUNDS = 3  # a graph planned again beside the others changes what they run beside: a few rounds settle
 
 

@@ -38,8 +38,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..capture import CapturedGraph
 from ..core.analysis import PlanAnalysis, StorageState, analyse
 from ..core.plan import Plan
-from .joint import JointGraph, labelled_copy, normalise
+from .joint import JointGraph, is_view, labelled_copy, normalise
 from .profile import CompiledProfile
+from .wrapper import tensor_bytes, walk_wrapper
 
 __all__ = ["CompiledGraph", "PlanPartitioner", "compile_plan", "inductor_unavailable", "recompute_tags",
            "resolve_compiler"]
@@ -94,36 +95,87 @@ class PlanPartitioner(CustomPartitionerFn):
 
 class CompiledGraph:
     """A captured graph under a plan, compiled by inductor at its first call (for that call's input shapes); call it
-    with the graph's placeholder values, as the graph itself."""
+    with the graph's placeholder values, as the graph itself. Once compiled, ``peak_bytes`` is the peak of one
+    training step of the graph alone as its compiled forward and backward hold memory (None: not known)."""
 
     def __init__(self, graph: CapturedGraph, analysis: PlanAnalysis, node_names: Sequence[str]) -> None:
         self.graph = graph
         self.analysis = analysis
         self.partitioner = PlanPartitioner(recompute_tags(analysis, node_names))
         self._compiled: Callable[..., Any] | None = None
+        self.peak_bytes: int | None = None
 
     @property
     def plan(self) -> Plan:
         return self.analysis.plan
 
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
     def __call__(self, *values: Any) -> Any:
-        if self._compiled is None:
-            self._compiled = self._compile(list(values))
+        self.compile(values)
         return self._compiled(*values)
 
-    def _compile(self, values: list[Any]) -> Callable[..., Any]:
-        from torch._inductor.compile_fx import compile_fx
-
+    def compile(self, values: Sequence[Any]) -> None:
+        """Compile for ``values`` (real tensors of the call), once."""
+        if self._compiled is not None:
+            return
         from torch._functorch import config as functorch_config
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        graphs: list[tuple[bool, fx.GraphModule, str | None]] = []
+
+        def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+            code = compile_fx_inner(gm, example_inputs, **kwargs)
+            graphs.append((bool(kwargs.get("is_backward")), gm, getattr(code, "source_code", None)))
+            return code
 
         # Backward is compiled now, under these settings, rather than at its first run after they are gone.
         with functorch_config.patch(force_non_lazy_backward_lowering=True):
-            compiled = compile_fx(labelled_copy(self.graph.graph_module), values,
-                                  config_patches=compile_patches(self.partitioner))
+            self._compiled = compile_fx(labelled_copy(self.graph.graph_module), list(values), inner_compile=inner,
+                                        config_patches=compile_patches(self.partitioner))
         if self.partitioner.applied is False:
             log.warning("sublinear: the graph inductor traced to compile differs from the one planned; it runs with "
                         "torch.compile's own partition (exact gradients, the plan's memory not guaranteed)")
-        return compiled
+        self.peak_bytes = _step_peak(graphs)
+
+
+def _step_peak(graphs: list[tuple[bool, fx.GraphModule, str | None]]) -> int | None:
+    """The peak of one training step from the compiled forward and backward wrappers: the forward with its inputs
+    (parameters, buffers, inputs), and the backward with what forward saved, the outputs' gradients and its own
+    buffers, beside the forward's inputs."""
+    forward = [g for g in graphs if not g[0]]
+    backward = [g for g in graphs if g[0]]
+    if len(forward) != 1 or len(backward) != 1:
+        return None
+
+    def inputs(gm: fx.GraphModule, counted) -> dict[str, tuple[int, int]]:
+        return {n.name: tensor_bytes(n.meta.get("val")) for n in gm.graph.nodes
+                if n.op == "placeholder" and counted(n.name)}
+
+    (_, fw_gm, fw_code), (_, bw_gm, bw_code) = forward[0], backward[0]
+    if fw_code is None or bw_code is None:
+        return None
+    aliases = _input_aliases(fw_gm)  # saved views of parameters and inputs: their storage is counted already
+    fw_inputs = inputs(fw_gm, lambda name: True)
+    fw = walk_wrapper(fw_code, fw_inputs, held=frozenset(fw_inputs))  # parameters and inputs outlive the forward
+    bw = walk_wrapper(bw_code, inputs(bw_gm, lambda name: not name.startswith("primals") and name not in aliases))
+    if fw is None or bw is None:
+        return None
+    return max(fw.peak, fw.start + bw.peak)
+
+
+def _input_aliases(gm: fx.GraphModule) -> set[str]:
+    """Names of the graph's outputs that view one of its inputs (a transposed weight saved for backward)."""
+    aliases = set()
+    for node in gm.graph.nodes:
+        base = node
+        while base.op == "call_function" and is_view(base) and base.args and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        if base is not node and base.op == "placeholder":
+            aliases.add(node.name)
+    return aliases
 
 
 def compile_patches(partitioner: CustomPartitionerFn) -> dict[str, Any]:
