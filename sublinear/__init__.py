@@ -1,6 +1,7 @@
 """sublinear: train PyTorch models with sublinear activation memory.
 
-Pipeline: capture (TorchDynamo) → profile → simulate → plan → rewrite. ``sublinear.backend`` is the
+Pipeline: capture (TorchDynamo) → profile → simulate → plan → compile (inductor, the plan as AOTAutograd's
+partition; ``sublinear.compiled``) or rewrite (sublinear's eager executor). ``sublinear.backend`` is the
 ``torch.compile`` backend that runs all of it; ``compile``, ``apply`` and ``trace`` are built on it.
 
 The planning core (``sublinear.core``), the simulator and the planners never import torch; the names below are

@@ -763,7 +763,7 @@ class _GraphRuntime:
     def _compiled_within_budget(self, variant: _Variant, values: Sequence[Any], key: tuple) -> _Variant:
         """Compile a new variant now and read what its compiled graphs hold; when that is above the budget, plan
         again aiming below it by the excess (a few rounds), so that the compiled step fits."""
-        for _ in range(COMPILED_ROUNDS):
+        for round_ in range(COMPILED_ROUNDS + 1):
             graph = variant.rewritten
             if not isinstance(graph, CompiledGraph) or graph.compiled:
                 return variant
@@ -773,29 +773,18 @@ class _GraphRuntime:
             variant.note_compiled(graph.peak_bytes)
             if variant.budget is None or variant.peak_bytes <= variant.budget:
                 return variant
-            over = variant.peak_bytes - variant.budget
-            code = self.graph.code
-            self.backend.budget_cuts[code] = self.backend.budget_cuts.get(code, 0) + over
-            log.info("sublinear: graph %d compiled holds %.1f MiB, %.1f MiB above the budget: planning again %.1f MiB "
-                     "lower", self.index, variant.peak_bytes / _MIB, over / _MIB, self.backend.budget_cuts[code] / _MIB)
+            if round_ == COMPILED_ROUNDS:
+                raise _over_budget(variant, variant.plan, variant.simulation)
+            code = self.graph.code  # aim below the budget by at least what compiling added to this plan
+            cut = self.backend.budget_cuts.get(code, 0)
+            self.backend.budget_cuts[code] = max(cut + variant.peak_bytes - variant.budget, variant.compiled_excess)
+            log.info("sublinear: graph %d compiled holds %.1f MiB, above the budget: planning again %.1f MiB lower",
+                     self.index, variant.peak_bytes / _MIB, self.backend.budget_cuts[code] / _MIB)
             self.forget(variant)
-            excess, budget, objective = variant.compiled_excess, variant.budget, variant.objective
             try:
                 variant = self.variants[key] = self.backend.plan_graph(self, values, key, False)
-            except BudgetError as exc:  # said for the budget asked for, with what the compiled step would hold
-                lowest = exc.lowest.simulation
-                raise BudgetError(dataclasses.replace(objective, memory_budget=budget),
-                                  Candidate(exc.lowest.plan, dataclasses.replace(
-                                      lowest, peak_bytes=lowest.peak_bytes + excess)), None) from None
-        graph = variant.rewritten
-        if isinstance(graph, CompiledGraph) and not graph.compiled:
-            graph.compile(values)
-            if graph.peak_bytes is not None:
-                variant.note_compiled(graph.peak_bytes)
-        if variant.budget is not None and variant.peak_bytes > variant.budget:
-            raise BudgetError(dataclasses.replace(variant.objective, memory_budget=variant.budget),
-                              Candidate(variant.plan, dataclasses.replace(variant.simulation,
-                                                                          peak_bytes=variant.peak_bytes)), None)
+            except BudgetError as exc:
+                raise _over_budget(variant, exc.lowest.plan, exc.lowest.simulation) from None
         return variant
 
     def forget(self, variant: _Variant) -> None:
@@ -814,6 +803,14 @@ class _GraphRuntime:
         run.record(GraphOutputs.of(out))
         backend_.call.append(run)
         return out
+
+
+def _over_budget(variant: _Variant, plan: Plan, simulation: Simulation) -> BudgetError:
+    """The error for a compiled step that cannot fit ``variant``'s budget: the lowest plan found (``plan``, simulated
+    as ``simulation``) with what compiling holds beyond its simulation, said for the budget asked for."""
+    objective = dataclasses.replace(variant.objective, memory_budget=variant.budget)
+    peak = simulation.peak_bytes + variant.compiled_excess
+    return BudgetError(objective, Candidate(plan, dataclasses.replace(simulation, peak_bytes=peak)), None)
 
 
 @functools.cache
