@@ -11,6 +11,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ import torch
 
 from . import __version__
 from .config import SublinearMemoryConfig, parse_size
+from .core.units import format_bytes
 from .models import MODELS, ModelSpec, get_model
 
 __all__ = ["main"]
@@ -45,10 +47,6 @@ def _models_epilog() -> str:
     for name, text in forms.items():
         lines += textwrap.wrap(text, 100, initial_indent=f"  {name:{width}s}  ", subsequent_indent=" " * (width + 4))
     return "\n".join(lines)
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -99,6 +97,18 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _output_file(path: str) -> str:
+    """A file the command writes when its work is done: checked now, so that a typo costs no run."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a directory; give a file name")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: permission denied")
+    return path
+
+
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -111,8 +121,9 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _model(name: str, args: argparse.Namespace) -> ModelSpec:
-    """A built-in model, ``hf:<ModelClass>``, or ``package.module:callable``; built once on meta here, so that a
-    model that cannot be built fails now, in one line."""
+    """A built-in model, ``hf:<ModelClass>``, or ``package.module:callable``; built once on meta here (a user's
+    model also runs its forward once), so that a model that cannot be built, or cannot take the inputs made for it,
+    fails now, in one line."""
     if name.startswith("hf:"):
         from .models.hf import hf_model
 
@@ -127,9 +138,35 @@ def _model(name: str, args: argparse.Namespace) -> ModelSpec:
             raise ValueError(f"unknown model {name!r}; built-in: {', '.join(MODELS)}, or hf:<ModelClass>, or "
                              "package.module:callable")
         spec = _user_model(name, args)
+        _check_user_forward(spec, args)
+        return spec
     with torch.device("meta"):
         spec.build()
     return spec
+
+
+# Errors of a forward that reads its input as indices (an embedding, indexing, one_hot) and got floats.
+_FLOAT_INDICES = re.compile(r"'indices' to have one of the following scalar types|used as indices must be|"
+                            r"only applicable to index tensor|Expected dtype int32 or int64 for index")
+
+
+def _check_user_forward(spec: ModelSpec, args: argparse.Namespace) -> None:
+    """Run the user's model forward once, data-less, on the inputs every command makes for it (at batch 2: training
+    BatchNorm refuses one sample), so that a forward that cannot take them fails now, in one line."""
+    with torch.device("meta"):
+        model = spec.build().train()
+        example, kwargs = spec.example_inputs(2, device="meta", seq=_seq(args, spec))
+        try:
+            model(*example, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's forward is reported in one line
+            given = ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in example)
+            hint = ("it reads its input as indices (token ids): pass --dtype int64"
+                    if args.dtype.is_floating_point and _FLOAT_INDICES.search(str(exc))
+                    else "check --input-shape, --seq and --dtype")
+            why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}" if str(exc).strip() else \
+                type(exc).__name__
+            raise ValueError(f"--model {spec.name}: the forward fails on zeros of shape {given}: {why}; {hint}") \
+                from None
 
 
 def _user_model(name: str, args: argparse.Namespace) -> ModelSpec:
@@ -232,6 +269,8 @@ def _cmd_maxbatch(args: argparse.Namespace) -> int:
     from .maxbatch import compare
     from .report import machine, maxbatch_markdown, maxbatch_text
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available to this torch")
     config = _measuring_config(args)
     autocast = _AUTOCAST[args.autocast]
     specs = [_model(name, args) for name in args.model.split(",")]
@@ -245,7 +284,7 @@ def _cmd_maxbatch(args: argparse.Namespace) -> int:
         label = f"{spec.name}{f' seq {seq}' if seq else ''}{f' autocast {args.autocast}' if autocast else ''}"
         results[label] = rows
         notes += skipped
-        title = f"{label}: max batch at {_mib(args.memory_budget)} on {machine(args.device)}"
+        title = f"{label}: max batch at {format_bytes(args.memory_budget)} on {machine(args.device)}"
         print(f"\n{maxbatch_text(title, rows)}")
         for line in skipped:
             print(f"note: {line}")
@@ -323,7 +362,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             fixed = p.parameter_bytes + p.buffer_bytes + p.gradient_bytes
             where = f" graph {i} of {len(graphs)}" if len(graphs) > 1 else ""
             print(f"{spec.name} batch {args.batch}{where}: eager activations "
-                  f"{_mib((p.measured_peak_bytes - fixed) / args.batch)} per sample")
+                  f"{format_bytes((p.measured_peak_bytes - fixed) / args.batch)} per sample")
             print(p.summary())
     return 0
 
@@ -399,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("meta", "cuda"), default="meta",
                    help="meta: measured without memory; cuda: every candidate batch really runs (default meta)")
     p.add_argument("--no-baselines", action="store_true", help="leave out the hand-written checkpointing rows")
-    p.add_argument("--out", default=None, metavar="FILE", help="also write the table as markdown to this file")
+    p.add_argument("--out", type=_output_file, default=None, metavar="FILE",
+                   help="also write the table as markdown to this file")
     p.set_defaults(run=_cmd_maxbatch)
 
     p = command("tune", "genetic-iteration sweep: best peak, max batch and planning time per value")
@@ -408,8 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     _planner_options(p)
     p.add_argument("--genetic-iters", type=_int_list(0, "0,1,2,5"), default=(0, 1, 2, 5, 10, 20), metavar="LIST",
                    help="comma separated genetic_nr_iter values (default 0,1,2,5,10,20)")
-    p.add_argument("--out", default=None, metavar="FILE", help="also write the table as markdown to this file")
-    p.add_argument("--plot", default=None, metavar="PNG",
+    p.add_argument("--out", type=_output_file, default=None, metavar="FILE",
+                   help="also write the table as markdown to this file")
+    p.add_argument("--plot", type=_output_file, default=None, metavar="PNG",
                    help="write the convergence plot to this PNG (needs matplotlib)")
     p.set_defaults(run=_cmd_tune)
 
@@ -423,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     _planner_options(p)
     p.add_argument("--genetic-iters", type=_int_at_least(0), default=0, metavar="N",
                    help="generations of the genetic refinement (default 0: grid search only)")
-    p.add_argument("--plot", default=None, metavar="PNG",
+    p.add_argument("--plot", type=_output_file, default=None, metavar="PNG",
                    help="write live memory over one training step, eager against the plan, to this PNG "
                         "(needs matplotlib)")
     p.set_defaults(run=_cmd_plan)
@@ -449,6 +490,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.setLevel(min(logging.INFO, logging.getLogger().level))  # progress lines even without -v
     try:
         return args.run(args)
-    except (ValueError, CaptureError) as exc:
+    except (ValueError, CaptureError, OSError) as exc:
         print(f"sublinear {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

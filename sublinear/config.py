@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 __all__ = ["SublinearMemoryConfig", "parse_size"]
@@ -130,11 +131,16 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``11GiB``, ``500MB``, ``1.5 GiB`` or a raw integer."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    """Bytes from ``11GiB`` (units of 2**30 bytes), ``500 MB`` (10**6), ``1.5 KiB``, ``4096`` or ``5e7``. A unit is
+    a whole name, in any case: ``11G`` is refused, as it could mean GB or GiB. Fractions of a byte round down."""
+    from fractions import Fraction  # exact: binary floating point reads "4.35 KB" one byte short
+
+    match = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]{1,2})?)\s*([A-Za-z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 11GiB, 500MB or a number of bytes)")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if value < 1 or not math.isfinite(value):
+        raise ValueError(f"not a size: {text!r}; accepted: a number of bytes (50000000 or 5e7), or a number with a "
+                         "unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), as in "
+                         "\"11GiB\" or \"500 MB\"")
+    value = math.floor(Fraction(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value < 1:
         raise ValueError(f"size must be at least 1 byte: {text!r}")
-    return int(value)
+    return value

@@ -24,19 +24,23 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
 
 from .api import compile as sublinear_compile
 from .baselines import BASELINES, NotApplicable
-from .capture import FakeTwin
+from .capture import CaptureError, FakeTwin
 from .config import SublinearMemoryConfig
+from .core.units import format_bytes
 from .costs import REFERENCE_GPU, StepCost, device_rates
 from .measurement import measure
 from .models import ModelSpec
 from .planners import BudgetError
+from .planners.driver import StepFloor
 from .profiler import step_backward
 from .runtime import SublinearPlan
 
-__all__ = ["StrategyResult", "Tuning", "TuningRow", "baseline_costs", "compare", "largest_fitting", "tune"]
+__all__ = ["NothingFits", "StrategyResult", "Tuning", "TuningRow", "baseline_costs", "compare", "fixed_floor",
+           "largest_fitting", "tune"]
 
 log = logging.getLogger("sublinear.maxbatch")
 
@@ -51,6 +55,7 @@ class StrategyResult:
     planning_seconds: float | None  # sublinear only: capture + profile + plan at max_batch
     predicted_peak_bytes: int | None  # sublinear only
     device: str
+    least_need: tuple[int, int] | None = None  # max_batch 0: (batch, bytes) at the smallest batch whose need is known
 
 
 BATCH_LIMIT = 1 << 16  # the largest batch any search tries
@@ -89,7 +94,16 @@ Note = Callable[[str], None]  # one line on a strategy that was skipped
 
 
 class DoesNotFit(Exception):
-    """The strategy has no acceptable plan at this batch (budget unreachable or FLOPs over the limit)."""
+    """The strategy has no acceptable plan at this batch (budget unreachable or FLOPs over the limit);
+    ``needed_bytes``: the lowest predicted peak found, when a search ran."""
+
+    def __init__(self, message: str, needed_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+
+
+class NothingFits(ValueError):
+    """No strategy fits the smallest batch in the budget; the message names what the step needs."""
 
 
 def strategies(genetic_iters: tuple[int, ...], config: SublinearMemoryConfig | None, seq: int | None,
@@ -144,7 +158,7 @@ class _PlannedAtBatch:
             try:
                 compiled = sublinear_compile(model, args, kwargs, config=self.config)
             except BudgetError as exc:
-                raise DoesNotFit(str(exc)) from None
+                raise DoesNotFit(str(exc), exc.smallest) from None
             self.planning_seconds[key] = time.perf_counter() - started
             self._latest = (key, compiled)
         compiled = self._latest[1]
@@ -178,11 +192,17 @@ def compare(spec: ModelSpec, budget: int, genetic_iters: tuple[int, ...] = (0,),
             time_limits: tuple[float, ...] = (), note: Note | None = None) -> list[StrategyResult]:
     """Max batch at ``budget`` bytes for eager, the hand-written baselines, and sublinear planning for the budget
     with each genetic setting (and under each of ``time_limits``; see :func:`strategies`), with every step (and
-    every plan) under
-    ``torch.autocast(dtype=autocast)`` when given. ``progress(done, total, message)`` follows the strategies. A
-    baseline that does not apply to the model has no row: ``note`` (default: a logged warning) gets one line on it."""
+    every plan) under ``torch.autocast(dtype=autocast)`` when given. ``progress(done, total, message)`` follows the
+    strategies. A baseline that does not apply to the model has no row: ``note`` (default: a logged warning) gets
+    one line on it. :class:`NothingFits` when the budget is below :func:`fixed_floor`, before any strategy runs, or
+    when no strategy fits batch 1."""
     say = progress or (lambda done, total, message: log.info(message))
     skipped = note or log.warning
+    floor = fixed_floor(spec, seq)
+    if budget < floor.total:
+        raise NothingFits(f"{spec.name}: the budget ({format_bytes(budget)}) is below what a training step holds at "
+                          f"batch 1 whatever the strategy: {floor} (optimizer state, if any, comes on top); raise the "
+                          f"budget to at least {format_bytes(floor.total)}")
     env = _Environment.for_model(spec, device, autocast)
     if device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
@@ -206,7 +226,30 @@ def compare(spec: ModelSpec, budget: int, genetic_iters: tuple[int, ...] = (0,),
             say(done + 1, len(chosen), f"{spec.name}: {name}: max batch {results[-1].max_batch}")
         if device == "cuda":  # the next strategy starts with the device's memory free
             gc.collect()
+    if results and not any(r.max_batch for r in results):
+        text = f"{spec.name}: no strategy fits batch 1 in {format_bytes(budget)}"
+        known = [(r.least_need, r.strategy) for r in results if r.least_need is not None]
+        if known:
+            (batch, nbytes), strategy = min(known)
+            text += (f"; the least needed is {format_bytes(nbytes)} ({strategy} at batch {batch}): raise the budget "
+                     "to at least that")
+        raise NothingFits(text)
     return results
+
+
+def fixed_floor(spec: ModelSpec, seq: int | None) -> StepFloor:
+    """What a training step of ``spec`` at batch 1 holds whatever the strategy: the parameters, buffers and inputs,
+    and the parameters' gradients when it ends (counted on a data-less build)."""
+    with torch.device("meta"):
+        model = spec.build()
+    args, kwargs = spec.example_inputs(1, device="meta", seq=seq)
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    return StepFloor((("parameters", nbytes(model.parameters())), ("buffers", nbytes(model.buffers())),
+                      ("inputs", nbytes(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))),
+                      ("gradients", nbytes(p for p in model.parameters() if p.requires_grad))))
 
 
 def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, budget: int, env: _Environment,
@@ -214,6 +257,7 @@ def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, budget: int, en
     """One strategy's max batch on a fresh model; on meta, the search starts from :func:`_bracket`."""
     model = env.build(spec)
     checked: dict[int, int | None] = {}
+    needed: dict[int, int] = {}  # per batch: the measured peak, or the lowest predicted peak of a plan that missed
 
     def peak(batch: int) -> int | None:
         if batch not in checked:
@@ -221,10 +265,14 @@ def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, budget: int, en
                 try:
                     with env.autocast_context():
                         module = prepare(model, batch)
-                except DoesNotFit:
+                except DoesNotFit as exc:
                     checked[batch] = None
+                    if exc.needed_bytes is not None:
+                        needed[batch] = exc.needed_bytes
                 else:
                     checked[batch] = _step_peak(spec, module, model, batch, env, seq)
+                    if checked[batch] is not None:
+                        needed[batch] = checked[batch]
         return checked[batch]
 
     def fits(batch: int) -> bool:
@@ -232,17 +280,18 @@ def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, budget: int, en
             p = peak(batch)
         except NotApplicable:
             raise
-        except ValueError:
+        except (ValueError, CaptureError):
             if batch > 1:
                 raise
-            return False  # e.g. BatchNorm refuses one sample of 1x1 maps in training
+            return False  # e.g. BatchNorm refuses one sample of 1x1 maps in training (in a capture too)
         return p is not None and p <= budget
 
     start, over = _bracket(peak, budget) if env.device == "meta" else (8, None)
     best = largest_fitting(fits, start, BATCH_LIMIT if over is None else over - 1)
     label = env.device if env.autocast is None else f"{env.device}+{env.autocast}"
     if best == 0:
-        return StrategyResult(name, 0, 0, float("nan"), float("nan"), None, None, label)
+        least = min(needed.items(), default=None)
+        return StrategyResult(name, 0, 0, float("nan"), float("nan"), None, None, label, least)
     if isinstance(prepare, _PlannedAtBatch):  # TorchDynamo does not compile under a cost-counting dispatch mode:
         # the plan's own count
         plan = prepare.plan(model, best)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from .core.units import format_bytes
 from .tracking import StorageTracker, storages_of
 
 __all__ = ["MemoryReport", "measure", "measure_cpu_allocator"]
@@ -36,11 +37,10 @@ class MemoryReport:
     method: str
 
     def __str__(self) -> str:
-        mib = 2**20
-        return (f"peak {self.peak_bytes / mib:.1f} MiB on {self.device} ({self.method}): "
-                f"parameters {self.parameter_bytes / mib:.1f}, buffers {self.buffer_bytes / mib:.1f}, "
-                f"inputs {self.input_bytes / mib:.1f}, gradients {self.gradient_bytes / mib:.1f}, "
-                f"activation peak {self.activation_peak_bytes / mib:.1f} MiB")
+        return (f"peak {format_bytes(self.peak_bytes)} on {self.device} ({self.method}): "
+                f"parameters {format_bytes(self.parameter_bytes)}, buffers {format_bytes(self.buffer_bytes)}, "
+                f"inputs {format_bytes(self.input_bytes)}, gradients {format_bytes(self.gradient_bytes)}, "
+                f"activation peak {format_bytes(self.activation_peak_bytes)}")
 
 
 def measure(step: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:

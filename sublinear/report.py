@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ import torch
 
 from .core.plan import Plan
 from .core.profile import GraphProfile
+from .core.units import format_bytes
 from .maxbatch import StrategyResult, Tuning
 from .simulator import timeline
 
@@ -28,25 +30,30 @@ def _seconds(value: float | None) -> str:
     return f"{value:.2f}" if value is not None else "-"
 
 
+def _ratio(value: float) -> str:
+    """A cost ratio, or "-" where there is none (a strategy that fits no batch)."""
+    return f"{value:.3f}" if math.isfinite(value) else "-"
+
+
 def maxbatch_text(model: str, rows: Sequence[StrategyResult]) -> str:
     eager = rows[0].max_batch or 1
     lines = [f"{'strategy':44s} {'max batch':>9s} {'x eager':>8s} {'time':>7s} {'FLOPs':>7s} {'planning s':>10s}"]
-    lines += [f"{r.strategy:44s} {r.max_batch:9d} {r.max_batch / eager:8.2f} {r.time_ratio:7.3f} "
-              f"{r.flops_ratio:7.3f} {_seconds(r.planning_seconds):>10s}" for r in rows]
+    lines += [f"{r.strategy:44s} {r.max_batch:9d} {r.max_batch / eager:8.2f} {_ratio(r.time_ratio):>7s} "
+              f"{_ratio(r.flops_ratio):>7s} {_seconds(r.planning_seconds):>10s}" for r in rows]
     return f"{model}:\n" + "\n".join(lines)
 
 
 def maxbatch_markdown(results: dict[str, Sequence[StrategyResult]], budget: int, where: str, command: str,
                       notes: Sequence[str] = ()) -> str:
     """The table of every model's rows, then ``notes`` (strategies skipped), one line each."""
-    lines = [f"Budget {budget / 2**30:g} GiB on {where}; torch {torch.__version__}. Command: `{command}`", "",
+    lines = [f"Budget {format_bytes(budget)} on {where}; torch {torch.__version__}. Command: `{command}`", "",
              "| model | strategy | max batch | × eager | predicted time ratio | FLOPs ratio | planning s | "
              "peak at max (MiB) |",
              "|---|---|---|---|---|---|---|---|"]
     for model, rows in results.items():
         eager = rows[0].max_batch or 1
-        lines += [f"| {model} | {r.strategy} | {r.max_batch} | {r.max_batch / eager:.2f} | {r.time_ratio:.3f} | "
-                  f"{r.flops_ratio:.3f} | {_seconds(r.planning_seconds)} | {r.peak_bytes / 2**20:,.0f} |"
+        lines += [f"| {model} | {r.strategy} | {r.max_batch} | {r.max_batch / eager:.2f} | {_ratio(r.time_ratio)} | "
+                  f"{_ratio(r.flops_ratio)} | {_seconds(r.planning_seconds)} | {r.peak_bytes / 2**20:,.0f} |"
                   for r in rows]
     if notes:
         lines += ["", *(f"Note: {note}" for note in notes)]
@@ -54,7 +61,7 @@ def maxbatch_markdown(results: dict[str, Sequence[StrategyResult]], budget: int,
 
 
 def tuning_markdown(tunings: dict[str, Tuning], budget: int, seed: int, command: str) -> str:
-    lines = [f"Budget {budget / 2**30:g} GiB, fp32, {machine('meta')}, torch {torch.__version__}, seed {seed}. "
+    lines = [f"Budget {format_bytes(budget)}, fp32, {machine('meta')}, torch {torch.__version__}, seed {seed}. "
              f"Command: `{command}`", "",
              "| model | genetic_nr_iter | reference batch | best peak (MiB) | vs grid | search s | max batch | "
              "× grid | planning s at max batch |", "|---|---|---|---|---|---|---|---|---|"]
@@ -154,8 +161,8 @@ def plot_step_memory(profile: GraphProfile, plan: Plan, path: str, title: str = 
     eager, _ = timeline(profile, Plan.no_split(profile.num_ops))
     planned, labels = timeline(profile, plan)
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.plot(eager / 2**20, label=f"eager: peak {eager.max() / 2**20:,.1f} MiB", color="tab:blue")
-    ax.plot(planned / 2**20, label=f"plan ({plan.num_blocks} blocks): peak {planned.max() / 2**20:,.1f} MiB",
+    ax.plot(eager / 2**20, label=f"eager: peak {format_bytes(eager.max())}", color="tab:blue")
+    ax.plot(planned / 2**20, label=f"plan ({plan.num_blocks} blocks): peak {format_bytes(planned.max())}",
             color="tab:orange")
     for i, end in enumerate(plan.split_points[:-1]):
         ax.axvline(end + 0.5, color="grey", linestyle=":", linewidth=0.8, label="block end" if i == 0 else None)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import sublinear
 from sublinear.cli import build_parser, main
@@ -29,6 +30,20 @@ def not_a_module():
 
 def needs_width(width):
     return torch.nn.Linear(width, width)
+
+
+class Tokens(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids)).sum(1)
+
+
+def tokens():
+    return Tokens()
 '''
 MLP = ["--model", "cli_test_models:deep_mlp", "--input-shape", "64,32"]  # activations outweigh parameters
 TINY_HF = ["--model", "hf:BertForSequenceClassification", "--hidden", "32", "--seq", "16"]
@@ -106,6 +121,69 @@ def test_user_model_imports_from_the_current_directory(user_models, capsys):
     assert "cli_test_models:deep_mlp batch 4:" in out and "predicted peak" in out
     assert main(["plan", *MLP, "--batch", "4", "--memory-budget", "1KiB"]) == 2
     one_error_line(capsys, "smallest predicted peak")
+
+
+def test_an_impossible_budget_exits_2_naming_the_minimum_before_any_table(user_models, capsys):
+    assert main(["maxbatch", *MLP, "--memory-budget", "1KiB", "--genetic-iters", "0", "--no-baselines"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # no table of zeros
+    error = out.err.strip()
+    assert "\n" not in error and "Traceback" not in error
+    assert "the budget (1.00 KiB) is below what a training step holds at batch 1 whatever the strategy: parameters " \
+           "24.8 KiB, buffers 0 B, inputs 8.00 KiB, gradients 24.8 KiB = 57.5 KiB" in error
+    assert error.endswith("raise the budget to at least 57.5 KiB")
+    assert main(["plan", *MLP, "--batch", "4", "--memory-budget", "1KiB"]) == 2
+    error = one_error_line(capsys, "the budget (1.00 KiB) is below what the step holds whatever the plan",
+                           "= 81.5 KiB", "The smallest predicted peak found is")
+    assert "search longer" not in error
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, monkeypatch, capsys):
+    import sublinear.maxbatch
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the work ran before the output path was checked")
+
+    monkeypatch.setattr(sublinear.maxbatch, "compare", no_work)
+    monkeypatch.setattr(sublinear.maxbatch, "tune", no_work)
+    missing = tmp_path / "no-such-dir" / "out.md"
+    for argv in (["maxbatch", "--model", "tiny-resnet", "--out", str(missing)],
+                 ["tune", "--model", "tiny-resnet", "--out", str(missing)],
+                 ["tune", "--model", "tiny-resnet", "--plot", str(missing)],
+                 ["plan", "--model", "tiny-resnet", "--plot", str(missing)]):
+        assert main(argv) == 2
+        one_error_line(capsys, f"cannot write {missing}: the directory {missing.parent} does not exist")
+    assert main(["plan", "--model", "tiny-resnet", "--plot", str(tmp_path)]) == 2
+    one_error_line(capsys, f"{tmp_path} is a directory")
+
+
+def test_a_file_that_cannot_be_written_after_the_work_is_one_line_too(monkeypatch, capsys):
+    import sublinear.cli
+
+    def disk_full(args):
+        raise OSError(28, "No space left on device", "table.md")
+
+    monkeypatch.setattr(sublinear.cli, "_cmd_profile", disk_full)
+    assert main(["profile", "--model", "tiny-resnet"]) == 2
+    one_error_line(capsys, "sublinear profile: error: [Errno 28] No space left on device: 'table.md'")
+
+
+def test_a_token_model_fed_floats_is_told_to_pass_dtype_int64(user_models, capsys):
+    tokens = ["--model", "cli_test_models:tokens", "--seq", "8"]
+    for command in ("plan", "maxbatch", "profile"):
+        assert main([command, *tokens]) == 2
+        one_error_line(capsys, "--model cli_test_models:tokens: the forward fails on zeros of shape [2, 8] float32",
+                       "'indices'", "pass --dtype int64")
+    assert main(["plan", *tokens, "--dtype", "int64", "--batch", "2"]) == 0
+    assert "cli_test_models:tokens batch 2 seq 8:" in capsys.readouterr().out
+    assert main(["plan", *MLP[:2], "--input-shape", "64,31"]) == 2  # another failing forward: what to check
+    one_error_line(capsys, "the forward fails on zeros of shape [2, 64, 31] float32", "check --input-shape")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_maxbatch_on_cuda_without_cuda_exits_2(capsys):
+    assert main(["maxbatch", "--model", "tiny-resnet", "--device", "cuda"]) == 2
+    one_error_line(capsys, "--device cuda: no CUDA device is available")
 
 
 def test_profile_takes_no_planner_options(capsys):

@@ -55,12 +55,28 @@ def test_sizes_as_text():
 
 
 @pytest.mark.parametrize("text,expected", [("11GiB", 11 * 2**30), ("500MB", 500 * 10**6), ("1.5 KiB", 1536),
-                                           ("4096", 4096), ("2gb", 2 * 10**9)])
+                                           ("4096", 4096), ("2gb", 2 * 10**9), ("11 GB", 11 * 10**9),
+                                           ("11 GiB", 11 * 2**30), ("5e7", 50_000_000), ("1.5E3", 1500),
+                                           ("2e3 MB", 2 * 10**9), ("4.35 KB", 4350), (".5KiB", 512)])
 def test_sizes(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "11XB", "-3GiB", "GiB", "0"])
-def test_bad_sizes(text):
-    with pytest.raises(ValueError, match="size"):
+@pytest.mark.parametrize("text", ["", "11XB", "-3GiB", "GiB", "11G", "11g", "11 gigs", "-5", "-1e6", "1e", "inf"])
+def test_bad_sizes_list_the_accepted_forms(text):
+    with pytest.raises(ValueError) as info:
         parse_size(text)
+    assert str(info.value) == (
+        f"not a size: {text!r}; accepted: a number of bytes (50000000 or 5e7), or a number with a unit: B, KB, MB, "
+        'GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), as in "11GiB" or "500 MB"')
+
+
+@pytest.mark.parametrize("text", ["0", "0.5", "1e-3"])
+def test_sizes_below_one_byte(text):
+    with pytest.raises(ValueError, match="size must be at least 1 byte"):
+        parse_size(text)
+
+
+def test_a_bad_budget_in_the_config_names_the_field_and_the_accepted_forms():
+    with pytest.raises(ValueError, match=r"memory_budget: not a size: '11G'; accepted: .*powers of 1024.*\"auto\""):
+        SublinearMemoryConfig(memory_budget="11G")

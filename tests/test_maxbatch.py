@@ -11,7 +11,9 @@ from torch import nn
 from sublinear.baselines import (BASELINES, NotApplicable, _Checkpointed, checkpoint_blocks,
                                  hf_gradient_checkpointing, residual_blocks)
 from sublinear.config import SublinearMemoryConfig
-from sublinear.maxbatch import BATCH_LIMIT, _bracket, compare, largest_fitting, strategies
+from sublinear.core.units import format_bytes
+from sublinear.maxbatch import (BATCH_LIMIT, DoesNotFit, NothingFits, StrategyResult, _bracket, compare,
+                                fixed_floor, largest_fitting, strategies)
 from sublinear.models import get_model
 
 
@@ -156,3 +158,67 @@ def test_planning_seconds_are_the_wall_time_of_planning_at_the_max_batch(monkeyp
     (row,) = compare(spec, 2**20, (0,), baselines=False, config=SublinearMemoryConfig(planners=("grid",)))[1:]
     assert row.max_batch in planned_batches
     assert 0.05 <= row.planning_seconds < 60
+
+
+def _chain_spec(width: int = 64):
+    from conftest import Chain
+    from sublinear.models import ModelSpec
+
+    return ModelSpec("chain", "8 Linear+GELU layers", lambda: Chain(8, width=width),
+                     lambda batch, device="cpu", seq=None: ((torch.randn(batch, width, device=device),), {}), None)
+
+
+def test_a_budget_below_the_fixed_bytes_fails_before_any_strategy_runs(monkeypatch):
+    import sublinear.maxbatch
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("a strategy ran under a budget no strategy can meet")
+
+    monkeypatch.setattr(sublinear.maxbatch, "_largest_batch", no_search)
+    spec = _chain_spec()
+    floor = fixed_floor(spec, None)
+    parameters = 8 * (64 * 64 + 64) * 4
+    assert floor.parts == (("parameters", parameters), ("buffers", 0), ("inputs", 64 * 4), ("gradients", parameters))
+    with pytest.raises(NothingFits, match=r"chain: the budget \(1.00 KiB\) is below what a training step holds at "
+                                          r"batch 1 whatever the strategy: parameters 130 KiB, buffers 0 B, inputs "
+                                          r"256 B, gradients 130 KiB = 260 KiB .*at least 260 KiB$"):
+        compare(spec, 1024, (0,))
+
+
+def test_a_budget_no_strategy_meets_at_batch_1_names_the_least_need(monkeypatch):
+    import sublinear.maxbatch
+
+    spec = _chain_spec()
+    budget = fixed_floor(spec, None).total + 1  # above the fixed bytes, below any step's activations
+    eager = sublinear.maxbatch._largest_batch(spec, "eager", lambda model, batch: model, budget,
+                                              sublinear.maxbatch._Environment("meta", None), None)
+    assert eager.max_batch == 0 and eager.least_need[0] == 1 and eager.least_need[1] > budget
+    config = SublinearMemoryConfig(planners=("grid",), cache_dir="", cost_model="estimate")
+    (_, planned), = strategies((0,), config, None, spec, baselines=False, budget=budget)[1:]
+    with torch.device("meta"), pytest.raises(DoesNotFit) as info:
+        planned(spec.build().train(), 1)
+    assert budget < info.value.needed_bytes <= eager.least_need[1]  # the lowest peak the planner found
+
+    def refused(model, batch):
+        raise DoesNotFit("no plan fits", 10 * batch * budget)
+    refusing = sublinear.maxbatch._largest_batch(spec, "sublinear", refused, budget,
+                                                 sublinear.maxbatch._Environment("meta", None), None)
+    assert refusing.max_batch == 0 and refusing.least_need == (1, 10 * budget)
+    rows = [eager, refusing]
+    monkeypatch.setattr(sublinear.maxbatch, "_largest_batch", lambda spec, name, *args: rows.pop(0))
+    with pytest.raises(NothingFits, match=rf"chain: no strategy fits batch 1 in {format_bytes(budget)}; the least "
+                                          rf"needed is {format_bytes(eager.least_need[1])} \(eager at batch 1\): "
+                                          r"raise the budget to at least that$"):
+        compare(spec, budget, (0,), baselines=False)
+
+
+def test_rows_that_fit_no_batch_show_no_ratios():
+    from sublinear.report import maxbatch_markdown, maxbatch_text
+
+    rows = [StrategyResult("eager", 0, 0, float("nan"), float("nan"), None, None, "meta", (1, 5000)),
+            StrategyResult("sublinear", 3, 900, 1.2, 1.1, 0.5, 800, "meta")]
+    text = maxbatch_text("chain", rows)
+    assert "nan" not in text and text.splitlines()[2].split()[1:] == ["0", "0.00", "-", "-", "-"]
+    table = maxbatch_markdown({"chain": rows}, 1536, "meta", "sublinear maxbatch")
+    assert "nan" not in table and "| chain | eager | 0 | 0.00 | - | - | - | 0 |" in table
+    assert table.startswith("Budget 1.50 KiB on meta;")

@@ -12,9 +12,13 @@ import torch
 
 import sublinear
 from sublinear.config import SublinearMemoryConfig
-from sublinear.core import Candidate, Plan, Simulation
+from sublinear.core import Candidate, Plan, ShardedParameters, Simulation, StepContext
+from sublinear.core.units import format_bytes
 from sublinear.models import get_model
+from sublinear.models.chain import Chain
 from sublinear.planners import PLANNERS, BudgetError, make_plan, pareto_front, register_planner
+from sublinear.planners.driver import step_floor
+from sublinear.simulator import simulate
 
 from conftest import assert_same_training, profile_of, train_steps
 
@@ -33,6 +37,59 @@ def test_budget_below_anything_reachable_names_the_minimum(resnet):
         make_plan(p, SublinearMemoryConfig(memory_budget=lowest // 2, max_time_ratio=math.inf))
     assert info.value.smallest <= lowest
     assert f"{info.value.smallest:,} bytes" in str(info.value) and "memory_budget" in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def small_chain():
+    torch.manual_seed(0)
+    return profile_of(Chain(8, 32), torch.randn(64, 32))  # activations outweigh parameters
+
+
+def test_a_budget_below_what_the_step_holds_names_that_floor(small_chain):
+    p = small_chain
+    floor = step_floor(p)
+    assert floor.total == p.baseline_bytes + p.gradient_bytes
+    assert [what for what, _ in floor.parts] == ["parameters", "buffers", "inputs", "gradients"]
+    with pytest.raises(BudgetError) as info:
+        make_plan(p, SublinearMemoryConfig(memory_budget=floor.total // 2, max_time_ratio=math.inf, cache_dir=""))
+    text = str(info.value)
+    assert info.value.floor == floor and info.value.smallest >= floor.total
+    assert f"the budget ({format_bytes(floor.total // 2)}) is below what the step holds whatever the plan" in text
+    assert (f"parameters {format_bytes(p.parameter_bytes)}, buffers 0 B, inputs {format_bytes(p.input_bytes)}, "
+            f"gradients {format_bytes(p.gradient_bytes)} = {format_bytes(floor.total)}") in text
+    assert "KiB" in text and "0.00 GiB" not in text and "search longer" not in text
+    assert f"{info.value.smallest:,} bytes" in text  # the least a plan was found to need, to set the budget to
+
+
+def test_a_budget_above_the_floor_and_below_every_plan_keeps_the_search_advice(small_chain):
+    p = small_chain
+    lowest = make_plan(p, dataclasses_replace(UNCAPPED, cache_dir="")).simulation.peak_bytes
+    budget = (step_floor(p).total + lowest) // 2
+    with pytest.raises(BudgetError) as info:
+        make_plan(p, SublinearMemoryConfig(memory_budget=budget, max_time_ratio=math.inf, cache_dir=""))
+    text = str(info.value)
+    assert f"memory_budget={format_bytes(budget)}" in text and "whatever the plan" not in text
+    assert "search longer (genetic_nr_iter)" in text
+
+
+def test_the_floor_is_below_every_plan_with_other_graphs_and_under_fsdp(small_chain):
+    p, n = small_chain, small_chain.num_ops
+    plans = [Plan.no_split(n), *(Plan.of(range(k - 1, n, k), n) for k in (1, 2, 3))]
+    sharding = ShardedParameters(world_size=2, sharded_bytes=p.parameter_bytes // 2, unsharded_bytes=p.parameter_bytes,
+                                 reduce_scatter_bytes=p.gradient_bytes, sharded_gradient_bytes=p.gradient_bytes // 2,
+                                 collective_workspace=True, reshard_after_forward=True, casts_inputs=False)
+    for context in (None, StepContext(10_000, 30_000, None), StepContext(10_000, 30_000, 10**7)):
+        for shards in (None, sharding):
+            varied = dataclasses_replace(p, step_context=context, sharding=shards)
+            floor = step_floor(varied)
+            assert all(simulate(varied, plan).peak_bytes >= floor.total for plan in plans), (context, shards)
+            names = [what for what, _ in floor.parts]
+            if context is None:
+                assert "other graphs of the call" not in names
+            elif context.later_beyond_held is None:
+                assert "other graphs of the call" in names
+            else:
+                assert floor.total == context.later_beyond_held  # what no plan of this graph lowers
 
 
 def test_budget_the_time_cap_cannot_meet_says_which_ratio_it_needs(resnet):

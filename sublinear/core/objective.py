@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from .plan import Plan
+from .units import format_bytes
 
 __all__ = ["Candidate", "Objective", "Simulation", "ratio_over"]
 
@@ -90,4 +91,4 @@ class Objective:
         cap = "" if math.isinf(self.max_time_ratio) else f", predicted time <= x{self.max_time_ratio:g} eager"
         if self.memory_budget is None:
             return f"lowest peak{cap}"
-        return f"least time within {self.memory_budget / 2**30:.2f} GiB{cap}"
+        return f"least time within {format_bytes(self.memory_budget)}{cap}"

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .units import format_bytes
+
 __all__ = ["AutocastState", "GraphProfile", "NodeFacts", "OpProfile", "ShardedParameters", "StepContext"]
 
 AutocastState = tuple[tuple[str, bool, str], ...]  # per device type: (device, enabled, dtype name)
@@ -89,9 +91,8 @@ class ShardedParameters:
         return self.all_gather_bytes + max(self.unsharded_bytes, self.workspace(self.all_gather_bytes))
 
     def __str__(self) -> str:
-        mib = 2**20
-        return (f"FSDP over {self.world_size} ranks: parameter shards {self.sharded_bytes / mib:.1f} MiB, "
-                f"gathered {self.unsharded_bytes / mib:.1f} MiB")
+        return (f"FSDP over {self.world_size} ranks: parameter shards {format_bytes(self.sharded_bytes)}, "
+                f"gathered {format_bytes(self.unsharded_bytes)}")
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,10 @@ class StepContext:
     later_beyond_held: int | None = None
 
     def __str__(self) -> str:
-        mib = 2**20
         later = "" if self.later_beyond_held is None else \
-            f", later graphs need {self.later_beyond_held / mib:.1f} MiB beyond what it holds"
-        return (f"other graphs of the call: {self.beside_forward / mib:.1f} MiB beside forward, "
-                f"{self.beside_backward / mib:.1f} MiB beside backward{later}")
+            f", later graphs need {format_bytes(self.later_beyond_held)} beyond what it holds"
+        return (f"other graphs of the call: {format_bytes(self.beside_forward)} beside forward, "
+                f"{format_bytes(self.beside_backward)} beside backward{later}")
 
 
 def _empty(dtype=np.int64) -> np.ndarray:
@@ -317,14 +317,13 @@ class GraphProfile:
                        grad_peak=np.asarray(costs["grad_peak"], dtype=np.int64), cost_source=costs["cost_source"])
 
     def summary(self, top: int = 5) -> str:
-        mib = 2**20
         order = np.argsort(-self.storage_bytes)[:top]
         lines = [f"{self.num_ops} ops, forward {self.forward_flops / 1e9:.2f} GFLOP, eager step peak "
-                 f"{self.measured_peak_bytes / mib:.1f} MiB (parameters {self.parameter_bytes / mib:.1f}, "
-                 f"buffers {self.buffer_bytes / mib:.1f}, inputs {self.input_bytes / mib:.1f}, "
-                 f"gradients {self.gradient_bytes / mib:.1f} MiB); step time {self.step_seconds * 1e3:.1f} ms "
+                 f"{format_bytes(self.measured_peak_bytes)} (parameters {format_bytes(self.parameter_bytes)}, "
+                 f"buffers {format_bytes(self.buffer_bytes)}, inputs {format_bytes(self.input_bytes)}, "
+                 f"gradients {format_bytes(self.gradient_bytes)}); step time {self.step_seconds * 1e3:.1f} ms "
                  f"({self.cost_source})"]
         for s in order:
             op = self.ops[self.storage_producer[s]]
-            lines.append(f"  {self.storage_bytes[s] / mib:9.2f} MiB  from {op.name}")
+            lines.append(f"  {format_bytes(self.storage_bytes[s]):>10s}  from {op.name}")
         return "\n".join(lines)

@@ -19,29 +19,74 @@ from ..core.analysis import analyse
 from ..core.objective import Candidate, Objective, Simulation
 from ..core.plan import Plan
 from ..core.profile import GraphProfile
+from ..core.units import format_bytes
 from .base import PLANNERS, PlanningProblem
 
-__all__ = ["BudgetError", "PlanningResult", "hand_back", "make_plan", "objective_for", "pareto_front"]
+__all__ = ["BudgetError", "PlanningResult", "StepFloor", "hand_back", "make_plan", "objective_for", "pareto_front",
+           "step_floor"]
 
 log = logging.getLogger("sublinear.planners")
 
 
-class BudgetError(ValueError):
-    """No plan found meets the memory budget within the time cap."""
+@dataclass(frozen=True)
+class StepFloor:
+    """What a step holds whatever the plan, part by part: no plan's predicted peak is below :attr:`total`."""
 
-    def __init__(self, objective: Objective, smallest: Candidate, fastest_fitting: Candidate | None) -> None:
+    parts: tuple[tuple[str, int], ...]  # (what, bytes)
+
+    @property
+    def total(self) -> int:
+        return sum(nbytes for _, nbytes in self.parts)
+
+    def __str__(self) -> str:
+        return f"{', '.join(f'{what} {format_bytes(n)}' for what, n in self.parts)} = {format_bytes(self.total)}"
+
+
+def step_floor(profile: GraphProfile) -> StepFloor:
+    """The largest of the simulator's plan-independent lower bounds on a step's peak: when the step ends, its
+    parameters, buffers, inputs and gradients are live beside whatever the plan keeps (under FSDP2, the shards;
+    and through the forward, the gathered parameters), and beside them what the other graphs of the call hold;
+    later graphs of the call reach their own peak beside this one."""
+    context = profile.step_context
+    state = (("buffers", profile.buffer_bytes), ("inputs", profile.input_bytes))
+    s = profile.sharding
+    if s is None:
+        bounds = [(("parameters", profile.parameter_bytes), *state, ("gradients", profile.gradient_bytes))]
+    else:
+        bounds = [(("parameter shards", s.sharded_bytes), *state, ("gradient shards", s.sharded_gradient_bytes)),
+                  (("parameter shards", s.sharded_bytes), ("gathered parameters", s.unsharded_bytes),
+                   ("all-gather buffer", s.all_gather_bytes), *state)]
+    if context is not None:
+        bounds[0] += (("other graphs of the call", context.beside_backward),)
+        if s is not None:
+            bounds[1] += (("other graphs of the call", context.beside_forward),)
+        if context.later_beyond_held is not None:
+            bounds.append((("later graphs of the call, at their peak", context.later_beyond_held),))
+    return max((StepFloor(parts) for parts in bounds), key=lambda floor: floor.total)
+
+
+class BudgetError(ValueError):
+    """No plan found meets the memory budget within the time cap. ``floor``: what the step holds whatever the plan
+    (:func:`step_floor`), when known; a budget below it is out of every plan's reach, and the message says so."""
+
+    def __init__(self, objective: Objective, smallest: Candidate, fastest_fitting: Candidate | None, *,
+                 floor: StepFloor | None = None) -> None:
         budget = objective.memory_budget or 0
-        gib = 2**30
-        text = (f"no plan fits memory_budget={budget:,} bytes ({budget / gib:.2f} GiB) within max_time_ratio="
-                f"{objective.max_time_ratio:g}: the smallest predicted peak found is "
-                f"{smallest.simulation.peak_bytes:,} bytes ({smallest.simulation.peak_bytes / gib:.2f} GiB, time "
-                f"x{smallest.simulation.time_ratio:.2f})")
-        if fastest_fitting is not None and not objective.within_time(fastest_fitting):
-            text += (f"; the fastest plan that fits needs time x{fastest_fitting.simulation.time_ratio:.2f}: raise "
-                     f"max_time_ratio to allow it")
-        text += ". Raise the budget, lower the batch size, or search longer (genetic_nr_iter)."
+        peak = smallest.simulation.peak_bytes
+        found = f"{peak:,} bytes ({format_bytes(peak)}, time x{smallest.simulation.time_ratio:.2f})"
+        if floor is not None and budget < floor.total:
+            text = (f"no plan fits memory_budget: the budget ({format_bytes(budget)}) is below what the step holds "
+                    f"whatever the plan: {floor} (optimizer state, if any, comes on top). The smallest predicted "
+                    f"peak found is {found}: raise the budget to at least that, or lower the batch size.")
+        else:
+            text = (f"no plan fits memory_budget={format_bytes(budget)} within max_time_ratio="
+                    f"{objective.max_time_ratio:g}: the smallest predicted peak found is {found}")
+            if fastest_fitting is not None and not objective.within_time(fastest_fitting):
+                text += (f"; the fastest plan that fits needs time x{fastest_fitting.simulation.time_ratio:.2f}: "
+                         f"raise max_time_ratio to allow it")
+            text += ". Raise the budget, lower the batch size, or search longer (genetic_nr_iter)."
         super().__init__(text)
-        self.budget, self.smallest = budget, smallest.simulation.peak_bytes
+        self.budget, self.smallest, self.floor = budget, peak, floor
         self.lowest = smallest  # the candidate with the smallest peak
 
 
@@ -92,15 +137,16 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
             found.setdefault(c.plan, c)
         best = problem.best(found.values())
         problem.history.append(best)
-        log.info("%s: %d candidates, best peak %.1f MiB at predicted time x%.3f (eager %.1f MiB), %.2f s", name,
-                 len(found), best.simulation.peak_bytes / 2**20, best.simulation.time_ratio,
-                 eager.simulation.peak_bytes / 2**20, problem.seconds)
+        log.info("%s: %d candidates, best peak %s at predicted time x%.3f (eager %s), %.2f s", name, len(found),
+                 format_bytes(best.simulation.peak_bytes), best.simulation.time_ratio,
+                 format_bytes(eager.simulation.peak_bytes), problem.seconds)
     ranked = sorted(found.values(), key=problem.objective)
     best = ranked[0]
     if not problem.objective.accepts(best):
         fitting = [c for c in ranked if problem.objective.fits(c)]
         raise BudgetError(problem.objective, min(ranked, key=lambda c: c.simulation.peak_bytes),
-                          min(fitting, key=lambda c: c.simulation.recompute_seconds) if fitting else None)
+                          min(fitting, key=lambda c: c.simulation.recompute_seconds) if fitting else None,
+                          floor=step_floor(profile))
     if config.lb_memory and best.simulation.peak_bytes < config.lb_memory:
         best = hand_back(problem, best, config.lb_memory)
     history = _running_best(problem.history, problem.objective)

@@ -62,6 +62,7 @@ from ..config import SublinearMemoryConfig
 from ..core.objective import Candidate
 from ..core.plan import Plan
 from ..core.profile import GraphProfile
+from ..core.units import format_bytes
 from ..simulator import forward_release
 from .base import PlanningProblem, register_planner
 
@@ -698,7 +699,7 @@ def _least_time(problem: PlanningProblem, models: list[tuple[str, FlatModel]], b
                 what = f"best found in {TIME_LIMIT_SECONDS:g} s{over}"
                 if eager > 0:
                     what += f"; a flat plan needs time >= x{1 + bound / eager:.3f}"
-            raise_text = f", model budget +{raised / 2**20:.1f} MiB" if raised else ""
+            raise_text = f", model budget +{format_bytes(raised)}" if raised else ""
             candidate = problem.candidate(solution.plan, f"{label}{what}{raise_text})")
             found.append(candidate)
             excess = solution.model_peak - candidate.simulation.peak_bytes
