@@ -34,6 +34,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                           FakeTensorMode)
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .shapes import SymbolicSizes
+
 __all__ = ["DISPATCH", "Capture", "CaptureError", "CapturedGraph", "FakeTwin", "GraphBreak", "GraphOutputs",
            "GraphReceiver",
            "InputSignature", "NeedsData", "SharedGraph", "capture", "compile_entry", "graph_breaks",
@@ -103,6 +105,7 @@ class CapturedGraph:
     example_values: list[Any] | None = None
     example_outputs: GraphOutputs | None = None  # what it returned on the example values, when captured by capture()
     model_device: str | None = None  # set by capture(): the device the example values stand for (meta: fake CPU)
+    sizes: SymbolicSizes | None = None  # a dynamic graph's symbolic input sizes (None: every size is static)
 
     @staticmethod
     def from_dynamo(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CapturedGraph:
@@ -122,17 +125,18 @@ class CapturedGraph:
                 kinds.append(BUFFER)
             else:
                 kinds.append(INPUT)
-        return CapturedGraph(gm, tuple(kinds), tuple(sources))
+        return CapturedGraph(gm, tuple(kinds), tuple(sources), sizes=SymbolicSizes.of(gm))
 
     @property
     def code(self) -> str:
         """The graph's Python code without the placeholders' type annotations (which name the example values'
-        classes), as on the model's device: equal for every capture of the same forward, real or fake."""
+        classes), as on the model's device and with its size symbols renamed in order of use: equal for every
+        capture of the same forward, real or fake."""
         head, _, body = self.graph_module.code.partition("\n    ")
         code = re.sub(r" : [\w.]+", "", head) + "\n    " + body
         if self.model_device == "meta":  # captured on fake CPU tensors standing for meta ones
             code = code.replace("device(type='cpu')", "device(type='meta')")
-        return code
+        return self.sizes.rename(code) if self.sizes is not None else code
 
     @property
     def num_operators(self) -> int:
@@ -440,9 +444,11 @@ class _Recorder:
         return outputs
 
 
-def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Capture:
+def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+            dynamic: bool = False) -> Capture:
     """The graphs TorchDynamo captures for ``module(*args, **kwargs)`` in training mode, captured on a data-less
-    twin of the module: the module, its tensors and its Python state are left as they were.
+    twin of the module: the module, its tensors and its Python state are left as they were. ``dynamic``: every
+    size of the arguments symbolic (``torch.compile(dynamic=True)``), else every size static.
 
     ``args``/``kwargs`` may hold real or meta tensors; meta tensors stand for tensors on the module's device.
     """
@@ -468,7 +474,7 @@ def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] 
     fake_args, fake_kwargs = tree_map(lambda v: on_device(v) if isinstance(v, torch.Tensor) else v,
                                       (tuple(args), dict(kwargs or {})))
     recorder = _Recorder()
-    compiled = compile_entry(copy_, type(module).__name__, dynamic=False)
+    compiled = compile_entry(copy_, type(module).__name__, dynamic=dynamic)
     try:
         with graph_breaks() as breaks, receiving(recorder), \
                 torch._dynamo.config.patch(recompile_limit=10**6, accumulated_recompile_limit=10**6):

@@ -43,6 +43,10 @@ class SublinearMemoryConfig:
         $SUBLINEAR_COMPILER when set, else inductor where it can compile for the device (CPU: a C++ compiler;
         CUDA: triton), else eager.
     cache_dir: plan cache folder; None uses $SUBLINEAR_CACHE_DIR or the user cache dir; "" disables it.
+    max_sizes: the largest shape of the forward's tensor arguments, by argument name (``{"input_ids": (32, 512)}``;
+        None for a dimension left to TorchDynamo). Every dimension of the arguments is then dynamic from the first
+        call, and the one plan is made for these sizes, so it serves every smaller shape. Without it a size that
+        changes is planned for its power-of-two bucket of the largest value seen (see ``sublinear.shapes``).
     """
 
     thresh_nr_try: int = 10
@@ -58,6 +62,7 @@ class SublinearMemoryConfig:
     seed: int = 0
     compiler: str = "auto"
     cache_dir: str | None = None
+    max_sizes: Mapping[str, Sequence[int | None]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("lb_memory", "memory_budget"):
@@ -99,6 +104,8 @@ class SublinearMemoryConfig:
         _int_at_least("seed", self.seed, 0)
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}; got {self.compiler!r}")
+        if self.max_sizes is not None:
+            object.__setattr__(self, "max_sizes", _max_sizes(self.max_sizes))
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise ValueError(f"cache_dir must be a path, '' (no cache) or None; got {type(self.cache_dir).__name__}")
 
@@ -110,6 +117,22 @@ class SublinearMemoryConfig:
     def planning_key(self) -> dict:
         """Fields that change the plan (for cache keys): everything but where the cache lives and worker count."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("cache_dir", "num_worker")}
+
+
+def _max_sizes(value: object) -> tuple[tuple[str, tuple[int | None, ...]], ...]:
+    """``max_sizes`` as sorted (argument name, sizes) pairs, checked."""
+    example = '(as in {"input_ids": (32, 512)}: argument name -> its largest size per dimension, None to leave one)'
+    if not isinstance(value, Mapping):
+        raise ValueError(f"max_sizes must be a mapping {example}; got {type(value).__name__}")
+    checked = []
+    for name, sizes in value.items():
+        if not isinstance(name, str) or isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+            raise ValueError(f"max_sizes[{name!r}] must be a sequence of sizes {example}; got {sizes!r}")
+        for size in sizes:
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+                raise ValueError(f"max_sizes[{name!r}] holds {size!r}: each size is an integer >= 1 or None {example}")
+        checked.append((name, tuple(sizes)))
+    return tuple(sorted(checked))
 
 
 def _int_in(name: str, value: object, low: int, high: int) -> None:

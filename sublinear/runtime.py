@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import inspect
 import logging
 import time
 from collections import OrderedDict
@@ -38,6 +39,7 @@ from .core.profile import GraphProfile, ShardedParameters, StepContext
 from .planners import BudgetError, PlanningResult, make_plan, objective_for
 from .profiler import DROPPED, GRADIENT, KEPT, autocast_state, profile
 from .rewriter import RewrittenGraph, rewrite
+from .shapes import Binding, argument_dims, bucket, covers, describe_binding, join
 from .sharding import refuse_nested_fsdp
 from .simulator import simulate
 
@@ -196,7 +198,8 @@ class SublinearPlan:
 
 def _summarise(index: int, values: Sequence[Any], graph: CapturedGraph, profile_: GraphProfile, plan: Plan,
                result: PlanningResult | None, sim: Simulation, eager: Simulation, origin: str, objective: Objective,
-               planning_seconds: float, from_cache: bool, history: tuple[tuple[int, float], ...]) -> GraphPlan:
+               planning_seconds: float, from_cache: bool, history: tuple[tuple[int, float], ...],
+               bound: Binding) -> GraphPlan:
     a = analyse(profile_, plan)
     blocks = []
     for b, ops in enumerate(plan.blocks()):
@@ -208,7 +211,10 @@ def _summarise(index: int, values: Sequence[Any], graph: CapturedGraph, profile_
                                    float(profile_.op_seconds[a.closure[b]].sum()),
                                    ops[-1] in plan.soft))
     inputs = [v for k, v in zip(graph.kinds, values) if k == "input"]
-    return GraphPlan(index, input_signature(inputs).describe(graph.model_device), plan, profile_.num_ops, tuple(blocks),
+    signature = input_signature(inputs).describe(graph.model_device)
+    if bound:
+        signature += f" (a dynamic graph planned for {describe_binding(bound)})"
+    return GraphPlan(index, signature, plan, profile_.num_ops, tuple(blocks),
                      sim.peak_bytes, eager.peak_bytes, sim.recompute_seconds, sim.eager_seconds,
                      sim.recompute_flops, profile_.step_flops, objective.describe(), origin, profile_.cost_source,
                      history, planning_seconds, result.seconds if result is not None and not from_cache else 0.0,
@@ -235,6 +241,7 @@ class _Variant:
     budget: int | None  # the memory budget the step must fit (the search may have aimed lower)
     settling: bool = False  # the lowest peak taken while earlier graphs of the call were not planned for this one
     compiled_excess: int = 0  # what the compiled graphs hold beyond the simulation, once compiled
+    bound: Binding = field(default_factory=dict)  # a dynamic graph's sizes the plan was made for (it serves those below)
 
     @property
     def peak_bytes(self) -> int:
@@ -373,16 +380,20 @@ def _widest(a: StepContext, b: StepContext) -> StepContext:
                        max(later) if later else None)
 
 
-def _value_key(values: Sequence[Any], model_device: str | None = None) -> tuple:
+def _value_key(values: Sequence[Any], model_device: str | None = None, sizes: SymbolicSizes | None = None) -> tuple:
     """What a plan depends on in a graph's inputs: every tensor's shape, stride, dtype, device and requires_grad
     (parameters included), and every other input's value. Values captured for a model on the meta device are fake
     CPU tensors that stand for meta ones (``model_device="meta"``): their key is the meta tensors', so the real
-    calls find the plans made ahead."""
+    calls find the plans made ahead. A dynamic graph's symbolic sizes are left out (one key per shape family): the
+    bound its plan was made for says which sizes that plan serves."""
     key = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
+    for i, v in enumerate(values):
+        if sizes is not None and isinstance(sizes.inputs[i], str):
+            key.append("symbol")
+        elif isinstance(v, torch.Tensor):
             device = "meta" if model_device == "meta" and v.device.type == "cpu" else str(v.device)
-            key.append((tuple(v.shape), tuple(v.stride()), str(v.dtype), device, v.requires_grad))
+            shape, stride = sizes.masked(i, v) if sizes is not None else (tuple(v.shape), tuple(v.stride()))
+            key.append((shape, stride, str(v.dtype), device, v.requires_grad))
         else:
             key.append(repr(v))
     return tuple(key)
@@ -445,6 +456,7 @@ class SublinearBackend:
         self._warned_mode = False
         self.eager_only: dict[str, str] = {}  # graph code -> why inductor cannot compile it
         self.budget_cuts: dict[str, int] = {}  # graph code -> bytes its search aims below the budget (compiled)
+        self.positional_names: tuple[str, ...] = ()  # the compiled forward's positional parameters (max_sizes)
         self.ran_graph = False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -501,6 +513,11 @@ class SublinearBackend:
                 continue
             self.latest[code] = variant
             context = contexts.get(code)
+            planned_in = variant.profile.step_context
+            if variant.bound and context is not None and planned_in is not None:
+                # A family's plan serves calls of every size up to its bound: what the other graphs hold at a
+                # smaller call is no reason to plan again; what they hold beyond the context planned in is.
+                context = _widest(planned_in, context)
             if run.runtime in stale or (context == variant.profile.step_context and not variant.settling):
                 continue
             variant.set_context(context)
@@ -578,7 +595,8 @@ class SublinearBackend:
 
     # -- planning ------------------------------------------------------------------------------------------------
 
-    def plan_graph(self, runtime: _GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool) -> _Variant:
+    def plan_graph(self, runtime: _GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool,
+                   bound: Binding) -> _Variant:
         """Profile and plan ``runtime``'s graph for a call with ``values`` (real or fake). Planning draws random
         numbers (measuring op costs) under a forked RNG, so the training's random stream is as in eager, and runs
         outside the caller's dispatch modes (a memory tracker around the step sees the step, not the planning)."""
@@ -587,28 +605,31 @@ class SublinearBackend:
         with torch.random.fork_rng(devices=devices, device_type="cuda"), _disable_current_modes(), \
                 collecting_new_objects_only():
             try:
-                return self._plan_graph(runtime, values, key, dry_run)
+                return self._plan_graph(runtime, values, key, dry_run, bound)
             except JointTraceError as exc:
                 self.eager_only[runtime.graph.code] = str(exc)
                 log.warning("sublinear: graph %d runs on sublinear's eager executor: inductor could not trace its "
                             "forward and backward (%s)", runtime.index, exc)
-                return self._plan_graph(runtime, values, key, dry_run)
+                return self._plan_graph(runtime, values, key, dry_run, bound)
 
-    def _plan_graph(self, runtime: _GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool) -> _Variant:
+    def _plan_graph(self, runtime: _GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool,
+                    bound: Binding) -> _Variant:
         started = time.perf_counter()
         graph, config = runtime.graph, self.config
         sharding = key[-1]
         context, settled = self.context_for(runtime, values)
         uses = self.uses.get(graph.code)
         compiler = runtime.compiler(values)
-        profile_key = (graph.code, key, config.cost_model, uses, compiler)
+        profile_key = (graph.code, key, config.cost_model, uses, compiler, tuple(sorted(bound.items())))
         cut = self.budget_cuts.get(graph.code, 0)
         store_key = (*profile_key, context, repr(sorted(config.planning_key().items())), cut)
         cached = self.store.get(store_key)
         override = self.overrides.get(graph.code)
         disk = PlanCache(cache_dir(config.cache_dir))
         disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key(),
-                                 context=repr(context), uses=uses, compiler=compiler, cut=cut)
+                                 context=repr(context), uses=uses, compiler=compiler, cut=cut,
+                                 bound=sorted(bound.items()))
+        at_bound = graph.sizes.stand_ins(values, bound) if bound else values  # profiled at the plan's sizes
         if cached is not None:
             profile_, node_names, plan, result = cached
         else:
@@ -616,19 +637,20 @@ class SublinearBackend:
             entry = disk.load(disk_key) if override is None else None
             if compiler == "inductor":
                 if profiled is None:
-                    compiled = compiled_profile(graph, values, uses)
+                    compiled = compiled_profile(graph, graph.sizes.symbolic_inputs(values, bound)[0] if bound
+                                                else values, uses)
                     profiled = compiled.profile, compiled.node_names
                 if entry is not None:
                     entry = disk.check(entry, disk_key, profiled[0].num_ops)
             elif entry is not None:
-                estimated = profiled or (profile(graph, values, cost_model="estimate", uses=uses), None)
+                estimated = profiled or (profile(graph, at_bound, cost_model="estimate", uses=uses), None)
                 entry = disk.check(entry, disk_key, estimated[0].num_ops)
                 if entry is not None and profiled is None:
                     profiled = estimated[0].with_costs(entry["costs"]), None
             if entry is not None:
                 log.info("sublinear: plan cache hit (%s): search and timing runs skipped", disk_key[:12])
             if profiled is None:
-                profiled = profile(graph, values, cost_model=config.cost_model, uses=uses), None
+                profiled = profile(graph, at_bound, cost_model=config.cost_model, uses=uses), None
             self.profiles.put(profile_key, profiled)
             profile_ = dataclasses.replace(profiled[0], sharding=sharding, step_context=context)
             node_names = profiled[1]
@@ -643,7 +665,7 @@ class SublinearBackend:
             log.info("sublinear: the stored plan for graph %d no longer meets %s; planning again", runtime.index,
                      objective.describe())
             plan = result = None
-        settling = False
+        settling, searched = False, plan is None
         if plan is None:
             try:
                 result = make_plan(profile_, config, memory_budget=objective.memory_budget)
@@ -665,13 +687,13 @@ class SublinearBackend:
         if not settling:
             self.store.put(store_key, (profile_, node_names, plan, result))
         sim = simulate(profile_, plan)
-        rewritten = (CompiledGraph(graph, analyse(profile_, plan), node_names) if node_names is not None
+        rewritten = (CompiledGraph(graph, analyse(profile_, plan), node_names, bound) if node_names is not None
                      else rewrite(graph, profile_, plan))
         summary = _summarise(runtime.index, values, graph, profile_, plan, result, sim, eager, origin, objective,
-                             time.perf_counter() - started, from_cache, history)
-        log.info("sublinear: planned %s", summary)
+                             time.perf_counter() - started, from_cache, history, bound)
+        log.info("sublinear: %s %s", "planned" if searched else "reused the plan for", summary)
         return _Variant(profile_, plan, sim, rewritten, summary, config.memory_budget == "auto", objective, context,
-                        profile_.output_uses, budget, settling)
+                        profile_.output_uses, budget, settling, bound=bound)
 
     @staticmethod
     def _still_best(objective: Objective, plan: Plan, profile_: GraphProfile, eager: Simulation) -> bool:
@@ -730,9 +752,11 @@ class _GraphRuntime:
         self.backend = backend_
         self.index = index
         self.variants: dict[tuple, _Variant] = {}
+        self.seen: Binding = {}  # a dynamic graph's largest sizes so far
 
     def key(self, values: Sequence[Any]) -> tuple:
-        return (_value_key(values, self.graph.model_device), autocast_state(), self.backend.sharding())
+        return (_value_key(values, self.graph.model_device, self.graph.sizes), autocast_state(),
+                self.backend.sharding())
 
     def compiler(self, values: Sequence[Any]) -> str:
         """What runs the graph for ``values``: inductor or sublinear's eager executor (see
@@ -746,8 +770,17 @@ class _GraphRuntime:
         return compiler
 
     def variant_for(self, values: Sequence[Any], dry_run: bool = False) -> _Variant:
+        """The variant that runs a call with ``values``: planned before for the call's signature (and, for a dynamic
+        graph, for sizes at or above the call's), or planned now."""
         key = self.key(values)
         variant = self.variants.get(key)
+        binding = self.graph.sizes.binding(values) if self.graph.sizes is not None else {}
+        self.seen = join(self.seen, binding)
+        if variant is not None and not covers(variant.bound, binding):
+            log.info("sublinear: graph %d runs at sizes beyond those its plan was made for (%s); planning again for "
+                     "%s", self.index, describe_binding(variant.bound), describe_binding(self.bound_for(self.seen)))
+            self.forget(variant)
+            variant = None
         if variant is not None and variant.auto_budget and not dry_run and _device_of(values).type == "cuda":
             budget = self.backend.budget_for(self, variant.profile, values, dry_run=False)
             if budget is not None and variant.simulation.peak_bytes > budget:
@@ -755,10 +788,38 @@ class _GraphRuntime:
                          "planning again", self.index, variant.simulation.peak_bytes / _MIB, budget / _MIB)
                 variant = None
         if variant is None:
-            variant = self.variants[key] = self.backend.plan_graph(self, values, key, dry_run)
+            variant = self.variants[key] = self._plan_family(values, key, dry_run, self.seen)
         if not dry_run:
             variant = self._compiled_within_budget(variant, values, key)
         return variant
+
+    def _plan_family(self, values: Sequence[Any], key: tuple, dry_run: bool, seen: Binding) -> _Variant:
+        """Plan for ``values``; a dynamic graph for its sizes' bucket (:func:`sublinear.shapes.bucket`), or, when
+        no plan fits the budget there, for the largest sizes seen."""
+        if not seen:
+            return self.backend.plan_graph(self, values, key, dry_run, {})
+        bound = self.bound_for(seen)
+        try:
+            return self.backend.plan_graph(self, values, key, dry_run, bound)
+        except BudgetError:
+            if bound == seen:
+                raise
+            log.info("sublinear: graph %d: no plan fits the budget at %s; planning for the sizes seen (%s)",
+                     self.index, describe_binding(bound), describe_binding(seen))
+            return self.backend.plan_graph(self, values, key, dry_run, seen)
+
+    def bound_for(self, seen: Binding) -> Binding:
+        """The sizes to plan a dynamic graph for, having seen ``seen``: the config's ``max_sizes`` for a symbol that
+        sizes an argument it names, else the power-of-two bucket of the value seen."""
+        bound = bucket(seen)
+        limits = dict(self.backend.config.max_sizes or ())
+        for symbol in bound:
+            for name, dim in argument_dims(self.graph.sizes.sources.get(symbol, ()), self.backend.positional_names):
+                limit = limits.get(name, ())
+                if dim < len(limit) and limit[dim] is not None:
+                    bound[symbol] = max(limit[dim], seen[symbol])
+                    break
+        return bound
 
     def _compiled_within_budget(self, variant: _Variant, values: Sequence[Any], key: tuple) -> _Variant:
         """Compile a new variant now and read what its compiled graphs hold; when that is above the budget, plan
@@ -782,7 +843,7 @@ class _GraphRuntime:
                      self.index, variant.peak_bytes / _MIB, self.backend.budget_cuts[code] / _MIB)
             self.forget(variant)
             try:
-                variant = self.variants[key] = self.backend.plan_graph(self, values, key, False)
+                variant = self.variants[key] = self.backend.plan_graph(self, values, key, False, variant.bound)
             except BudgetError as exc:
                 raise _over_budget(variant, exc.lowest.plan, exc.lowest.simulation) from None
         return variant
@@ -853,7 +914,10 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
     graph breaks are noted at the first call, and a training call that ran no graph is reported. ``owner`` is the
     user's module, checked for FSDP units inside it at every call (their hooks would be bypassed)."""
     _ensure_recompile_room()
-    compiled = compile_entry(module, name, dynamic=None)
+    # With max_sizes every size of the arguments is symbolic from the first call, so one graph (and plan) serves
+    # all shapes; otherwise TorchDynamo makes a size symbolic once it changes.
+    compiled = compile_entry(module, name, dynamic=True if session.config.max_sizes else None)
+    session.positional_names = _positional_names(module)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         refuse_nested_fsdp(owner)
@@ -885,6 +949,16 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
     return run
 
 
+def _positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of ``forward``'s positional parameters, in order (a module's: its ``forward``'s, without self)."""
+    target = forward.forward if isinstance(forward, nn.Module) else forward
+    try:
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
 @contextlib.contextmanager
 def collecting_new_objects_only() -> Iterator[None]:
     """Garbage collections inside scan only the objects made inside: the process's older objects are frozen
@@ -911,8 +985,9 @@ def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any
     """Plan every graph of ``module(*args, **kwargs)`` now, on a data-less twin (the module is not run), each for the
     whole step (in a few rounds when the call has several graphs); :class:`BudgetError` when the step cannot fit.
     A model whose eager code between graphs needs tensor values is planned at its first training call instead."""
+    backend_.positional_names = _positional_names(module)
     try:
-        captured = capture(module, args, kwargs)
+        captured = capture(module, args, kwargs, dynamic=bool(backend_.config.max_sizes))
     except NeedsData as exc:
         log.info("sublinear: cannot plan %s ahead: %s", type(module).__name__, exc)
         return

@@ -282,8 +282,8 @@ def test_a_compiled_step_above_its_budget_is_planned_again_below_it(monkeypatch)
     budget = (lowest.predicted_peak_bytes + lowest.baseline_peak_bytes) // 2
     step_peak = compiled_executor._step_peak  # the first compiled plan holds the whole headroom beyond simulated
     extras = [budget - lowest.predicted_peak_bytes]
-    monkeypatch.setattr(compiled_executor, "_step_peak", lambda graphs: step_peak(graphs) + (extras.pop() if extras
-                                                                                              else 0))
+    monkeypatch.setattr(compiled_executor, "_step_peak", lambda graphs, sizes: step_peak(graphs, sizes) + (
+        extras.pop() if extras else 0))
     compiled = sublinear.compile(model, (x,), config=dataclasses.replace(INDUCTOR, memory_budget=budget))
     default_loss(compiled(x)).backward()
     plan = compiled.sublinear_plan

@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import sympy
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
@@ -38,6 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..capture import CapturedGraph
 from ..core.analysis import PlanAnalysis, StorageState, analyse
 from ..core.plan import Plan
+from ..shapes import Binding, describe_binding, guards_hold
 from .joint import JointGraph, is_view, labelled_copy, normalise
 from .profile import CompiledProfile
 from .wrapper import tensor_bytes, walk_wrapper
@@ -94,15 +96,25 @@ class PlanPartitioner(CustomPartitionerFn):
 
 
 class CompiledGraph:
-    """A captured graph under a plan, compiled by inductor at its first call (for that call's input shapes); call it
-    with the graph's placeholder values, as the graph itself. Once compiled, ``peak_bytes`` is the peak of one
-    training step of the graph alone as its compiled forward and backward hold memory (None: not known)."""
+    """A captured graph under a plan, compiled by inductor at its first call; call it with the graph's placeholder
+    values, as the graph itself. Once compiled, ``peak_bytes`` is the peak of one training step of the graph alone
+    as its compiled forward and backward hold memory (None: not known).
 
-    def __init__(self, graph: CapturedGraph, analysis: PlanAnalysis, node_names: Sequence[str]) -> None:
+    A static graph compiles for its call's shapes. A dynamic graph planned for ``bound`` (its symbols' sizes)
+    compiles once for every size: inductor traces it on inputs whose sizes are symbols hinted at the bound, and
+    ``peak_bytes`` is the step's peak at the bound. The sizes that code serves are those its shape guards admit; a
+    call outside them gets code compiled for its own shapes.
+    """
+
+    def __init__(self, graph: CapturedGraph, analysis: PlanAnalysis, node_names: Sequence[str],
+                 bound: Binding | None = None) -> None:
         self.graph = graph
         self.analysis = analysis
         self.partitioner = PlanPartitioner(recompute_tags(analysis, node_names))
+        self.bound = dict(bound or {})
         self._compiled: Callable[..., Any] | None = None
+        self._guards: tuple[Any, ...] = ()  # sympy expressions over the family's symbols
+        self._admitted: dict[tuple, Callable[..., Any]] = {}  # binding -> the code serving it
         self.peak_bytes: int | None = None
 
     @property
@@ -115,12 +127,36 @@ class CompiledGraph:
 
     def __call__(self, *values: Any) -> Any:
         self.compile(values)
-        return self._compiled(*values)
+        if not self.bound:
+            return self._compiled(*values)
+        binding = self.graph.sizes.binding(values)
+        key = tuple(sorted(binding.items()))
+        code = self._admitted.get(key)
+        if code is None:
+            if guards_hold(self._guards, binding):
+                code = self._compiled
+            else:
+                log.info("sublinear: graph compiled for %s does not serve %s (its shape guards: %s); compiling for "
+                         "these shapes", describe_binding(self.bound), describe_binding(binding),
+                         ", ".join(map(str, self._guards)))
+                code = self._compile(values, {})[0]
+            self._admitted[key] = code
+        return code(*values)
 
     def compile(self, values: Sequence[Any]) -> None:
-        """Compile for ``values`` (real tensors of the call), once."""
+        """Compile for ``values`` (real tensors of the call), or for the bound's family, once."""
         if self._compiled is not None:
             return
+        self._compiled, graphs, self._guards, sizes = self._compile(values, self.bound)
+        if self.partitioner.applied is False:
+            log.warning("sublinear: the graph inductor traced to compile differs from the one planned; it runs with "
+                        "torch.compile's own partition (exact gradients, the plan's memory not guaranteed)")
+        self.peak_bytes = _step_peak(graphs, sizes)
+
+    def _compile(self, values: Sequence[Any], bound: Binding) -> tuple[Callable[..., Any], list, tuple, dict]:
+        """Code for ``values``' shapes, or for every size when ``bound`` is given; the forward and backward graphs
+        inductor compiled with their wrappers' source; the shape guards of the code (over the family's symbols);
+        and the value at the bound of each size symbol the wrappers name."""
         from torch._functorch import config as functorch_config
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -131,20 +167,23 @@ class CompiledGraph:
             graphs.append((bool(kwargs.get("is_backward")), gm, getattr(code, "source_code", None)))
             return code
 
+        inputs, renamed = (self.graph.sizes.symbolic_inputs(values, bound) if bound else (list(values), {}))
         # Backward is compiled now, under these settings, rather than at its first run after they are gone.
         with functorch_config.patch(force_non_lazy_backward_lowering=True):
-            self._compiled = compile_fx(labelled_copy(self.graph.graph_module), list(values), inner_compile=inner,
-                                        config_patches=compile_patches(self.partitioner))
-        if self.partitioner.applied is False:
-            log.warning("sublinear: the graph inductor traced to compile differs from the one planned; it runs with "
-                        "torch.compile's own partition (exact gradients, the plan's memory not guaranteed)")
-        self.peak_bytes = _step_peak(graphs)
+            code = compile_fx(labelled_copy(self.graph.graph_module), inputs, inner_compile=inner,
+                              config_patches=compile_patches(self.partitioner))
+        if not bound:
+            return code, graphs, (), {}
+        env = torch._guards.detect_fake_mode(inputs).shape_env
+        guards = tuple(g.expr.xreplace({s: sympy.Symbol(renamed[s.name], integer=True)
+                                        for s in g.expr.free_symbols if s.name in renamed}) for g in env.guards)
+        return code, graphs, guards, {env_name: bound[name] for env_name, name in renamed.items()}
 
 
-def _step_peak(graphs: list[tuple[bool, fx.GraphModule, str | None]]) -> int | None:
+def _step_peak(graphs: list[tuple[bool, fx.GraphModule, str | None]], sizes: dict[str, int]) -> int | None:
     """The peak of one training step from the compiled forward and backward wrappers: the forward with its inputs
     (parameters, buffers, inputs), and the backward with what forward saved, the outputs' gradients and its own
-    buffers, beside the forward's inputs."""
+    buffers, beside the forward's inputs. ``sizes``: the value of each size symbol the wrappers name."""
     forward = [g for g in graphs if not g[0]]
     backward = [g for g in graphs if g[0]]
     if len(forward) != 1 or len(backward) != 1:
@@ -159,8 +198,9 @@ def _step_peak(graphs: list[tuple[bool, fx.GraphModule, str | None]]) -> int | N
         return None
     aliases = _input_aliases(fw_gm)  # saved views of parameters and inputs: their storage is counted already
     fw_inputs = inputs(fw_gm, lambda name: True)
-    fw = walk_wrapper(fw_code, fw_inputs, held=frozenset(fw_inputs))  # parameters and inputs outlive the forward
-    bw = walk_wrapper(bw_code, inputs(bw_gm, lambda name: not name.startswith("primals") and name not in aliases))
+    fw = walk_wrapper(fw_code, fw_inputs, held=frozenset(fw_inputs), sizes=sizes)  # inputs outlive the forward
+    bw = walk_wrapper(bw_code, inputs(bw_gm, lambda name: not name.startswith("primals") and name not in aliases),
+                      sizes=sizes)
     if fw is None or bw is None:
         return None
     return max(fw.peak, fw.start + bw.peak)

@@ -35,8 +35,9 @@ from torch.utils.flop_counter import flop_registry
 from ..capture import BUFFER, INPUT, PARAMETER, CapturedGraph, module_path
 from ..core.profile import GraphProfile, NodeFacts, OpProfile
 from ..costs import REFERENCE_GPU, DeviceRates, device_rates, estimate_seconds
-from ..profiler import DROPPED, GRADIENT, KEPT
+from ..profiler import DROPPED, GRADIENT, KEPT, gradient_receivers
 from .joint import JointGraph, is_view, origin
+from .wrapper import hint
 
 __all__ = ["CompiledProfile", "profile_joint"]
 
@@ -135,7 +136,7 @@ def _flops(node: fx.Node) -> int:
         return 0
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
     try:
-        return int(count(*args, **kwargs, out_val=node.meta.get("val")))
+        return hint(count(*args, **kwargs, out_val=node.meta.get("val")))
     except Exception:  # noqa: BLE001 - a formula that cannot read symbolic or missing values counts nothing
         return 0
 
@@ -145,7 +146,8 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     """The profile of ``graph``'s training step as inductor compiles it from ``joint``.
 
     ``uses``: per tensor output of the graph, what the call does with it (gradient, kept, dropped; see
-    :func:`sublinear.profiler.profile`); None: every floating output gets a gradient.
+    :func:`sublinear.profiler.profile`); None: as :func:`sublinear.profiler.step_backward` by default (the scalar
+    outputs get a gradient when there are any, else every floating output), the others are kept.
     """
     kinds = _Kinds()
     fw, bw = joint.forward, joint.backward
@@ -196,7 +198,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     for k, node in enumerate(joint.primals):
         kind = graph.kinds[k] if k < len(graph.kinds) else INPUT
         for t in _tensors(node.meta.get("val")):
-            state.setdefault(_key(t), (kind, rounded(t.untyped_storage().nbytes())))
+            state.setdefault(_key(t), (kind, rounded(hint(t.untyped_storage().nbytes()))))
     produced_by: dict[int, int] = {}  # storage key -> producing forward node
     size_of: dict[int, int] = {}
     node_keys: dict[fx.Node, list[int]] = {}
@@ -207,7 +209,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
             keys.append(key)
             if key not in state and key not in produced_by:
                 produced_by[key] = i
-                size_of[key] = rounded(t.untyped_storage().nbytes())
+                size_of[key] = rounded(hint(t.untyped_storage().nbytes()))
         node_keys[node] = keys
 
     def keys_of(node: fx.Node) -> list[int]:
@@ -245,14 +247,15 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     # Outputs of the forward: the graph's outputs (after any mutated inputs' new values).
     out_nodes = [a for a in joint.forward_outputs if isinstance(a, fx.Node)]
     tensor_outputs = [n for n in out_nodes if _tensors(n.meta.get("val"))]
-    n_user = sum(1 for n in graph.graph_module.graph.nodes if n.op == "output"
-                 for t in tree_leaves(n.args[0]) if isinstance(t, fx.Node) and isinstance(t.meta.get("example_value"),
-                                                                                          torch.Tensor))
-    user_outputs = tensor_outputs[-n_user:] if n_user else []
-    uses = tuple(uses) if uses is not None else None
+    returned = [t.meta["example_value"] for n in graph.graph_module.graph.nodes if n.op == "output"
+                for t in tree_leaves(n.args[0])
+                if isinstance(t, fx.Node) and isinstance(t.meta.get("example_value"), torch.Tensor)]
+    user_outputs = tensor_outputs[-len(returned):] if returned else []
+    if uses is None:  # as the eager profile's step: the scalars get a gradient when there are any, else every output
+        uses = [GRADIENT if r else KEPT for r in gradient_receivers(returned)]
     output_use: dict[int, str] = {}
     for k, node in enumerate(user_outputs):
-        use = uses[k] if uses is not None and k < len(uses) else GRADIENT
+        use = uses[k] if k < len(uses) else GRADIENT
         for key in keys_of(node):
             if key in produced_by:
                 output_use[key] = min(output_use.get(key, DROPPED), use, key=(GRADIENT, KEPT, DROPPED).index)
@@ -435,7 +438,7 @@ def _backward(joint: JointGraph, bw: list[fx.Node], rank_of_bw: list[int], n_ops
     born: dict[int, int] = {}  # gradient-side storage -> the backward node making it (-1: a tangent)
     for node in joint.tangents:
         for t in _tensors(node.meta.get("val")):
-            sizes.setdefault(_key(t), rounded(t.untyped_storage().nbytes()))
+            sizes.setdefault(_key(t), rounded(hint(t.untyped_storage().nbytes())))
             born.setdefault(_key(t), -1)
     needs_buffer: set[int] = set()
     last: dict[int, int] = {}
@@ -444,7 +447,7 @@ def _backward(joint: JointGraph, bw: list[fx.Node], rank_of_bw: list[int], n_ops
             key = _key(t)
             if key not in produced_by and key not in state and key not in born:
                 born[key] = k
-                sizes[key] = rounded(t.untyped_storage().nbytes())
+                sizes[key] = rounded(hint(t.untyped_storage().nbytes()))
         for arg in node.all_input_nodes:
             for key in keys_of(arg):
                 last[key] = k
@@ -535,7 +538,7 @@ def _layout_copies(joint: JointGraph, fw: list[fx.Node], keys_of, state) -> dict
                 continue
             for key in keys_of(arg):
                 if key in state and -key not in copies:
-                    copies[-key] = (i, value.numel() * value.element_size())
+                    copies[-key] = (i, hint(value.numel()) * value.element_size())
     return copies
 
 
