@@ -61,7 +61,7 @@ def hf_loop(steps: int, batch: int, seq: int, planned: bool, tmp: str) -> tuple[
 
     model.zero_grad(set_to_none=True)
     peak = sublinear.measure_cpu_allocator(step, model).peak_bytes
-    plan = str(model.forward.sublinear_plan) if planned else "eager"
+    plan = str(model.sublinear_plan) if planned else "eager"
     return times[1:], peak, plan  # the first step captures and plans
 
 

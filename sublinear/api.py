@@ -196,8 +196,9 @@ def apply(module: nn.Module, config: SublinearMemoryConfig | None = None,
           example_inputs: Sequence[Any] | Any = None, example_kwargs: dict[str, Any] | None = None) -> nn.Module:
     """Make ``module`` itself train with sublinear memory: its ``forward`` is replaced in place, so every holder of
     the module (a Hugging Face ``Trainer``, a LightningModule, an optimizer, DDP) keeps using the same object, with
-    the same class, parameters, state_dict and hooks. ``module.forward.sublinear_plan`` describes the plan;
-    ``sublinear.remove(module)`` restores the class's forward. Returns ``module``."""
+    the same class, parameters, state_dict and hooks. ``module.sublinear_plan`` describes what the latest training
+    call ran (None before the first); ``sublinear.remove(module)`` restores the class's forward. Returns
+    ``module``."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"sublinear.apply needs an nn.Module, got {type(module).__name__}")
     config = config or SublinearMemoryConfig()
@@ -207,6 +208,9 @@ def apply(module: nn.Module, config: SublinearMemoryConfig | None = None,
         raise ValueError(f"sublinear.apply was already called on this {type(module).__name__}")
     refuse_nested_fsdp(module)
     planned = _PlannedForward(module, config)
+    owner = weakref.ref(module)
+    planned.sublinear_backend.on_plan = lambda plan: _set_plan(owner(), plan)
+    _set_plan(module, None)
     if example_inputs is not None or example_kwargs is not None:
         args = _examples(example_inputs) if example_inputs is not None else ()
         plan_ahead(module, planned.sublinear_backend, args, example_kwargs)
@@ -214,10 +218,16 @@ def apply(module: nn.Module, config: SublinearMemoryConfig | None = None,
     return module
 
 
+def _set_plan(module: nn.Module | None, plan: SublinearPlan | None) -> None:
+    if module is not None:
+        module.__dict__["sublinear_plan"] = plan
+
+
 def remove(module: nn.Module) -> nn.Module:
     """Undo :func:`apply`."""
     if isinstance(module.__dict__.get("forward"), _PlannedForward):
         del module.__dict__["forward"]
+        module.__dict__.pop("sublinear_plan", None)
     return module
 
 
@@ -229,8 +239,10 @@ def trace(fn: Callable | None = None, *, sublinear_memory_config: SublinearMemor
     """Decorate a train function: every ``nn.Module`` it receives (positionally or by keyword; bare, inside
     ``DistributedDataParallel``, or in a list, tuple or dict) runs through a :class:`SublinearModule` for the call.
     On a method (``training_step(self, batch)``), ``self``'s direct submodules run planned instead, so
-    ``self.net(x)`` and ``self(x)`` are both planned. Which modules were wrapped is logged once at INFO. The user's
-    modules are left as they were; return values and exceptions pass through."""
+    ``self.net(x)`` and ``self(x)`` are both planned. Which modules were wrapped is logged once at INFO (a WARNING
+    when there is none). The user's modules are left as they were; return values and exceptions pass through.
+    ``decorated.sublinear_plan`` describes what the latest call ran (every planned module's graphs);
+    ``decorated.sublinear_modules`` maps each module to the :class:`SublinearModule` that runs it."""
     if fn is None:
         return functools.partial(trace, sublinear_memory_config=sublinear_memory_config)
     if not callable(fn):
@@ -251,18 +263,21 @@ def trace(fn: Callable | None = None, *, sublinear_memory_config: SublinearMemor
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         wrapped: list[str] = []
+        used: list[SublinearModule] = []
         with contextlib.ExitStack() as restore:
             def swap(value: Any, name: str) -> Any:
                 if isinstance(value, DistributedDataParallel):
                     # DDP keeps its hooks and reducer; only the module it forwards to is the compiled one.
                     inner = value._modules["module"]
                     value._modules["module"] = compiled_for(inner)
+                    used.append(value._modules["module"])
                     restore.callback(value._modules.__setitem__, "module", inner)
                     wrapped.append(f"{name} (inside DistributedDataParallel)")
                     return value
                 if isinstance(value, nn.Module) and not isinstance(value, SublinearModule):
                     wrapped.append(f"{name} ({type(value).__name__})")
-                    return compiled_for(value)
+                    used.append(compiled_for(value))
+                    return used[-1]
                 return value
 
             args = list(args)
@@ -280,12 +295,30 @@ def trace(fn: Callable | None = None, *, sublinear_memory_config: SublinearMemor
                       for k, v in kwargs.items()}
             if not reported:
                 reported.append(True)
-                log.info("sublinear.trace(%s): planning %s", getattr(fn, "__qualname__", fn),
-                         ", ".join(wrapped) or "no module (pass the model as an argument)")
-            return fn(*args, **kwargs)
+                if wrapped:
+                    log.info("sublinear.trace(%s): planning %s", getattr(fn, "__qualname__", fn), ", ".join(wrapped))
+                else:
+                    log.warning("sublinear.trace(%s): no nn.Module among its arguments (nor, on a method, among "
+                                "self's submodules), so nothing is planned: pass the model as an argument",
+                                getattr(fn, "__qualname__", fn))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                wrapper.sublinear_plan = _joined([m.sublinear_plan for m in used])
 
     wrapper.sublinear_modules = compiled
+    wrapper.sublinear_plan = None
     return wrapper
+
+
+def _joined(plans: Sequence[SublinearPlan | None]) -> SublinearPlan | None:
+    """One description of a call that ran several planned modules: their graphs in order, and their breaks."""
+    plans = [p for p in plans if p is not None]
+    if len(plans) <= 1:
+        return plans[0] if plans else None
+    graphs = [g for p in plans for g in p.graphs]
+    return SublinearPlan(tuple(dataclasses.replace(g, graph=k) for k, g in enumerate(graphs)),
+                         tuple(b for p in plans for b in p.breaks))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['self'\]\.?|^L\['[^']*'\]\.?", "", str(path))
+    path = re.sub(r"^L\['self'\]\.?(__self__\.?)?|^L\['[^']*'\]\.?", "", str(path))  # a bound forward: __self__
     path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
 

@@ -36,6 +36,7 @@ from .core.analysis import analyse
 from .core.objective import Candidate, Objective, Simulation, ratio_over
 from .core.plan import Plan
 from .core.profile import GraphProfile, ShardedParameters, StepContext
+from .core.units import format_bytes
 from .planners import BudgetError, PlanningResult, make_plan, objective_for
 from .profiler import DROPPED, GRADIENT, KEPT, autocast_state, profile
 from .rewriter import RewrittenGraph, rewrite
@@ -47,7 +48,6 @@ __all__ = ["BlockSummary", "GraphPlan", "ParetoPoint", "SublinearBackend", "Subl
            "compile_module", "output_uses", "plan_ahead", "step_contexts"]
 
 log = logging.getLogger("sublinear")
-_MIB = 2**20
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ class BlockSummary:
     soft_end: bool  # the boundary is rebuilt, not kept (nested blocks)
 
     def __str__(self) -> str:
-        parts = [f"block {self.index}: {self.first_op} .. {self.last_op}; keeps {self.kept_bytes / _MIB:.1f} MiB"]
+        parts = [f"block {self.index}: {self.first_op} .. {self.last_op}; keeps {format_bytes(self.kept_bytes)}"]
         if self.recomputed_ops:
             parts.append(f"recomputes {len(self.recomputed_ops)} ops ({self.recompute_seconds * 1e3:.2f} ms)")
         if self.kept_ops:
@@ -128,8 +128,8 @@ class GraphPlan:
         nested = f" ({len(self.plan.soft)} nested)" if self.plan.soft else ""
         compiled = " (as compiled)" if self.compiled_peak_bytes is not None else ""
         return (f"graph {self.graph} at {self.signature}: {self.num_blocks} blocks{nested} over {self.num_ops} ops, "
-                f"predicted peak {self.predicted_peak_bytes / _MIB:.1f} MiB{compiled} vs eager "
-                f"{self.baseline_peak_bytes / _MIB:.1f} MiB, step time x{self.time_ratio:.3f} (FLOPs "
+                f"predicted peak {format_bytes(self.predicted_peak_bytes)}{compiled} vs eager "
+                f"{format_bytes(self.baseline_peak_bytes)}, step time x{self.time_ratio:.3f} (FLOPs "
                 f"x{self.flops_ratio:.3f}); {self.objective}; by {self.origin}{' (cache)' if self.from_cache else ''}")
 
     def describe(self) -> str:
@@ -183,7 +183,7 @@ class SublinearPlan:
 
     def __str__(self) -> str:
         head = (f"{len(self.graphs)} graph(s), {self.num_blocks} blocks: predicted peak "
-                f"{self.predicted_peak_bytes / _MIB:.1f} MiB vs eager {self.baseline_peak_bytes / _MIB:.1f} MiB, "
+                f"{format_bytes(self.predicted_peak_bytes)} vs eager {format_bytes(self.baseline_peak_bytes)}, "
                 f"step time x{self.time_ratio:.3f} (FLOPs x{self.flops_ratio:.3f})")
         if len(self.graphs) == 1 and not self.breaks:
             return str(self.graphs[0])
@@ -457,6 +457,7 @@ class SublinearBackend:
         self.eager_only: dict[str, str] = {}  # graph code -> why inductor cannot compile it
         self.budget_cuts: dict[str, int] = {}  # graph code -> bytes its search aims below the budget (compiled)
         self.positional_names: tuple[str, ...] = ()  # the compiled forward's positional parameters (max_sizes)
+        self.on_plan: Callable[[SublinearPlan | None], None] | None = None  # told what each finished call ran
         self.ran_graph = False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -481,9 +482,14 @@ class SublinearBackend:
 
     @property
     def sublinear_plan(self) -> SublinearPlan | None:
-        if not self.latest:
+        """What the latest training call ran. A bare ``torch.compile`` backend sees no call end (a call ends when
+        the next one starts), so there it is the graphs run since the latest call began."""
+        variants = self.latest
+        if not self.explicit_calls and self.call:
+            variants = {run.runtime.graph.code: run.variant for run in self.call}
+        if not variants:
             return None
-        graphs = tuple(dataclasses.replace(v.summary, graph=k) for k, v in enumerate(self.latest.values()))
+        graphs = tuple(dataclasses.replace(v.summary, graph=k) for k, v in enumerate(variants.values()))
         return SublinearPlan(graphs, tuple(self.breaks))
 
     def begin_call(self) -> None:
@@ -527,6 +533,8 @@ class SublinearBackend:
         if stale:
             log.info("sublinear: planning %d graph(s) again for the step as this call ran it (%s)", len(stale),
                      "; ".join(str(self.latest[r.graph.code].profile.step_context) for r in stale))
+        if self.on_plan is not None:
+            self.on_plan(self.sublinear_plan)
         return stale
 
     def context_for(self, runtime: _GraphRuntime, values: Sequence[Any]) -> tuple[StepContext | None, bool]:
@@ -784,8 +792,8 @@ class _GraphRuntime:
         if variant is not None and variant.auto_budget and not dry_run and _device_of(values).type == "cuda":
             budget = self.backend.budget_for(self, variant.profile, values, dry_run=False)
             if budget is not None and variant.simulation.peak_bytes > budget:
-                log.info("sublinear: graph %d's plan (%.1f MiB) no longer fits the device's free memory (%.1f MiB); "
-                         "planning again", self.index, variant.simulation.peak_bytes / _MIB, budget / _MIB)
+                log.info("sublinear: graph %d's plan (%s) no longer fits the device's free memory (%s); planning "
+                         "again", self.index, format_bytes(variant.simulation.peak_bytes), format_bytes(budget))
                 variant = None
         if variant is None:
             variant = self.variants[key] = self._plan_family(values, key, dry_run, self.seen)
@@ -839,8 +847,8 @@ class _GraphRuntime:
             code = self.graph.code  # aim below the budget by at least what compiling added to this plan
             cut = self.backend.budget_cuts.get(code, 0)
             self.backend.budget_cuts[code] = max(cut + variant.peak_bytes - variant.budget, variant.compiled_excess)
-            log.info("sublinear: graph %d compiled holds %.1f MiB, above the budget: planning again %.1f MiB lower",
-                     self.index, variant.peak_bytes / _MIB, self.backend.budget_cuts[code] / _MIB)
+            log.info("sublinear: graph %d compiled holds %s, above the budget: planning again %s lower", self.index,
+                     format_bytes(variant.peak_bytes), format_bytes(self.backend.budget_cuts[code]))
             self.forget(variant)
             try:
                 variant = self.variants[key] = self.backend.plan_graph(self, values, key, False, variant.bound)
@@ -989,7 +997,8 @@ def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any
     try:
         captured = capture(module, args, kwargs, dynamic=bool(backend_.config.max_sizes))
     except NeedsData as exc:
-        log.info("sublinear: cannot plan %s ahead: %s", type(module).__name__, exc)
+        log.warning("sublinear: cannot plan %s ahead, so .sublinear_plan stays None until the first training call "
+                    "plans it: %s", type(module).__name__, exc)
         return
     runtimes = []
     for graph in captured.graphs:

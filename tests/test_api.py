@@ -445,13 +445,45 @@ def test_apply_plans_in_place_and_keeps_class_state_dict_and_optimizer():
     assert sublinear.apply(model, PLAIN, example_inputs=(x,)) is model
     assert type(model) is ResidualNet and list(model.state_dict()) == keys
     assert_same_training(eager, train_steps(model, (x,), steps=2))
-    assert model.forward.sublinear_plan.num_blocks > 1
+    assert model.sublinear_plan.num_blocks > 1
     clone = pickle.loads(pickle.dumps(model))  # the planned forward pickles with the module
     assert clone(x).shape == (4, 5)
     sublinear.remove(model)
     assert "forward" not in model.__dict__
     with pytest.raises(ValueError, match="already"):
         sublinear.apply(sublinear.apply(model, PLAIN), PLAIN)
+
+
+def test_every_entry_point_has_the_plan_with_block_names_by_module_path(caplog):
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 8, 8)
+    applied = sublinear.apply(ResidualNet(), PLAIN)
+    assert applied.sublinear_plan is None  # nothing ran yet
+    applied(x).sum().backward()
+    compiled = sublinear.compile(ResidualNet(), (x,), config=PLAIN)
+    backend = sublinear.backend(PLAIN)
+    dynamo = torch.compile(ResidualNet(), backend=backend)
+    dynamo(x).sum().backward()
+
+    @sublinear.trace(sublinear_memory_config=PLAIN)
+    def step(model, x):
+        model(x).sum().backward()
+
+    assert step.sublinear_plan is None
+    step(ResidualNet(), x)
+    for plan in (applied.sublinear_plan, compiled.sublinear_plan, backend.sublinear_plan, step.sublinear_plan):
+        text = plan.describe()
+        assert "block 0: stem" in text and "__self__" not in text and "L[" not in text, text
+    sublinear.remove(applied)
+    assert "sublinear_plan" not in applied.__dict__
+
+    @sublinear.trace(sublinear_memory_config=PLAIN)
+    def no_model(x):
+        return x * 2
+
+    with caplog.at_level(logging.WARNING, logger="sublinear"):
+        no_model(x)
+    assert "no nn.Module among its arguments" in caplog.text and no_model.sublinear_plan is None
 
 
 def test_plan_says_which_layers_end_blocks_are_recomputed_or_kept_at_which_signature():
