@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .core.plan import Plan, PlanError
 
-__all__ = ["PlanCache", "cache_dir"]
+__all__ = ["PlanCache", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
 _FORMAT = 4
@@ -92,16 +92,21 @@ class PlanCache:
     def store(self, key: str, entry: dict) -> None:
         if self.folder is None:
             return
-        entry = {**entry, "format": _FORMAT, "key": key}
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".json")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(entry, f)
-                os.replace(tmp, self.folder / f"{key}.json")
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            write_json(self.folder / f"{key}.json", {**entry, "format": _FORMAT, "key": key})
         except OSError as exc:
             warnings.warn(f"sublinear: could not write the plan cache in {self.folder}: {exc}", stacklevel=3)
+
+
+def write_json(path: Path, value: object) -> None:
+    """Write ``value`` as JSON to ``path`` atomically: a temporary file in the same folder, renamed into place, so a
+    reader never sees a partial file and an interrupted write leaves none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -34,8 +34,8 @@ class SublinearMemoryConfig:
     max_time_ratio: no plan's predicted step time exceeds this multiple of eager's (>= 1.0).
     planners: planners run in order (names registered in :data:`sublinear.planners.PLANNERS`).
     cost_model: op times "measure"d on the device, "estimate"d from FLOPs and bytes moved over the device's rates
-        (meta: a reference GPU's), estimated for the "reference" GPU whatever the device, or "auto": measured on
-        CPU and CUDA tensors, estimated on meta.
+        (meta: a reference GPU's), estimated for the "reference" GPU whatever the device, or "auto" (default): the
+        estimate, which gives the same plan in every process (measured times vary from run to run).
     seed: seed of the genetic and local searches; the same seed gives the same plan.
     compiler: what runs each planned graph. "inductor": AOTAutograd partitions the graph as the plan says and
         inductor compiles forward and backward (recompute included); "eager": sublinear's own executor runs the

@@ -16,17 +16,22 @@ Two sources:
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
+
+from .cache import cache_dir, write_json
 
 __all__ = ["DeviceRates", "NodeCosts", "StepCost", "TensorSpec", "aten_work", "device_rates", "estimate_seconds",
            "measure_node_costs"]
@@ -112,12 +117,31 @@ class StepCost(TorchDispatchMode):
 
 @functools.lru_cache(maxsize=None)
 def device_rates(device: str) -> DeviceRates:
-    """The device's matmul rate, copy bandwidth and per-call overhead, measured once per process (0.1-0.5 s)."""
+    """The device's matmul rate, copy bandwidth and per-call overhead. Measured once per machine (0.1-0.5 s) and
+    kept in the cache folder (``device-rates.json``, per device model, thread count and torch version), so that
+    every process on the machine estimates op times alike and plans alike; measured per process when the cache
+    folder is disabled."""
     kind = torch.device(device).type
     if kind not in ("cpu", "cuda"):
         return REFERENCE_GPU
     dev = torch.device(device)
-    n = 1024 if kind == "cpu" else 4096
+    key = f"{_device_model(dev)}|threads {torch.get_num_threads()}|torch {torch.__version__}"
+    folder = cache_dir(None)
+    path = folder / "device-rates.json" if folder is not None else None
+    known = _read_rates(path)
+    if key in known:
+        rates = DeviceRates(str(dev), *known[key])
+    else:
+        rates = _measure_rates(dev)
+        if path is not None:
+            _write_rates(path, {**_read_rates(path), key: [rates.flops_per_second, rates.bytes_per_second,
+                                                             rates.seconds_per_call]})
+    log.info("device rates %s", rates.describe())
+    return rates
+
+
+def _measure_rates(dev: torch.device) -> DeviceRates:
+    n = 1024 if dev.type == "cpu" else 4096
     a = torch.randn(n, n, device=dev)
     b = torch.randn(n, n, device=dev)
     matmul = _fastest(lambda: torch.mm(a, b), dev)
@@ -126,9 +150,36 @@ def device_rates(device: str) -> DeviceRates:
     copy = _fastest(lambda: out.copy_(big), dev)
     one = torch.ones(1, device=dev)
     call = _fastest(lambda: one.add(one), dev, repeats=50)
-    rates = DeviceRates(str(dev), 2 * n**3 / matmul, 2 * big.nbytes / copy, call)
-    log.info("device rates %s", rates.describe())
-    return rates
+    return DeviceRates(str(dev), 2 * n**3 / matmul, 2 * big.nbytes / copy, call)
+
+
+def _device_model(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                        platform.processor())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _read_rates(path: Path | None) -> dict[str, list[float]]:
+    if path is None or not path.exists():
+        return {}
+    try:
+        known = json.loads(path.read_text())
+        return {k: v for k, v in known.items() if isinstance(v, list) and len(v) == 3} if isinstance(known, dict) \
+            else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_rates(path: Path, known: dict[str, list[float]]) -> None:
+    try:
+        write_json(path, known)
+    except OSError as exc:
+        log.info("device rates not cached in %s: %s", path.parent, exc)
 
 
 def _fastest(fn: Callable[[], Any], device: torch.device, repeats: int = 3) -> float:

@@ -319,8 +319,8 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
 
     ``cost_model``: "measure" times every node on the values' device, "estimate" uses FLOPs and bytes moved over
     ``rates`` (default: the device's calibrated rates; on meta, the reference GPU's), "reference" estimates for the
-    reference GPU whatever the device (plans for a GPU's budget made on fake CPU tensors), "auto" measures on CPU
-    and CUDA and estimates on meta.
+    reference GPU whatever the device (plans for a GPU's budget made on fake CPU tensors), "auto" estimates: the
+    same plan in every process, where measured times vary from run to run.
     ``uses``: per tensor output, what the call did with it: :data:`GRADIENT` (a later graph or the loss read it,
     so backward hands it a gradient), :data:`KEPT` (held to the end of the step without a gradient, as a KV
     cache) or :data:`DROPPED` (let go as soon as the graph returned). By default every output is kept and
@@ -330,7 +330,7 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     if values is None:
         raise ValueError("profile() needs the graph's input values: this graph was not captured with examples")
     device = torch.device(graph.model_device) if graph.model_device else _device_of(values)
-    measure = cost_model == "measure" or (cost_model == "auto" and device.type in ("cpu", "cuda"))
+    measure = cost_model == "measure"
     if cost_model == "reference":
         rates = REFERENCE_GPU
     if measure and device.type not in ("cpu", "cuda"):

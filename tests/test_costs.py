@@ -55,3 +55,53 @@ def test_step_cost_charges_views_their_call_overhead_only():
         x.view(32, 64).t().relu()
     assert cost.flops == 0
     assert cost.seconds == pytest.approx(estimate_seconds(0, 2 * x.nbytes, 3, REFERENCE_GPU))
+
+
+_PLAN_IN_A_FRESH_PROCESS = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+import sublinear
+from conftest import ResidualNet
+torch.manual_seed(0)
+config = sublinear.SublinearMemoryConfig(cache_dir="", compiler="eager")  # the default cost model; no plan cache
+compiled = sublinear.compile(ResidualNet(width=16), (torch.randn(8, 3, 32, 32),), config=config)
+print(json.dumps([g.plan.as_dict() for g in compiled.sublinear_plan.graphs] +
+                 [compiled.sublinear_plan.predicted_peak_bytes]))
+"""
+
+
+@pytest.mark.slow
+def test_the_default_cost_model_gives_the_same_plan_in_fresh_processes(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = _PLAN_IN_A_FRESH_PROCESS.format(tests=os.path.dirname(__file__))
+    env = {**os.environ, "SUBLINEAR_CACHE_DIR": str(tmp_path)}  # where the device's rates are kept
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(3)]
+    assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
+    plans = [json.loads(run.stdout.strip().splitlines()[-1]) for run in runs]
+    assert plans[0] == plans[1] == plans[2]
+    assert (tmp_path / "device-rates.json").exists()
+
+
+def test_device_rates_are_measured_once_per_machine_and_read_back(tmp_path, monkeypatch):
+    import json
+
+    from sublinear.costs import device_rates
+
+    monkeypatch.setenv("SUBLINEAR_CACHE_DIR", str(tmp_path))
+    device_rates.cache_clear()
+    try:
+        measured = device_rates("cpu")
+        stored = json.loads((tmp_path / "device-rates.json").read_text())
+        (key, values), = stored.items()
+        assert values == [measured.flops_per_second, measured.bytes_per_second, measured.seconds_per_call]
+        (tmp_path / "device-rates.json").write_text(json.dumps({key: [1e12, 2e11, 3e-6]}))
+        device_rates.cache_clear()  # a new process: reads what the first one measured
+        again = device_rates("cpu")
+        assert (again.flops_per_second, again.bytes_per_second, again.seconds_per_call) == (1e12, 2e11, 3e-6)
+    finally:
+        device_rates.cache_clear()
