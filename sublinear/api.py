@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 
 from .runtime import (GraphPlan, ParetoPoint, SublinearBackend, SublinearPlan, backend, compile_module,
                       plan_ahead)
-from .capture import capture
+from .capture import ModelErrorsAsEager, capture, model_error
 from .config import SublinearMemoryConfig
 from .core.objective import ratio_over
 from .core.plan import Plan
@@ -116,7 +116,13 @@ class SublinearModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()) or torch.is_inference_mode_enabled():
             return self.original_module(*args, **kwargs)
-        return _planned_call(self._run, *args, **kwargs)
+        try:
+            return _planned_call(self._run, *args, **kwargs)
+        except Exception as exc:
+            error = model_error(exc)  # the model's own error, found by running it eagerly: as eager raises it
+            if error is None:
+                raise
+            raise error from None
 
 
 @torch.compiler.disable
@@ -154,7 +160,8 @@ def compile(module: nn.Module, example_inputs: Sequence[Any] | Any = None,
         compiled.use(plan)
     if example_inputs is not None or example_kwargs is not None:
         args = _examples(example_inputs) if example_inputs is not None else ()
-        plan_ahead(module, compiled.sublinear_backend, args, example_kwargs)
+        with ModelErrorsAsEager():
+            plan_ahead(module, compiled.sublinear_backend, args, example_kwargs)
     return compiled
 
 
@@ -182,7 +189,13 @@ class _PlannedForward:
         module = self._module()
         if not (module.training and torch.is_grad_enabled()) or torch.is_inference_mode_enabled():
             return type(module).forward(module, *args, **kwargs)
-        return _planned_call(self._planned_run, *args, **kwargs)
+        try:
+            return _planned_call(self._planned_run, *args, **kwargs)
+        except Exception as exc:
+            error = model_error(exc)  # the model's own error, found by running it eagerly: as eager raises it
+            if error is None:
+                raise
+            raise error from None
 
     def _planned_run(self, *args: Any, **kwargs: Any) -> Any:
         if self._run is None:
@@ -213,7 +226,8 @@ def apply(module: nn.Module, config: SublinearMemoryConfig | None = None,
     _set_plan(module, None)
     if example_inputs is not None or example_kwargs is not None:
         args = _examples(example_inputs) if example_inputs is not None else ()
-        plan_ahead(module, planned.sublinear_backend, args, example_kwargs)
+        with ModelErrorsAsEager():
+            plan_ahead(module, planned.sublinear_backend, args, example_kwargs)
     module.forward = planned
     return module
 

@@ -23,6 +23,7 @@ import itertools
 import logging
 import re
 import traceback
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,9 +38,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .shapes import SymbolicSizes
 
 __all__ = ["DISPATCH", "Capture", "CaptureError", "CapturedGraph", "FakeTwin", "GraphBreak", "GraphOutputs",
-           "GraphReceiver",
-           "InputSignature", "NeedsData", "SharedGraph", "capture", "compile_entry", "graph_breaks",
-           "input_signature", "receiving"]
+           "GraphReceiver", "InputSignature", "ModelErrorsAsEager", "NeedsData", "SharedGraph", "capture",
+           "compile_entry", "eager_or_model_error", "graph_breaks", "input_signature", "model_error", "receiving"]
 
 log = logging.getLogger("sublinear.capture")
 
@@ -246,6 +246,66 @@ def capture_error(exc: BaseException, what: str) -> CaptureError:
     return CaptureError(f"TorchDynamo could not capture {what}{f' at {where}' if where else ''}: "
                         f"{type(exc).__name__}: {first}. Make that code traceable (or move it out of forward); "
                         "sublinear plans only what TorchDynamo captures.")
+
+
+def eager_or_model_error(forward: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """Run ``forward`` eagerly, as the user's code would, after TorchDynamo failed on it, and return its output.
+    When eager fails too, the failure is the model's own: its exception is raised as eager raises it (same type and
+    message), and :class:`ModelErrorsAsEager` around the caller gives it the model's frames only (no TorchDynamo
+    or dispatch frames). Data-less stand-ins that cannot run code reading tensor values give None. Only for a call
+    whose capture ran nothing yet: TorchDynamo applies a graph's side effects once the graph runs, so nothing of
+    the model's happens twice."""
+    try:
+        return forward(*args, **kwargs)
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        return None
+    except Exception as exc:  # noqa: BLE001 - whatever the model raises, raised as it is
+        exc._sublinear_model_traceback = _model_frames(exc.__traceback__)
+        raise
+
+
+def model_error(exc: BaseException) -> BaseException | None:
+    """``exc`` with the model's own traceback when it is an error of the user's model (see
+    :func:`eager_or_model_error`), for the caller to raise ``from None``; None for any other exception."""
+    frames = getattr(exc, "_sublinear_model_traceback", None)
+    if frames is None:
+        return None
+    del exc._sublinear_model_traceback
+    return exc.with_traceback(frames)
+
+
+class ModelErrorsAsEager:
+    """Inside, an error of the user's model (see :func:`eager_or_model_error`) leaves with the model's traceback."""
+
+    def __enter__(self) -> ModelErrorsAsEager:
+        return self
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> bool:
+        error = model_error(exc) if exc is not None else None
+        if error is not None:
+            raise error from None
+        return False
+
+
+_DISPATCH_FILES = re.compile(r"torch/(_subclasses|_ops\.py|_compile\.py|_dynamo|utils/_stats\.py|_prims|_refs|_decomp)")
+
+
+def _model_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` from the model's call on: without sublinear's own outer frames, nor the innermost frames inside
+    torch's dispatch machinery (fake tensors, op overloads), so the error ends where eager's does."""
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    while len(frames) > 1 and re.search(r"/sublinear/|torch/nn/modules/module\.py",
+                                        frames[0].tb_frame.f_code.co_filename.replace("\\", "/")):
+        frames.pop(0)  # sublinear's call of the model, and the module-call frames the user's own call shows
+    while len(frames) > 1 and _DISPATCH_FILES.search(frames[-1].tb_frame.f_code.co_filename.replace("\\", "/")):
+        frames.pop()
+    trimmed = None
+    for frame in reversed(frames):
+        trimmed = types.TracebackType(trimmed, frame.tb_frame, frame.tb_lasti, frame.tb_lineno)
+    return trimmed
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -482,7 +542,10 @@ def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] 
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - Dynamo's and the model's errors, with the user's line
-        raise capture_error(exc, f"{type(module).__name__}.forward") from exc
+        error = capture_error(exc, f"{type(module).__name__}.forward")
+        if not isinstance(error, NeedsData):  # the twin is a copy: running it again touches nothing of the user's
+            eager_or_model_error(copy_, fake_args, fake_kwargs)
+        raise error from exc
     graphs = [dataclasses.replace(g, model_device=str(device)) for g in recorder.graphs]
     log.debug("captured %s: %d graph(s), %d graph break(s)", type(module).__name__, len(graphs), len(breaks))
     return Capture(graphs, list(breaks), returned)

@@ -24,13 +24,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.exc import TorchDynamoException
 from torch.utils._python_dispatch import _disable_current_modes, any_torch_dispatch_mode_on_stack
 from torch.utils._pytree import tree_leaves
 
 from .cache import PlanCache, cache_dir
 from .compiled import CompiledGraph, JointTraceError, compiled_profile, resolve_compiler
-from .capture import (BUFFER, INPUT, PARAMETER, CapturedGraph, GraphBreak, GraphOutputs, NeedsData, SharedGraph,
-                      capture, compile_entry, graph_breaks, input_signature, receiving)
+from .capture import (BUFFER, INPUT, PARAMETER, CapturedGraph, GraphBreak, GraphOutputs, InputSignature,
+                      NeedsData, SharedGraph, capture, capture_error, compile_entry,
+                      eager_or_model_error, graph_breaks, input_signature, receiving)
 from .config import SublinearMemoryConfig
 from .core.analysis import analyse
 from .core.objective import Candidate, Objective, Simulation, ratio_over
@@ -38,8 +40,10 @@ from .core.plan import Plan
 from .core.profile import GraphProfile, ShardedParameters, StepContext
 from .core.units import format_bytes
 from .planners import BudgetError, PlanningResult, make_plan, objective_for
+from .planners.driver import step_floor
 from .profiler import DROPPED, GRADIENT, KEPT, autocast_state, profile
 from .rewriter import RewrittenGraph, rewrite
+from .progress import PlanningProgress
 from .shapes import Binding, argument_dims, bucket, covers, describe_binding, join
 from .sharding import refuse_nested_fsdp
 from .simulator import simulate
@@ -181,13 +185,17 @@ class SublinearPlan:
             raise ValueError(f"the model runs {len(self.graphs)} graphs; pick one from .graphs")
         return self.graphs[0].plan
 
-    def __str__(self) -> str:
-        head = (f"{len(self.graphs)} graph(s), {self.num_blocks} blocks: predicted peak "
+    @property
+    def headline(self) -> str:
+        """Graphs, blocks, predicted peak against eager's, predicted step time: one line."""
+        return (f"{len(self.graphs)} graph(s), {self.num_blocks} blocks: predicted peak "
                 f"{format_bytes(self.predicted_peak_bytes)} vs eager {format_bytes(self.baseline_peak_bytes)}, "
                 f"step time x{self.time_ratio:.3f} (FLOPs x{self.flops_ratio:.3f})")
+
+    def __str__(self) -> str:
         if len(self.graphs) == 1 and not self.breaks:
             return str(self.graphs[0])
-        lines = [head, *(f"  {g}" for g in self.graphs)]
+        lines = [self.headline, *(f"  {g}" for g in self.graphs)]
         lines += [f"  graph break at {b}" for b in self.breaks]
         return "\n".join(lines)
 
@@ -458,6 +466,8 @@ class SublinearBackend:
         self.budget_cuts: dict[str, int] = {}  # graph code -> bytes its search aims below the budget (compiled)
         self.positional_names: tuple[str, ...] = ()  # the compiled forward's positional parameters (max_sizes)
         self.on_plan: Callable[[SublinearPlan | None], None] | None = None  # told what each finished call ran
+        self.progress = PlanningProgress("the model")
+        self.uncapturable: dict[InputSignature, str] = {}  # call signatures TorchDynamo cannot capture -> why
         self.ran_graph = False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -608,6 +618,7 @@ class SublinearBackend:
         """Profile and plan ``runtime``'s graph for a call with ``values`` (real or fake). Planning draws random
         numbers (measuring op costs) under a forked RNG, so the training's random stream is as in eager, and runs
         outside the caller's dispatch modes (a memory tracker around the step sees the step, not the planning)."""
+        self.progress.begin()
         devices = sorted({t.device.index or 0 for t in tree_leaves(list(values))
                           if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices, device_type="cuda"), _disable_current_modes(), \
@@ -867,6 +878,8 @@ class _GraphRuntime:
         if not backend_.explicit_calls and backend_.call and backend_.call[0].runtime.graph.code == self.graph.code:
             backend_.finish_call()  # used as a bare backend, no call boundary is seen: the first graph starts a call
         variant = self.variant_for(values)
+        if not backend_.explicit_calls:  # no call end is seen: planning ends with the graph's
+            backend_.progress.end(lambda: str(variant.summary))
         run = _GraphRun.of(self, variant, values)
         out = variant.rewritten(*values)
         run.record(GraphOutputs.of(out))
@@ -879,7 +892,8 @@ def _over_budget(variant: _Variant, plan: Plan, simulation: Simulation) -> Budge
     as ``simulation``) with what compiling holds beyond its simulation, said for the budget asked for."""
     objective = dataclasses.replace(variant.objective, memory_budget=variant.budget)
     peak = simulation.peak_bytes + variant.compiled_excess
-    return BudgetError(objective, Candidate(plan, dataclasses.replace(simulation, peak_bytes=peak)), None)
+    return BudgetError(objective, Candidate(plan, dataclasses.replace(simulation, peak_bytes=peak)), None,
+                       floor=step_floor(variant.profile))
 
 
 @functools.cache
@@ -922,6 +936,7 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
     graph breaks are noted at the first call, and a training call that ran no graph is reported. ``owner`` is the
     user's module, checked for FSDP units inside it at every call (their hooks would be bypassed)."""
     _ensure_recompile_room()
+    session.progress.what = name
     # With max_sizes every size of the arguments is symbolic from the first call, so one graph (and plan) serves
     # all shapes; otherwise TorchDynamo makes a size symbolic once it changes.
     compiled = compile_entry(module, name, dynamic=True if session.config.max_sizes else None)
@@ -937,17 +952,34 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
                             "that TorchDynamo cannot compile under: this call runs the original forward, unplanned",
                             name)
             return module(*args, **kwargs)
+        signature = input_signature(args, kwargs)
+        if signature in session.uncapturable:
+            return module(*args, **kwargs)
         session.ran_graph = False
         session.explicit_calls = True
+        if not session.graphs:  # the first call captures and plans: its progress counts from here
+            session.progress.begin()
         session.begin_call()
-        with receiving(session):
-            if session.graphs:
-                out = compiled(*args, **kwargs)
-            else:
-                with graph_breaks() as breaks:
-                    out = compiled(*args, **kwargs)
-                session.note_breaks(breaks, name)
-        session.finish_call(out)
+        try:
+            with receiving(session):
+                try:
+                    if session.graphs:
+                        out = compiled(*args, **kwargs)
+                    else:
+                        with graph_breaks() as breaks:
+                            out = compiled(*args, **kwargs)
+                        session.note_breaks(breaks, name)
+                except TorchDynamoException as exc:
+                    if session.ran_graph:  # a graph of this call ran, with its side effects: no second run
+                        raise capture_error(exc, f"{name}.forward") from exc
+                    out = eager_or_model_error(module, args, kwargs)
+                    session.uncapturable[signature] = str(capture_error(exc, f"{name}.forward"))
+                    log.warning("sublinear: %s; this call and later ones with its input shapes run eagerly, "
+                                "unplanned (exact, with eager's memory)", session.uncapturable[signature])
+                    return out
+            session.finish_call(out)
+        finally:
+            session.progress.end(lambda: session.sublinear_plan.headline if session.sublinear_plan else "no graph")
         if not session.ran_graph and not session._warned_unplanned:
             session._warned_unplanned = True
             log.warning("sublinear: this training call of %s ran no captured graph (TorchDynamo captured nothing, "
@@ -994,6 +1026,16 @@ def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any
     whole step (in a few rounds when the call has several graphs); :class:`BudgetError` when the step cannot fit.
     A model whose eager code between graphs needs tensor values is planned at its first training call instead."""
     backend_.positional_names = _positional_names(module)
+    backend_.progress.what = type(module).__name__
+    backend_.progress.begin()
+    try:
+        _plan_captured(module, backend_, args, kwargs)
+    finally:
+        backend_.progress.end(lambda: backend_.sublinear_plan.headline if backend_.sublinear_plan else "no graph")
+
+
+def _plan_captured(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any],
+                   kwargs: dict[str, Any] | None) -> None:
     try:
         captured = capture(module, args, kwargs, dynamic=bool(backend_.config.max_sizes))
     except NeedsData as exc:
@@ -1018,5 +1060,6 @@ def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any
     unfit = [v for v in backend_.latest.values() if not v.accepted]
     if unfit:  # the graphs were planned for each other and the step still misses the budget
         worst = max(unfit, key=lambda v: v.simulation.peak_bytes)
-        raise BudgetError(worst.objective, Candidate(worst.plan, worst.simulation), None)
+        raise BudgetError(worst.objective, Candidate(worst.plan, worst.simulation), None,
+                          floor=step_floor(worst.profile))
     backend_.graphs.clear()  # the real calls capture their own graphs; the plans wait in the store

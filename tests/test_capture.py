@@ -142,13 +142,16 @@ def test_code_is_the_same_for_fake_and_real_captures():
     assert fake.graph_module.code != real_graphs[0].graph_module.code  # only the annotations differ
 
 
-def test_errors_in_forward_name_the_file_and_line():
+def test_errors_in_forward_are_the_forwards_own_with_its_file_and_line():
+    import traceback
+
     class Typo(nn.Module):
         def forward(self, x):
             return x.no_such_method()
 
-    with pytest.raises(CaptureError, match=r"Typo.forward at .*test_capture.py:\d+: .*no_such_method"):
+    with pytest.raises(AttributeError, match="no_such_method") as info:
         capture(Typo(), (torch.randn(2),))
+    assert "return x.no_such_method()" in "".join(traceback.format_exception(info.value))
 
 
 def test_graph_breaks_collector_is_silent_and_restores_logging(caplog):
@@ -214,3 +217,65 @@ def test_a_model_on_the_meta_device_is_captured_and_planned_as_meta():
     assert p.cost_source.startswith("estimated") and p.measured_peak_bytes > 0
     compiled = sublinear.compile(model, (x,), config=PLAIN)
     assert "(3, 4):float32@meta" in str(compiled.sublinear_plan)
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.conv(x)
+        return self.fc(h.mean((2, 3)))
+
+
+def _raised(call):
+    """The exception ``call()`` raises and its printed traceback."""
+    import traceback
+
+    with pytest.raises(Exception) as info:
+        call()
+    return info.value, "".join(traceback.format_exception(info.value))
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["first-call", "example-inputs"])
+@pytest.mark.parametrize("wrong", ["channels", "dtype"])
+def test_a_model_error_is_raised_as_eager_raises_it(wrong, ahead):
+    torch.manual_seed(0)
+    model = TwoLayers()
+    x = torch.randn(2, 4, 8, 8) if wrong == "channels" else torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    eager, _ = _raised(lambda: model(x))
+    if ahead:
+        error, text = _raised(lambda: sublinear.compile(TwoLayers(), (x,), config=PLAIN))
+    else:
+        compiled = sublinear.compile(TwoLayers(), config=PLAIN)
+        error, text = _raised(lambda: compiled(x))
+    assert type(error) is type(eager) and str(error) == str(eager)
+    assert "test_capture.py" in text and "h = self.conv(x)" in text  # the user's frame
+    assert len(text.splitlines()) <= 30 and "torch/_dynamo" not in text and "fake_tensor" not in text, text
+    assert error.__cause__ is None and error.__suppress_context__
+
+
+def test_a_call_torchdynamo_cannot_capture_runs_eagerly_and_says_so(monkeypatch, caplog):
+    import sublinear.runtime as runtime
+
+    attempts = []
+
+    def failing_entry(module, name, dynamic):
+        def entry(*args, **kwargs):
+            attempts.append(1)
+            raise torch._dynamo.exc.Unsupported("a construct TorchDynamo cannot trace")
+        return entry
+
+    monkeypatch.setattr(runtime, "compile_entry", failing_entry)
+    torch.manual_seed(0)
+    model = TwoLayers()
+    compiled = sublinear.compile(model, config=PLAIN)
+    x = torch.randn(2, 3, 8, 8)
+    with caplog.at_level(logging.WARNING, logger="sublinear"):
+        out = compiled(x)
+        again = compiled(x)
+    assert torch.equal(out, model(x)) and torch.equal(again, out)
+    assert "run eagerly, unplanned" in caplog.text and "cannot trace" in caplog.text
+    assert len(attempts) == 1  # the second call with these shapes goes straight to eager
