@@ -332,7 +332,7 @@ def _joined(plans: Sequence[SublinearPlan | None]) -> SublinearPlan | None:
         return plans[0] if plans else None
     graphs = [g for p in plans for g in p.graphs]
     return SublinearPlan(tuple(dataclasses.replace(g, graph=k) for k, g in enumerate(graphs)),
-                         tuple(b for p in plans for b in p.breaks))
+                         tuple(b for p in plans for b in p.breaks), sum(p.runs for p in plans))
 
 
 # ---------------------------------------------------------------------------------------------------------------

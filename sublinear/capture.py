@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import functools
 import itertools
 import logging
 import re
@@ -127,7 +128,7 @@ class CapturedGraph:
                 kinds.append(INPUT)
         return CapturedGraph(gm, tuple(kinds), tuple(sources), sizes=SymbolicSizes.of(gm))
 
-    @property
+    @functools.cached_property
     def code(self) -> str:
         """The graph's Python code without the placeholders' type annotations (which name the example values'
         classes), as on the model's device and with its size symbols renamed in order of use: equal for every

@@ -29,12 +29,12 @@ from torch.utils._python_dispatch import _disable_current_modes, any_torch_dispa
 from torch.utils._pytree import tree_leaves
 
 from .cache import PlanCache, cache_dir
-from .compiled import CompiledGraph, JointTraceError, compiled_profile, resolve_compiler
+from .compiled import CompiledGraph, JointGraph, JointTraceError, profile_joint, resolve_compiler, trace_joint
 from .capture import (BUFFER, INPUT, PARAMETER, CapturedGraph, GraphBreak, GraphOutputs, InputSignature,
                       NeedsData, SharedGraph, capture, capture_error, compile_entry,
                       eager_or_model_error, graph_breaks, input_signature, receiving)
 from .config import SublinearMemoryConfig
-from .core.analysis import analyse
+from .core.analysis import PlanAnalysis, analyse
 from .core.objective import Candidate, Objective, Simulation, ratio_over
 from .core.plan import Plan
 from .core.profile import GraphProfile, ShardedParameters, StepContext
@@ -142,10 +142,13 @@ class GraphPlan:
 
 @dataclass(frozen=True)
 class SublinearPlan:
-    """What the latest training call ran: one :class:`GraphPlan` per captured graph, and the graph breaks."""
+    """What the latest training call ran: one :class:`GraphPlan` per captured graph, and the graph breaks (each
+    distinct place and reason once). ``runs``: how many times the call ran a graph (a graph in a loop runs several
+    times; 0 when not known)."""
 
     graphs: tuple[GraphPlan, ...]
     breaks: tuple[GraphBreak, ...] = ()
+    runs: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -188,7 +191,9 @@ class SublinearPlan:
     @property
     def headline(self) -> str:
         """Graphs, blocks, predicted peak against eager's, predicted step time: one line."""
-        return (f"{len(self.graphs)} graph(s), {self.num_blocks} blocks: predicted peak "
+        runs = f" ({self.runs} graph runs)" if self.runs > len(self.graphs) else ""
+        breaks = f" at {len(self.breaks)} graph break(s)" if self.breaks else ""
+        return (f"{len(self.graphs)} graph(s){runs}{breaks}, {self.num_blocks} blocks: predicted peak "
                 f"{format_bytes(self.predicted_peak_bytes)} vs eager {format_bytes(self.baseline_peak_bytes)}, "
                 f"step time x{self.time_ratio:.3f} (FLOPs x{self.flops_ratio:.3f})")
 
@@ -250,6 +255,7 @@ class _Variant:
     settling: bool = False  # the lowest peak taken while earlier graphs of the call were not planned for this one
     compiled_excess: int = 0  # what the compiled graphs hold beyond the simulation, once compiled
     bound: Binding = field(default_factory=dict)  # a dynamic graph's sizes the plan was made for (it serves those below)
+    checked: bool = False  # compiled, and what the compiled graphs hold read
 
     @property
     def peak_bytes(self) -> int:
@@ -468,6 +474,9 @@ class SublinearBackend:
         self.on_plan: Callable[[SublinearPlan | None], None] | None = None  # told what each finished call ran
         self.progress = PlanningProgress("the model")
         self.uncapturable: dict[InputSignature, str] = {}  # call signatures TorchDynamo cannot capture -> why
+        self.prior_plans: dict[str, Plan] = {}  # graph code -> the plan of its variant forgotten last
+        self.joints = _PlanStore(8)  # joint graphs by graph, signature and bound (inductor)
+        self.compiled_graphs: dict[tuple, CompiledGraph] = {}  # by graph, signature, bound and partition
         self.ran_graph = False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -494,13 +503,13 @@ class SublinearBackend:
     def sublinear_plan(self) -> SublinearPlan | None:
         """What the latest training call ran. A bare ``torch.compile`` backend sees no call end (a call ends when
         the next one starts), so there it is the graphs run since the latest call began."""
-        variants = self.latest
+        variants, runs = self.latest, len(self.previous)
         if not self.explicit_calls and self.call:
-            variants = {run.runtime.graph.code: run.variant for run in self.call}
+            variants, runs = {run.runtime.graph.code: run.variant for run in self.call}, len(self.call)
         if not variants:
             return None
         graphs = tuple(dataclasses.replace(v.summary, graph=k) for k, v in enumerate(variants.values()))
-        return SublinearPlan(graphs, tuple(self.breaks))
+        return SublinearPlan(graphs, tuple(self.breaks), runs)
 
     def begin_call(self) -> None:
         """A new training call starts: :attr:`sublinear_plan` will describe the graphs it runs."""
@@ -537,7 +546,8 @@ class SublinearBackend:
             if run.runtime in stale or (context == variant.profile.step_context and not variant.settling):
                 continue
             variant.set_context(context)
-            if variant.settling or not variant.accepted or not _planned_knowing_later(variant, context):
+            unknown_later = variant.objective.memory_budget is not None and not _planned_knowing_later(variant, context)
+            if variant.settling or not variant.accepted or unknown_later:
                 run.runtime.forget(variant)
                 stale.append(run.runtime)
         if stale:
@@ -601,15 +611,21 @@ class SublinearBackend:
         for runtime in self.graphs:
             runtime.variants.clear()
 
-    def note_breaks(self, breaks: Sequence[GraphBreak], what: str) -> None:
-        """Record graph breaks and say once, at WARNING, how many there were and where."""
-        new = [b for b in breaks if b not in self.breaks]
-        self.breaks.extend(new)
-        if new and not self._warned_breaks:
-            self._warned_breaks = True
-            log.warning("sublinear: TorchDynamo split %s into %d graphs at %d graph break(s); the code at each break "
-                        "runs eagerly, unplanned: %s", what, len(self.graphs) or len(new) + 1, len(new),
-                        "; ".join(str(b) for b in new[:5]) + (" ..." if len(new) > 5 else ""))
+    def note_breaks(self, breaks: Sequence[GraphBreak]) -> None:
+        """Record graph breaks (each place and reason once)."""
+        self.breaks.extend(b for b in dict.fromkeys(breaks) if b not in self.breaks)
+
+    def say_breaks(self, what: str) -> None:
+        """Once the first call that broke into graphs is over, say at WARNING, once, into how many graphs and at
+        which breaks, with every reason: the same counts as :attr:`sublinear_plan`."""
+        plan = self.sublinear_plan
+        if self._warned_breaks or not self.breaks or plan is None:
+            return
+        self._warned_breaks = True
+        log.warning("sublinear: TorchDynamo split %s into %d graphs%s at %d graph break(s); the code at each break "
+                    "runs eagerly, unplanned:\n%s", what, len(plan.graphs),
+                    f" ({plan.runs} graph runs per call)" if plan.runs > len(plan.graphs) else "", len(plan.breaks),
+                    "\n".join(f"  {b}" for b in plan.breaks))
 
     # -- planning ------------------------------------------------------------------------------------------------
 
@@ -656,8 +672,7 @@ class SublinearBackend:
             entry = disk.load(disk_key) if override is None else None
             if compiler == "inductor":
                 if profiled is None:
-                    compiled = compiled_profile(graph, graph.sizes.symbolic_inputs(values, bound)[0] if bound
-                                                else values, uses)
+                    compiled = profile_joint(self._joint(graph, values, key, bound), graph, uses)
                     profiled = compiled.profile, compiled.node_names
                 if entry is not None:
                     entry = disk.check(entry, disk_key, profiled[0].num_ops)
@@ -678,12 +693,18 @@ class SublinearBackend:
         objective = objective_for(config, None if budget is None else max(budget - cut, 1))
         eager = simulate(profile_, Plan.no_split(profile_.num_ops))
         origin, from_cache, history = "cache", plan is not None and result is None, ()
+        prior = self.prior_plans.pop(graph.code, None)
         if override is not None:
             plan, origin = override, "use()"
         elif plan is not None and not self._still_best(objective, plan, profile_, eager):
             log.info("sublinear: the stored plan for graph %d no longer meets %s; planning again", runtime.index,
                      objective.describe())
             plan = result = None
+        elif plan is None and prior is not None and prior.split_points[-1] == profile_.num_ops - 1 \
+                and self._still_best(objective, prior, profile_, eager):
+            # What the latest call showed (its outputs' uses, the other graphs) changed the profile; the plan
+            # still meets the objective, and keeping it keeps its compiled code.
+            plan, origin = prior, "the previous plan, which still meets the objective"
         settling, searched = False, plan is None
         if plan is None:
             try:
@@ -706,13 +727,31 @@ class SublinearBackend:
         if not settling:
             self.store.put(store_key, (profile_, node_names, plan, result))
         sim = simulate(profile_, plan)
-        rewritten = (CompiledGraph(graph, analyse(profile_, plan), node_names, bound) if node_names is not None
+        rewritten = (self._compiled(graph, key, bound, analyse(profile_, plan), node_names) if node_names is not None
                      else rewrite(graph, profile_, plan))
         summary = _summarise(runtime.index, values, graph, profile_, plan, result, sim, eager, origin, objective,
                              time.perf_counter() - started, from_cache, history, bound)
         log.info("sublinear: %s %s", "planned" if searched else "reused the plan for", summary)
         return _Variant(profile_, plan, sim, rewritten, summary, config.memory_budget == "auto", objective, context,
                         profile_.output_uses, budget, settling, bound=bound)
+
+    def _joint(self, graph: CapturedGraph, values: Sequence[Any], key: tuple, bound: Binding) -> JointGraph:
+        """The joint graph inductor partitions for ``graph`` at ``key``'s signature (for a dynamic graph, traced for
+        every size, hinted at ``bound``), traced once: profiles for other output uses or contexts read it again."""
+        joint_key = (graph.code, key, tuple(sorted(bound.items())))
+        joint = self.joints.get(joint_key)
+        if joint is None:
+            joint = trace_joint(graph, graph.sizes.symbolic_inputs(values, bound)[0] if bound else values)
+            self.joints.put(joint_key, joint)
+        return joint
+
+    def _compiled(self, graph: CapturedGraph, key: tuple, bound: Binding, analysis: PlanAnalysis,
+                  node_names: Sequence[str]) -> CompiledGraph:
+        """The graph compiled under ``analysis``'s plan: one compile per partition, however many times the graph is
+        planned again to the same partition."""
+        compiled = CompiledGraph(graph, analysis, node_names, bound)
+        compiled_key = (graph.code, key, tuple(sorted(bound.items())), compiled.partitioner.uuid())
+        return self.compiled_graphs.setdefault(compiled_key, compiled)
 
     @staticmethod
     def _still_best(objective: Objective, plan: Plan, profile_: GraphProfile, eager: Simulation) -> bool:
@@ -845,9 +884,10 @@ class _GraphRuntime:
         again aiming below it by the excess (a few rounds), so that the compiled step fits."""
         for round_ in range(COMPILED_ROUNDS + 1):
             graph = variant.rewritten
-            if not isinstance(graph, CompiledGraph) or graph.compiled:
+            if not isinstance(graph, CompiledGraph) or variant.checked:
                 return variant
-            graph.compile(values)
+            graph.compile(values)  # nothing to do for a partition compiled before
+            variant.checked = True
             if graph.peak_bytes is None:
                 return variant
             variant.note_compiled(graph.peak_bytes)
@@ -868,8 +908,9 @@ class _GraphRuntime:
         return variant
 
     def forget(self, variant: _Variant) -> None:
-        """Plan this signature again at its next run."""
+        """Plan this signature again at its next run (where its plan still meets the objective, it is kept)."""
         self.variants = {k: v for k, v in self.variants.items() if v is not variant}
+        self.backend.prior_plans[self.graph.code] = variant.plan
 
     def __call__(self, *values: Any) -> Any:
         if not torch.is_grad_enabled() or not _any_requires_grad(values):
@@ -968,7 +1009,7 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
                     else:
                         with graph_breaks() as breaks:
                             out = compiled(*args, **kwargs)
-                        session.note_breaks(breaks, name)
+                        session.note_breaks(breaks)
                 except TorchDynamoException as exc:
                     if session.ran_graph:  # a graph of this call ran, with its side effects: no second run
                         raise capture_error(exc, f"{name}.forward") from exc
@@ -978,6 +1019,7 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
                                 "unplanned (exact, with eager's memory)", session.uncapturable[signature])
                     return out
             session.finish_call(out)
+            session.say_breaks(name)
         finally:
             session.progress.end(lambda: session.sublinear_plan.headline if session.sublinear_plan else "no graph")
         if not session.ran_graph and not session._warned_unplanned:
@@ -1056,7 +1098,8 @@ def _plan_captured(module: nn.Module, backend_: SublinearBackend, args: Sequence
             backend_.call.append(run)
         if not backend_.finish_call(captured.returned):
             break
-    backend_.note_breaks(captured.breaks, type(module).__name__)
+    backend_.note_breaks(captured.breaks)
+    backend_.say_breaks(type(module).__name__)
     unfit = [v for v in backend_.latest.values() if not v.accepted]
     if unfit:  # the graphs were planned for each other and the step still misses the budget
         worst = max(unfit, key=lambda v: v.simulation.peak_bytes)

@@ -304,6 +304,41 @@ def test_graph_breaks_are_planned_per_graph_and_reported_once(caplog):
     assert torch.equal(out, model(x))
 
 
+def _gated(expert: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    if expert.weight.sum().item() > -1e9:  # data-dependent: a break at each call
+        return h + torch.relu(expert(h))
+    return h
+
+
+class RepeatedBreaks(nn.Module):
+    """The same break reached three times (a graph per expert) and a second break of another kind."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = _gated(self.experts[0], x)
+        h = _gated(self.experts[1], h)
+        h = _gated(self.experts[2], h)
+        print(end="")  # a break of another kind
+        return h.sum()
+
+
+def test_graph_break_reports_agree_and_name_every_reason(caplog):
+    compiled = sublinear.compile(RepeatedBreaks(), config=PLAIN)
+    with caplog.at_level(logging.WARNING, logger="sublinear"):
+        for _ in range(2):
+            compiled(torch.randn(4, 8)).backward()
+    warnings = [r.getMessage() for r in caplog.records if "graph break" in r.getMessage()]
+    plan = compiled.sublinear_plan
+    assert len(warnings) == 1 and len(plan.breaks) == 2
+    assert f"into {len(plan.graphs)} graphs" in warnings[0] and "at 2 graph break(s)" in warnings[0]
+    assert plan.runs > len(plan.graphs) and f"{len(plan.graphs)} graph(s) ({plan.runs} graph runs)" in plan.headline
+    assert "Tensor.item()" in warnings[0] and "print" in warnings[0]  # every reason, one line each
+    assert all(str(b) in warnings[0] for b in plan.breaks)
+
+
 def test_torch_compile_around_a_compiled_module_runs_the_plan(monkeypatch):
     torch.manual_seed(0)
     base = Chain(6, 16)

@@ -55,7 +55,9 @@ def residual_training():
     compiled.use(plan)
     planned = train_steps(compiled, (x,), steps=2)
     graph = next(iter(compiled.sublinear_backend.latest.values())).rewritten
-    reference = train_steps(torch.compile(copy.deepcopy(base)), (x,), steps=2)
+    # Static, as the planned graph: TorchDynamo makes sizes dynamic for a forward it saw at other shapes before in
+    # the process (ResidualNet.forward is shared by every test), and dynamic kernels round differently.
+    reference = train_steps(torch.compile(copy.deepcopy(base), dynamic=False), (x,), steps=2)
     return planned, tuple(unprefixed(part) if isinstance(part, dict) else part for part in reference), graph
 
 
@@ -221,7 +223,7 @@ def test_a_graph_inductor_cannot_trace_runs_on_the_eager_executor(monkeypatch, c
     def refuse(*_args, **_kwargs):
         raise JointTraceError("RuntimeError: no lowering for this op")
 
-    monkeypatch.setattr("sublinear.compiled.trace_joint", refuse)
+    monkeypatch.setattr("sublinear.runtime.trace_joint", refuse)
     torch.manual_seed(0)
     base = ResidualNet().train()
     x = torch.randn(2, 3, 8, 8)
