@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import operator
 import re
 import traceback
 import types
@@ -37,6 +38,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .shapes import SymbolicSizes
+from .tensors import stand_in_for_grad
 
 __all__ = ["DISPATCH", "Capture", "CaptureError", "CapturedGraph", "FakeTwin", "GraphBreak", "GraphOutputs",
            "GraphReceiver", "InputSignature", "ModelErrorsAsEager", "NeedsData", "SharedGraph", "capture",
@@ -110,7 +112,9 @@ class CapturedGraph:
 
     @staticmethod
     def from_dynamo(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CapturedGraph:
-        """The graph a Dynamo backend received (without holding on to the example inputs)."""
+        """The graph a Dynamo backend received (without holding on to the example inputs), with the user's
+        ``torch.utils.checkpoint`` regions inlined (:func:`inline_checkpoints`)."""
+        inline_checkpoints(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         kinds, sources = [], []
         for node, value in itertools.zip_longest(placeholders, example_inputs):
@@ -146,6 +150,51 @@ class CapturedGraph:
     def describe(self) -> str:
         counts = {k: self.kinds.count(k) for k in (PARAMETER, BUFFER, INPUT, SYMBOL) if k in self.kinds}
         return f"{self.num_operators} operators, inputs " + ", ".join(f"{v} {k}s" for k, v in counts.items())
+
+
+def inline_checkpoints(gm: fx.GraphModule) -> None:
+    """Replace, in place, each ``torch.utils.checkpoint`` region TorchDynamo captured (a
+    ``tag_activation_checkpoint`` node calling a subgraph) by the subgraph's own nodes.
+
+    The plan then decides what is recomputed there, as everywhere else, and recomputes it with the forward's random
+    numbers. Run as the region itself, the region draws new random numbers when it recomputes (TorchDynamo's
+    region leaves the random state to inductor, and an eager run of it does not restore it), so a dropout in it
+    would get another mask in backward: wrong gradients. A region whose result is used other than by position is
+    left as it is (it then runs under inductor only correctly)."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    changed = False
+    for node in list(gm.graph.nodes):
+        if hop is None or node.op != "call_function" or node.target is not hop:
+            continue
+        body = getattr(gm, node.args[0].target)
+        if not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+            continue
+        inline_checkpoints(body)
+        values: dict[fx.Node, Any] = dict(zip([n for n in body.graph.nodes if n.op == "placeholder"], node.args[1:]))
+        with gm.graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    results = fx.node.map_arg(inner.args[0], lambda n: values[n])
+                    break
+                if inner.op == "get_attr":
+                    name = f"{node.args[0].target}_{inner.target}"
+                    setattr(gm, name, getattr(body, inner.target))
+                    values[inner] = gm.graph.get_attr(name)
+                    continue
+                values[inner] = gm.graph.node_copy(inner, lambda n: values[n])
+        for user in list(node.users):
+            user.replace_all_uses_with(results[user.args[1]] if isinstance(results, (tuple, list)) else results)
+            gm.graph.erase_node(user)
+        region = node.args[0]
+        gm.graph.erase_node(node)
+        if not region.users:
+            gm.graph.erase_node(region)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
 
 
 def module_path(node: fx.Node) -> str:
@@ -239,6 +288,11 @@ def capture_error(exc: BaseException, what: str) -> CaptureError:
         tb = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename
               and "/sublinear/" not in f.filename]
         where = f"{tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+    if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and exc.__cause__ is not None:
+        inner = exc.__cause__  # sublinear's own backend failed on the captured graph
+        return CaptureError(f"sublinear could not take the graph TorchDynamo captured from {what}: "
+                            f"{type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}"
+                            " (a fault of sublinear's: please report it with this message)")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)):
         return NeedsData(f"{what}{f' at {where}' if where else ''} needs tensor values ({type(exc).__name__}: "
@@ -313,6 +367,9 @@ def _model_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 # Data-less twins and the dry-run capture
 
 
+_DYNAMIC_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices")  # set by torch._dynamo.mark_dynamic
+
+
 class FakeTwin:
     """Fake tensors on the real tensors' own devices, from one FakeTensorMode: shapes, dtypes, strides and
     ``requires_grad`` of the originals, no data. Parameters stay parameters."""
@@ -334,12 +391,11 @@ class FakeTwin:
             return fake
         with self.mode:
             empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device or t.device)
-        if isinstance(t, nn.Parameter):
-            fake = nn.Parameter(empty, requires_grad=t.requires_grad)
-        elif t.requires_grad:  # a graph input computed by earlier code: its history lies outside the graph
-            fake = empty.requires_grad_(True)
-        else:
-            fake = empty
+            fake = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else \
+                stand_in_for_grad(empty, t.requires_grad, t.is_leaf)
+        for mark in _DYNAMIC_MARKS:  # dimensions the caller marked dynamic stay so
+            if hasattr(t, mark):
+                setattr(fake, mark, set(getattr(t, mark)))
         self._memo[key] = fake
         return fake
 
@@ -433,6 +489,10 @@ class _Dispatch:
 DISPATCH = _Dispatch()
 
 
+_ENTRIES = itertools.count()
+_IDENTIFIER = re.compile(r"\W")
+
+
 def compile_entry(target: Callable[..., Any], name: str, dynamic: bool | None) -> Callable[..., Any]:
     """``target`` (a module or a function) under TorchDynamo with the shared backend, entered through a function
     whose code object belongs to this call alone.
@@ -454,9 +514,20 @@ def compile_entry(target: Callable[..., Any], name: str, dynamic: bool | None) -
     def entry(*args: Any, **kwargs: Any) -> Any:
         return self(*args, **kwargs)
 
-    entry.__code__ = entry.__code__.replace(co_name="sublinear_entry_" + re.sub(r"\W", "_", name))
+    # A name of its own: TorchDynamo keeps what it learned of a frame's sizes (which became dynamic) per file, line
+    # and name, so entries of one name would share it across models.
+    entry.__code__ = entry.__code__.replace(co_name=f"sublinear_entry_{_IDENTIFIER.sub('_', name)}_{next(_ENTRIES)}")
     weakref.finalize(entry, torch._dynamo.eval_frame.remove_from_cache, entry.__code__).atexit = False
-    return torch.compile(entry, backend=DISPATCH, dynamic=dynamic)
+    compiled = torch.compile(entry, backend=DISPATCH, dynamic=dynamic)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        # An int attribute that a forward changes (a call counter) is an input to the graph, not a constant
+        # TorchDynamo guards on: otherwise each new value captures the forward again, until TorchDynamo's recompile
+        # limit runs it eagerly. An int that never changes stays a constant.
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -505,11 +576,10 @@ class _Recorder:
         return outputs
 
 
-def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
-            dynamic: bool = False) -> Capture:
+def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Capture:
     """The graphs TorchDynamo captures for ``module(*args, **kwargs)`` in training mode, captured on a data-less
-    twin of the module: the module, its tensors and its Python state are left as they were. ``dynamic``: every
-    size of the arguments symbolic (``torch.compile(dynamic=True)``), else every size static.
+    twin of the module: the module, its tensors and its Python state are left as they were. Sizes are static but
+    for the dimensions marked dynamic on the arguments (``torch._dynamo.maybe_mark_dynamic``).
 
     ``args``/``kwargs`` may hold real or meta tensors; meta tensors stand for tensors on the module's device.
     """
@@ -528,6 +598,8 @@ def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] 
                            f"{type(module).__name__} failed: {type(exc).__name__}: {exc}. Call the compiled "
                            "module without example inputs: it then plans at its first training call.") from exc
     copy_.train()
+    if getattr(copy_.__dict__.get("forward"), "sublinear_backend", None) is not None:
+        del copy_.__dict__["forward"]  # a module sublinear.apply planned: its twin runs the class's forward
 
     def on_device(t: torch.Tensor) -> torch.Tensor:
         return twin.tensor(t, stand_in if t.device.type == "meta" else None)
@@ -535,7 +607,7 @@ def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] 
     fake_args, fake_kwargs = tree_map(lambda v: on_device(v) if isinstance(v, torch.Tensor) else v,
                                       (tuple(args), dict(kwargs or {})))
     recorder = _Recorder()
-    compiled = compile_entry(copy_, type(module).__name__, dynamic=dynamic)
+    compiled = compile_entry(copy_, type(module).__name__, dynamic=None)
     try:
         with graph_breaks() as breaks, receiving(recorder), \
                 torch._dynamo.config.patch(recompile_limit=10**6, accumulated_recompile_limit=10**6):

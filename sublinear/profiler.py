@@ -32,6 +32,7 @@ from .capture import BUFFER, INPUT, PARAMETER, CapturedGraph, FakeTwin, describe
 from .core.profile import AutocastState, GraphProfile, NodeFacts, OpProfile
 from .costs import REFERENCE_GPU, DeviceRates, aten_work, device_rates, estimate_seconds, measure_node_costs, spec_tree
 from .interpret import NodeProgram
+from .tensors import device_of, storage_key
 from .tracking import StorageTracker
 
 __all__ = ["DROPPED", "GRADIENT", "KEPT", "ProfileError", "autocast_state", "default_loss", "profile",
@@ -267,13 +268,13 @@ def _trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool,
             node_inputs[i] = spec_tree(program.arguments(i, env))
 
     def after(i: int, value: Any) -> None:
-        node_out[i] = [recorder.serial_of(t) if t.untyped_storage()._cdata in recorder.serial else -1
+        node_out[i] = [recorder.serial[key] if (key := storage_key(t)) in recorder.serial else -1
                        for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
         recorder.node = None
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if recorder.node is not None and t.untyped_storage()._cdata in recorder.serial:
-            node_saved[recorder.node].append(recorder.serial_of(t))
+        if recorder.node is not None and (key := storage_key(t)) in recorder.serial:
+            node_saved[recorder.node].append(recorder.serial[key])
         return t.detach()
 
     with twin.mode, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -329,7 +330,7 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     values = graph.example_values if values is None else list(values)
     if values is None:
         raise ValueError("profile() needs the graph's input values: this graph was not captured with examples")
-    device = torch.device(graph.model_device) if graph.model_device else _device_of(values)
+    device = torch.device(graph.model_device) if graph.model_device else device_of(values)
     measure = cost_model == "measure"
     if cost_model == "reference":
         rates = REFERENCE_GPU
@@ -447,13 +448,6 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     )
 
 
-def _device_of(values: Sequence[Any]) -> torch.device:
-    for t in tree_leaves(list(values)):
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
-
-
 def _peak(events, sizes: list[int], baseline: int) -> int:
     """The eager step's peak from the recorded events, at the (possibly rounded) storage sizes."""
     live = peak = baseline
@@ -569,7 +563,9 @@ def _arg_slots_holding(node, program: NodeProgram, trace: _Trace, serials: set[i
 
 
 def _merge_in_place_runs(operators: list[int], trace: _Trace, producer_node: dict[int, int]) -> list[list[int]]:
-    """Group operator nodes so that every in-place write lands in the op that produced the storage."""
+    """Group operator nodes so that every in-place write lands in the op that produced the storage, and every
+    ``torch.vmap`` region (from functorch's nesting increment to its decrement) is one op: its values are batched
+    wrappers with no storage of their own, and its nodes only run between the two."""
     position = {node: k for k, node in enumerate(operators)}
     reach = list(range(len(operators)))  # reach[k]: last operator position that must join k's group
     for node, serials in trace.recorder.writes.items():
@@ -578,6 +574,14 @@ def _merge_in_place_runs(operators: list[int], trace: _Trace, producer_node: dic
             if p is not None and p in position and node in position and p != node:
                 a, b = position[p], position[node]
                 reach[a] = max(reach[a], b)
+    opened: list[int] = []
+    for k, node in enumerate(operators):
+        target = getattr(trace.program.nodes[node].target, "__name__", "")
+        if target == "_vmap_increment_nesting":
+            opened.append(k)
+        elif target == "_vmap_decrement_nesting" and opened:
+            start = opened.pop()
+            reach[start] = max(reach[start], k)
     groups, current, end = [], [], -1
     for k, node in enumerate(operators):
         if current and k > end:

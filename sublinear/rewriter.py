@@ -35,6 +35,7 @@ from .core.plan import Plan
 from .core.profile import GraphProfile, NodeFacts
 from .interpret import NodeProgram
 from .profiler import autocast_context
+from .tensors import storage_key
 
 __all__ = ["RecomputeError", "RewrittenGraph", "rewrite"]
 
@@ -345,6 +346,8 @@ class _ForwardCall:
         """Register the storages of a node's output (node -1: inputs and constants) and whether they are kept."""
         known_leaves = self.schedule.leaf_kept.get(node, ())
         for leaf, t in enumerate(t for t in tree_leaves(list(tensors)) if isinstance(t, torch.Tensor)):
+            if storage_key(t) is None:
+                continue  # a batched value inside a vmap region: its op is never split, it is never a handle
             st = t.untyped_storage()
             key = st._cdata
             entry = self.owner.get(key)
@@ -407,9 +410,11 @@ class _ForwardCall:
         s = self.schedule
         program = s.program
         op = s.op_of_node[i]
-        for j in program.inputs[i]:
-            if s.op_of_node[j] != op and s.node_retained[j] and j not in frame.group.inputs:
-                frame.group.inputs[j] = _detached(env[j])  # data and requires_grad only: no autograd history kept
+        if i == s.nodes_of_op[op][0]:  # what the op reads from other ops exists before it starts (and, inside a
+            for node in s.nodes_of_op[op]:  # vmap region, could not be detached from its history there)
+                for j in program.inputs[node]:
+                    if s.op_of_node[j] != op and s.node_retained[j] and j not in frame.group.inputs:
+                        frame.group.inputs[j] = _detached(env[j])  # data and requires_grad: no autograd history
         facts = s.facts.get(i)
         if facts is None:
             return
@@ -454,6 +459,9 @@ class _ForwardCall:
         self._own([value], i)
         pending, self.pending = self.pending, []
         for saved, t, order in pending:
+            if storage_key(t) is None:
+                saved.keep(t)
+                continue
             st = t.untyped_storage()
             entry = self.owner.get(st._cdata)
             owned = entry is not None and entry[2]() is st

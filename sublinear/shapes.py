@@ -23,13 +23,15 @@ import sympy
 import torch
 from torch import fx
 
+from .tensors import stand_in_for_grad
+
 __all__ = ["Binding", "SymbolicSizes", "argument_dims", "bucket", "covers", "describe_binding", "guards_hold", "join"]
 
 Binding = dict[str, int]  # symbol name -> value
 
 def bucket(binding: Mapping[str, int]) -> Binding:
-    """Each value rounded up to the next power of two."""
-    return {name: 1 << max(0, int(value) - 1).bit_length() for name, value in binding.items()}
+    """Each value rounded up to the next power of two, at least 2 (a symbolic size is never 0 or 1)."""
+    return {name: max(2, 1 << max(0, int(value) - 1).bit_length()) for name, value in binding.items()}
 
 
 def covers(bound: Mapping[str, int], binding: Mapping[str, int]) -> bool:
@@ -71,20 +73,22 @@ class SymbolicSizes:
     symbolic size, the symbol's name for an integer input that is a symbol, and the tensor's symbolic sizes and
     strides otherwise. ``sources`` names, per symbol, the sizes of the call's arguments it stands for
     (``L['kwargs']['input_ids'].size()[1]``; sizes equal at capture share a symbol). ``renamed`` maps TorchDynamo's
-    names to these.
+    names to these. ``scalars`` are symbols that size nothing: integer inputs the graph only does arithmetic on (a
+    call counter on the module); they change no storage, so plans are not made for their values.
     """
 
     inputs: tuple[str | _SymbolicTensor | None, ...]
     symbols: tuple[str, ...]
     sources: Mapping[str, tuple[str, ...]]
     renamed: Mapping[str, str]
+    scalars: frozenset[str] = frozenset()
 
     @staticmethod
     def of(gm: fx.GraphModule) -> SymbolicSizes | None:
         """The graph's symbolic sizes; None for a graph whose every size is static, or whose symbols cannot all be
         read from its inputs' values (it is then planned per exact shape)."""
-        values = [node.meta.get("example_value", node.meta.get("val")) for node in gm.graph.nodes
-                  if node.op == "placeholder"]
+        placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+        values = [node.meta.get("example_value", node.meta.get("val")) for node in placeholders]
         renamed: dict[sympy.Symbol, sympy.Symbol] = {}
         sources: dict[str, tuple[str, ...]] = {}
 
@@ -98,7 +102,9 @@ class SymbolicSizes:
 
         inputs: list[str | _SymbolicTensor | None] = []
         readable: set[str] = set()
-        for value in values:
+        arithmetic_only: set[str] = set()
+        sizing: set[str] = set()
+        for node, value in zip(placeholders, values):
             if isinstance(value, torch.SymInt):
                 expr = value.node.expr
                 if not isinstance(expr, sympy.Symbol):
@@ -106,6 +112,8 @@ class SymbolicSizes:
                 name = canonical(expr).name
                 inputs.append(name)
                 readable.add(name)
+                if _arithmetic_only(node):
+                    arithmetic_only.add(name)
                 known = value.node.shape_env.var_to_sources.get(expr, ())
                 sources[name] = tuple(dict.fromkeys(source.name for source in known))
             elif isinstance(value, torch.Tensor) and _symbolic(value):
@@ -114,6 +122,7 @@ class SymbolicSizes:
                 if not all(_rebuildable(e) for e in (*sizes, *strides)):
                     return None
                 readable.update(e.name for e in sizes if isinstance(e, sympy.Symbol))
+                sizing.update(sym.name for e in (*sizes, *strides) if not isinstance(e, int) for sym in e.free_symbols)
                 inputs.append(_SymbolicTensor(sizes, strides, value.dtype, value.device, value.requires_grad,
                                               isinstance(value, torch.nn.Parameter)))
             else:
@@ -121,12 +130,16 @@ class SymbolicSizes:
         symbols = tuple(symbol.name for symbol in renamed.values())
         if not symbols or not set(symbols) <= readable:
             return None
-        return SymbolicSizes(tuple(inputs), symbols, sources,
-                             {old.name: new.name for old, new in renamed.items()})
+        return SymbolicSizes(tuple(inputs), symbols, sources, {old.name: new.name for old, new in renamed.items()},
+                             frozenset(arithmetic_only - sizing))
 
     def rename(self, code: str) -> str:
         """``code`` (the graph's Python code) with TorchDynamo's symbol names replaced by these."""
         return re.sub(r"\bs\d+\b", lambda m: self.renamed.get(m.group(0), m.group(0)), code)
+
+    def sizing(self, binding: Mapping[str, int]) -> Binding:
+        """``binding`` without the :attr:`scalars`: the values plans are made for."""
+        return {name: value for name, value in binding.items() if name not in self.scalars}
 
     def binding(self, values: Sequence[Any]) -> Binding:
         """The value of every symbol in a call with ``values``."""
@@ -160,14 +173,14 @@ class SymbolicSizes:
         out: list[Any] = []
         for spec, value in zip(self.inputs, values):
             if isinstance(spec, str):
-                out.append(binding[spec])
+                out.append(binding.get(spec, value))
             elif isinstance(spec, _SymbolicTensor):
                 with mode:
                     t = torch.empty_strided([_evaluate(s, binding) for s in spec.sizes],
                                             [_evaluate(s, binding) for s in spec.strides], dtype=spec.dtype,
                                             device=value.device)
-                out.append(torch.nn.Parameter(t, spec.requires_grad) if spec.parameter
-                           else t.requires_grad_(spec.requires_grad))
+                    out.append(torch.nn.Parameter(t, spec.requires_grad) if spec.parameter
+                               else stand_in_for_grad(t, spec.requires_grad, value.is_leaf))
             else:
                 out.append(value)
         return out
@@ -187,9 +200,11 @@ class SymbolicSizes:
         mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=False)
         symbols: dict[str, torch.SymInt] = {}
         renamed: dict[str, str] = {}
+        hints = {**{spec: max(2, int(value)) for spec, value in zip(self.inputs, values) if isinstance(spec, str)},
+                 **binding}  # a scalar is hinted at its value (at least 2: 0 and 1 are constants to the environment)
         for name in self.symbols:
-            symbol = env.create_symbol(binding[name], ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
-            symbols[name] = env.create_symintnode(symbol, hint=binding[name])
+            symbol = env.create_symbol(hints[name], ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+            symbols[name] = env.create_symintnode(symbol, hint=hints[name])
             renamed[symbol.name] = name
 
         def size(expr: Any) -> Any:
@@ -212,7 +227,8 @@ class SymbolicSizes:
                 continue
             with mode:
                 t = torch.empty_strided(shape, stride, dtype=dtype, device=value.device)
-            out.append(torch.nn.Parameter(t, requires_grad) if parameter else t.requires_grad_(requires_grad))
+                out.append(torch.nn.Parameter(t, requires_grad) if parameter
+                           else stand_in_for_grad(t, requires_grad, value.is_leaf))
         return out, renamed
 
 
@@ -236,6 +252,19 @@ def argument_dims(sources: Sequence[str], positional: Sequence[str]) -> list[tup
             name = keyword or local
         found.append((name, int(dim)))
     return found
+
+
+def _arithmetic_only(placeholder: fx.Node) -> bool:
+    """Whether the graph only does Python arithmetic on ``placeholder`` (an integer input), down to its outputs."""
+    pending = list(placeholder.users)
+    while pending:
+        node = pending.pop()
+        if node.op == "output":
+            continue
+        if node.op != "call_function" or getattr(node.target, "__module__", None) not in ("_operator", "operator"):
+            return False
+        pending.extend(node.users)
+    return True
 
 
 def guards_hold(guards: Sequence[Any], binding: Mapping[str, int]) -> bool:

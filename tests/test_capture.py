@@ -279,3 +279,65 @@ def test_a_call_torchdynamo_cannot_capture_runs_eagerly_and_says_so(monkeypatch,
     assert torch.equal(out, model(x)) and torch.equal(again, out)
     assert "run eagerly, unplanned" in caplog.text and "cannot trace" in caplog.text
     assert len(attempts) == 1  # the second call with these shapes goes straight to eager
+
+
+class CheckpointedDropout(nn.Module):
+    """A ``torch.utils.checkpoint`` region with dropout in it, as Hugging Face's gradient checkpointing makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 1)
+
+    def block(self, x):
+        return torch.nn.functional.dropout(torch.tanh(self.a(x)), 0.5, self.training)
+
+    def forward(self, x):
+        return self.b(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)).pow(2).mean()
+
+
+def test_checkpoint_regions_are_inlined_and_recompute_with_the_forwards_random_numbers():
+    from conftest import assert_same_training, train_steps
+
+    torch.manual_seed(0)
+    base = CheckpointedDropout()
+    x = torch.randn(16, 32)
+    graph = capture(base, (x,)).graph
+    targets = {str(n.target) for n in graph.graph_module.graph.nodes}
+    assert not any("tag_activation_checkpoint" in t for t in targets) and any("dropout" in t for t in targets)
+    import copy
+
+    eager = train_steps(copy.deepcopy(base), (x,), steps=2)
+    compiled = sublinear.compile(copy.deepcopy(base), (x,), config=PLAIN)
+    compiled.use(sublinear.Plan.every_op(compiled.sublinear_profile.num_ops))  # dropout's block is rebuilt
+    assert_same_training(eager, train_steps(compiled, (x,), steps=2))
+
+
+class InPlaceAfterBreak(nn.Module):
+    """After a graph break the next graph writes in place into its input, an activation of the previous graph (it
+    requires grad and is not a leaf), as Mixtral's router jitter does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        h.mul_(2)
+        return self.b(h.relu()).pow(2).mean()
+
+
+def test_an_in_place_write_into_an_activation_after_a_break_trains_like_eager():
+    import copy
+
+    from conftest import assert_same_training, train_steps
+
+    torch.manual_seed(0)
+    base = InPlaceAfterBreak()
+    x = torch.randn(8, 16)
+    eager = train_steps(copy.deepcopy(base), (x,), steps=2)
+    compiled = sublinear.compile(copy.deepcopy(base), config=PLAIN)
+    assert_same_training(eager, train_steps(compiled, (x,), steps=2))
+    assert len(compiled.sublinear_plan.graphs) == 2

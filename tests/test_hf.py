@@ -239,3 +239,18 @@ def test_twenty_steps_over_ten_lengths_plan_twice_and_new_lengths_add_no_time(ca
     eager = steps(copy.deepcopy(base), repeats=3)
     added = statistics.median(first[2:]) - statistics.median(again[2:])
     assert added <= 0.1 * statistics.median(eager[2:]), (first, again, eager)
+
+
+def test_hugging_face_gradient_checkpointing_trains_bit_for_bit_like_eager():
+    # The model's own checkpoint regions (dropout inside) are inlined: sublinear's plan recomputes them, with the
+    # forward's dropout masks.
+    torch.manual_seed(0)
+    model, kind = tiny_model("bert", "eager")
+    model.train()
+    model.gradient_checkpointing_enable()
+    inputs = tiny_inputs(kind)
+    eager = hf_training(copy.deepcopy(model), inputs)
+    planned = hf_training(sublinear.compile(copy.deepcopy(model), config=PLAIN), inputs)
+    assert all(torch.equal(a, b) for a, b in zip(eager[0], planned[0]))
+    assert all(torch.equal(eager[1][k], planned[1][k]) for k in eager[1])
+    assert torch.equal(eager[3], planned[3])

@@ -277,3 +277,31 @@ def test_a_plan_that_recomputes_nothing_runs_the_graph_without_hooks(monkeypatch
         raise AssertionError("an eager plan ran node by node under saved-tensor hooks")
     monkeypatch.setattr(rewriter._ForwardCall, "run", hooked)
     assert_same_training(eager, train_steps(compiled, (x,), steps=2))
+
+
+class ScanAndVmap(nn.Module):
+    """``torch.vmap`` and ``associative_scan`` (generic mode, as transformers' Mamba runs under TorchDynamo): the
+    graph holds vmap regions whose values are batched wrappers without a storage of their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch._higher_order_ops.associative_scan import associative_scan
+
+        h = torch.tanh(self.a(x))
+        h = associative_scan(lambda u, v: u * v + v, h, dim=1, combine_mode="generic")
+        h = torch.vmap(lambda row: row * row.sum())(self.b(h))
+        return h.pow(2).mean()
+
+
+def test_vmap_regions_are_one_op_and_train_bit_for_bit_with_recompute():
+    torch.manual_seed(0)
+    base = ScanAndVmap()
+    x = torch.randn(4, 8)
+    eager = train_steps(copy.deepcopy(base), (x,), steps=2)
+    compiled, profile = compile_with(copy.deepcopy(base), Plan.every_op, (x,))
+    assert any(name.count("+") for name in (op.name for op in profile.ops))  # the regions are single ops
+    assert_same_training(eager, train_steps(compiled, (x,), steps=2))

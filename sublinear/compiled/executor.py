@@ -95,6 +95,9 @@ class PlanPartitioner(CustomPartitionerFn):
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
 
+ADMITTED_BINDINGS = 256  # sizes whose guard check is remembered per compiled graph
+
+
 class CompiledGraph:
     """A captured graph under a plan, compiled by inductor at its first call; call it with the graph's placeholder
     values, as the graph itself. Once compiled, ``peak_bytes`` is the peak of one training step of the graph alone
@@ -140,6 +143,8 @@ class CompiledGraph:
                          "these shapes", describe_binding(self.bound), describe_binding(binding),
                          ", ".join(map(str, self._guards)))
                 code = self._compile(values, {})[0]
+            if len(self._admitted) >= ADMITTED_BINDINGS:  # a scalar input (a counter) takes a new value each call
+                self._admitted.clear()
             self._admitted[key] = code
         return code(*values)
 
