@@ -46,6 +46,7 @@ from .rewriter import RewrittenGraph, rewrite
 from .progress import PlanningProgress
 from .shapes import Binding, argument_dims, bucket, covers, describe_binding, join
 from .sharding import refuse_nested_fsdp
+from .tensors import device_of
 from .simulator import simulate
 
 __all__ = ["BlockSummary", "GraphPlan", "ParetoPoint", "SublinearBackend", "SublinearPlan", "backend",
@@ -262,13 +263,21 @@ class _Variant:
         """The predicted peak: simulated, and once compiled, as the compiled forward and backward hold memory."""
         return self.simulation.peak_bytes + self.compiled_excess
 
-    def set_context(self, context: StepContext | None) -> None:
-        """Simulate the plan (and eager, for the report) beside the call's other graphs as ``context`` says."""
+    def set_context(self, context: StepContext | None, eager_context: StepContext | None) -> None:
+        """Simulate the plan beside the call's other graphs as ``context`` says, and (for the report) eager beside
+        the other graphs unplanned as ``eager_context`` says: eager's peak is the same whatever the plans."""
         self.profile = dataclasses.replace(self.profile, step_context=context)
         self.simulation = simulate(self.profile, self.plan)
-        eager = simulate(self.profile, Plan.no_split(self.profile.num_ops))
+        eager = simulate(dataclasses.replace(self.profile, step_context=eager_context),
+                         Plan.no_split(self.profile.num_ops))
         self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.peak_bytes,
                                            baseline_peak_bytes=eager.peak_bytes)
+
+    @functools.cached_property
+    def eager_held(self) -> int:
+        """What the graph would hold after its forward unplanned (its own storages: no context changes it)."""
+        alone = dataclasses.replace(self.profile, step_context=None)
+        return simulate(alone, Plan.no_split(alone.num_ops)).held_after_forward_bytes
 
     def note_compiled(self, peak_alone: int) -> None:
         """The compiled graphs hold ``peak_alone`` at their peak in a step of this graph alone."""
@@ -309,6 +318,11 @@ class _GraphRun:
         """What the run holds after its forward (0 for a graph about to be planned)."""
         return self.variant.simulation.held_after_forward_bytes if self.variant is not None else 0
 
+    @property
+    def held_eager(self) -> int:
+        """What the run would hold after its forward unplanned."""
+        return self.variant.eager_held if self.variant is not None else 0
+
     @staticmethod
     def of(runtime: _GraphRuntime, variant: _Variant | None, values: Sequence[Any]) -> _GraphRun:
         kinds = runtime.graph.kinds
@@ -329,37 +343,44 @@ def _sum_except(storages: dict[int, int], excluded: dict[int, int]) -> int:
     return sum(b for s, b in storages.items() if s not in excluded)
 
 
-def step_contexts(runs: Sequence[_GraphRun], first: int = 0) -> list[StepContext]:
-    """Per run of one call, what the other runs keep live beside it, with every run at its current plan; complete
-    for the runs from ``first`` on (the later runs need plans, the earlier ones do not).
+def step_contexts(runs: Sequence[_GraphRun], first: int = 0, eager: bool = False) -> list[StepContext]:
+    """Per run of one call, what the other runs keep live beside it, with every run at its current plan (``eager``:
+    with every run unplanned, the step eager runs); complete for the runs from ``first`` on (the later runs need
+    plans, the earlier ones do not).
 
     Runs go forward in order and backward in reverse order. Beside run i: every parameter and buffer of the call
-    that i does not read, and what each earlier run holds after its forward (less the outputs i reads, which its
-    own profile counts as inputs); beside its backward also the gradients of later runs' parameters. The later
-    runs' highest peak includes what run i holds, so it is given relative to that: a context does not depend on the
-    run's own plan.
+    and every input the caller passed (held by the caller through the call) that i does not read, and what each
+    earlier run holds after its forward (less the outputs i reads, which its own profile counts as inputs); beside
+    its backward also the gradients of later runs' parameters. The later runs' highest peak includes what run i
+    holds, so it is given relative to that: a context does not depend on the run's own plan.
     """
     everything: dict[int, int] = {}
+    produced: dict[int, int] = {}
     for r in runs:
         everything |= r.state
+        produced |= r.outputs
+    for r in runs:
+        everything |= {s: b for s, b in r.inputs.items() if s not in produced}
     contexts = []
     held_before, earlier_outputs = 0, {}
     for i, r in enumerate(runs):
         later_parameters: dict[int, int] = {}
         for later in runs[i + 1:]:
             later_parameters |= later.parameters
-        beside_forward = (_sum_except(everything, r.state) + held_before
+        beside_forward = (_sum_except(everything, r.state | r.inputs) + held_before
                           - sum(b for s, b in r.inputs.items() if s in earlier_outputs))
         contexts.append(StepContext(beside_forward, beside_forward + _sum_except(later_parameters, r.state)))
-        held_before += r.held
+        held_before += r.held_eager if eager else r.held
         earlier_outputs |= r.outputs
     later_peak = None
     for i in range(len(runs) - 1, first - 1, -1):
+        held = runs[i].held_eager if eager else runs[i].held
         contexts[i] = dataclasses.replace(contexts[i], later_beyond_held=None if later_peak is None
-                                          else later_peak - runs[i].held)
+                                          else later_peak - held)
         if i > first:
-            peak = simulate(dataclasses.replace(runs[i].variant.profile, step_context=contexts[i]),
-                            runs[i].variant.plan).peak_bytes
+            profile_ = runs[i].variant.profile
+            plan = Plan.no_split(profile_.num_ops) if eager else runs[i].variant.plan
+            peak = simulate(dataclasses.replace(profile_, step_context=contexts[i]), plan).peak_bytes
             later_peak = peak if later_peak is None else max(later_peak, peak)
     return contexts
 
@@ -527,10 +548,12 @@ class SublinearBackend:
         self.previous = runs
         stale = self._learn_output_uses(runs, returned)
         contexts: dict[str, StepContext] = {}
+        eager_contexts: dict[str, StepContext] = {}
         if len(runs) > 1:
-            for run, context in zip(runs, step_contexts(runs)):
-                code = run.runtime.graph.code
-                contexts[code] = _widest(contexts[code], context) if code in contexts else context
+            for found, eager in ((contexts, False), (eager_contexts, True)):
+                for run, context in zip(runs, step_contexts(runs, eager=eager)):
+                    code = run.runtime.graph.code
+                    found[code] = _widest(found[code], context) if code in found else context
         self.latest = {}
         for run in runs:
             code, variant = run.runtime.graph.code, run.variant
@@ -545,7 +568,7 @@ class SublinearBackend:
                 context = _widest(planned_in, context)
             if run.runtime in stale or (context == variant.profile.step_context and not variant.settling):
                 continue
-            variant.set_context(context)
+            variant.set_context(context, eager_contexts.get(code))
             unknown_later = variant.objective.memory_budget is not None and not _planned_knowing_later(variant, context)
             if variant.settling or not variant.accepted or unknown_later:
                 run.runtime.forget(variant)
@@ -775,14 +798,10 @@ class SublinearBackend:
             return None
         if budget != "auto":
             return budget
-        device = _device_of(values)
+        device = device_of(values)
         if device.type != "cuda":
             return None
         return _cuda_auto_budget(device, runtime.graph, values, self.config.memory_headroom, dry_run)
-
-
-def _device_of(values: Sequence[Any]) -> torch.device:
-    return next((t.device for t in tree_leaves(list(values)) if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 def _cuda_auto_budget(device: torch.device, graph: CapturedGraph, values: Sequence[Any], headroom: float,
@@ -821,7 +840,7 @@ class _GraphRuntime:
         :func:`sublinear.compiled.resolve_compiler`); a graph inductor cannot trace runs eagerly."""
         if self.graph.code in self.backend.eager_only:
             return "eager"
-        compiler = resolve_compiler(self.backend.config.compiler, _device_of(values).type)
+        compiler = resolve_compiler(self.backend.config.compiler, device_of(values).type)
         if compiler == "inductor" and self.backend.sharding() is not None:
             _say_fsdp_runs_eagerly()
             return "eager"
@@ -832,14 +851,15 @@ class _GraphRuntime:
         graph, for sizes at or above the call's), or planned now."""
         key = self.key(values)
         variant = self.variants.get(key)
-        binding = self.graph.sizes.binding(values) if self.graph.sizes is not None else {}
+        sizes = self.graph.sizes
+        binding = sizes.sizing(sizes.binding(values)) if sizes is not None else {}
         self.seen = join(self.seen, binding)
         if variant is not None and not covers(variant.bound, binding):
             log.info("sublinear: graph %d runs at sizes beyond those its plan was made for (%s); planning again for "
                      "%s", self.index, describe_binding(variant.bound), describe_binding(self.bound_for(self.seen)))
             self.forget(variant)
             variant = None
-        if variant is not None and variant.auto_budget and not dry_run and _device_of(values).type == "cuda":
+        if variant is not None and variant.auto_budget and not dry_run and device_of(values).type == "cuda":
             budget = self.backend.budget_for(self, variant.profile, values, dry_run=False)
             if budget is not None and variant.simulation.peak_bytes > budget:
                 log.info("sublinear: graph %d's plan (%s) no longer fits the device's free memory (%s); planning "
@@ -978,9 +998,7 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
     user's module, checked for FSDP units inside it at every call (their hooks would be bypassed)."""
     _ensure_recompile_room()
     session.progress.what = name
-    # With max_sizes every size of the arguments is symbolic from the first call, so one graph (and plan) serves
-    # all shapes; otherwise TorchDynamo makes a size symbolic once it changes.
-    compiled = compile_entry(module, name, dynamic=True if session.config.max_sizes else None)
+    compiled = compile_entry(module, name, dynamic=None)
     session.positional_names = _positional_names(module)
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -996,10 +1014,15 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
         signature = input_signature(args, kwargs)
         if signature in session.uncapturable:
             return module(*args, **kwargs)
+        mark_max_sizes(session.config, session.positional_names, args, kwargs)
         session.ran_graph = False
         session.explicit_calls = True
         if not session.graphs:  # the first call captures and plans: its progress counts from here
             session.progress.begin()
+            if not session.latest and _has_budget(session.config, args, kwargs):
+                # Under a budget the call's graphs are planned together, on a data-less twin, before the first of
+                # them runs: planned one by one as they run, the first ones would not know the later ones.
+                plan_ahead(owner, session, args, kwargs)
         session.begin_call()
         try:
             with receiving(session):
@@ -1029,6 +1052,25 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
         return out
 
     return run
+
+
+def mark_max_sizes(config: SublinearMemoryConfig, positional: Sequence[str], args: Sequence[Any],
+                   kwargs: dict[str, Any]) -> None:
+    """Make the dimensions ``config.max_sizes`` names symbolic for TorchDynamo from the first call on
+    (``maybe_mark_dynamic``), so one dynamic graph, planned for those sizes, serves every smaller shape."""
+    for name, sizes in config.max_sizes or ():
+        value = kwargs.get(name, args[positional.index(name)] if name in positional[:len(args)] else None)
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(sizes[:value.dim()]):
+                if size is not None:
+                    torch._dynamo.maybe_mark_dynamic(value, dim)
+
+
+def _has_budget(config: SublinearMemoryConfig, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether calls with these arguments are planned under a memory budget ("auto": on CUDA)."""
+    if config.memory_budget == "auto":
+        return device_of([args, kwargs]).type == "cuda"
+    return config.memory_budget is not None
 
 
 def _positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
@@ -1068,10 +1110,12 @@ def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any
     whole step (in a few rounds when the call has several graphs); :class:`BudgetError` when the step cannot fit.
     A model whose eager code between graphs needs tensor values is planned at its first training call instead."""
     backend_.positional_names = _positional_names(module)
+    mark_max_sizes(backend_.config, backend_.positional_names, args, kwargs or {})
     backend_.progress.what = type(module).__name__
     backend_.progress.begin()
     try:
-        _plan_captured(module, backend_, args, kwargs)
+        with _disable_current_modes():  # a memory tracker around the step sees the step, not its planning
+            _plan_captured(module, backend_, args, kwargs)
     finally:
         backend_.progress.end(lambda: backend_.sublinear_plan.headline if backend_.sublinear_plan else "no graph")
 
@@ -1079,7 +1123,7 @@ def plan_ahead(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any
 def _plan_captured(module: nn.Module, backend_: SublinearBackend, args: Sequence[Any],
                    kwargs: dict[str, Any] | None) -> None:
     try:
-        captured = capture(module, args, kwargs, dynamic=bool(backend_.config.max_sizes))
+        captured = capture(module, args, kwargs)
     except NeedsData as exc:
         log.warning("sublinear: cannot plan %s ahead, so .sublinear_plan stays None until the first training call "
                     "plans it: %s", type(module).__name__, exc)

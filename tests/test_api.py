@@ -3,6 +3,7 @@ autograd.Functions, state stored on modules, attribute and forward changes, opti
 graph breaks, torch.compile around a compiled module, pickling."""
 
 import copy
+import dataclasses
 import gc
 import io
 import logging
@@ -707,3 +708,68 @@ def test_the_backend_factory_stays_callable_after_the_package_loaded_its_modules
     model = torch.compile(Chain(3, width=8), backend=sublinear.backend(PLAIN))
     model(torch.randn(4, 8, requires_grad=True)).sum().backward()
     assert isinstance(sublinear.backend(PLAIN), sublinear.SublinearBackend)
+
+
+class Counters(nn.Module):
+    """Counts its calls in an int attribute and in a buffer, as step-dependent schedules do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.calls = 0
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        self.steps += 1
+        return self.lin(x).tanh().pow(2).mean()
+
+
+def test_counters_in_forward_are_kept_and_plan_once(caplog):
+    torch.manual_seed(0)
+    base = Counters()
+    x = torch.randn(4, 16)
+    eager = train_steps(copy.deepcopy(base), (x,), steps=20)
+    model = copy.deepcopy(base)
+    compiled = sublinear.compile(model, config=PLAIN)
+    with caplog.at_level(logging.INFO, logger="sublinear"):
+        planned = train_steps(compiled, (x,), steps=20)
+    searches = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sublinear: planned graph")]
+    assert len(searches) <= 2, searches  # not one capture and plan per counter value
+    assert model.calls == 20 and model.steps.item() == 20
+    assert_same_training(eager, planned)
+
+
+class TwoHalves(nn.Module):
+    """Two deep halves split by a graph break that needs no tensor values (so the step can be planned ahead)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)))
+        self.second = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)))
+
+    def forward(self, x):
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h).pow(2).mean()
+
+
+def test_a_budget_holds_for_a_split_step_from_its_first_call():
+    torch.manual_seed(0)
+    base = TwoHalves()
+    x = torch.randn(256, 64)
+    unbudgeted = sublinear.compile(copy.deepcopy(base), config=PLAIN)
+    unbudgeted(x).backward()
+    free = unbudgeted.sublinear_plan
+    assert len(free.graphs) == 2
+    budget = (free.predicted_peak_bytes + free.baseline_peak_bytes) // 2
+    budgeted = sublinear.compile(copy.deepcopy(base), config=dataclasses.replace(PLAIN, memory_budget=budget))
+
+    def step(model, x):
+        model(x).backward()
+
+    first = sublinear.measure(step, budgeted, x).peak_bytes  # the first call: planned as one step before it runs
+    plan = budgeted.sublinear_plan
+    assert first <= budget and plan.predicted_peak_bytes <= budget, (first, plan.predicted_peak_bytes, budget)
+    assert sublinear.measure(step, copy.deepcopy(base), x).peak_bytes > budget  # eager does not fit
+    assert plan.baseline_peak_bytes == free.baseline_peak_bytes  # eager's peak, whatever the plans

@@ -344,9 +344,9 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
         forward_extra[o] = peak
 
     # --- Backward: the gradient side (buffers backward makes) per rank, and backward time.
-    grad_start, grad_peak, grad_after, backward_seconds, backward_flops, gradient_bytes, output_gradients = \
+    grad_start, grad_peak, grad_after, backward_seconds, backward_flops, gradient_bytes = \
         _backward(joint, bw, rank_of_bw, n_ops, keys_of, produced_by, size_of, state, kinds, rates, rounded,
-                  last_bw_read, graph.kinds, output_use, user_outputs)
+                  last_bw_read, graph.kinds)
 
     facts = {i: NodeFacts(random=_random(fw[i]), pin_reason=pinned.get(op_of_node[i], ""))
              for i in range(len(fw)) if op_of_node[i] in pinned}
@@ -391,7 +391,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
         grad_after_release=np.array(grad_after, dtype=np.int64),
         backward_seconds=np.array(backward_seconds, dtype=float),
         cost_source=f"estimated for inductor's kernels on {rates.describe()}",
-        output_uses=tuple(output_gradients),
+        output_uses=tuple(uses[:len(user_outputs)]),  # as assumed, as the eager profile's: what calls are checked by
         materialized_in_forward=materialized_in_forward,
         materialized_when_rebuilt=materialized_when_rebuilt,
         recompute_shared=True,
@@ -423,11 +423,10 @@ def _node_seconds(node: fx.Node, node_flops: int, keys_of, materialized, size_of
 
 def _backward(joint: JointGraph, bw: list[fx.Node], rank_of_bw: list[int], n_ops: int, keys_of, produced_by,
               size_of: dict[int, int], state, kinds: _Kinds, rates: DeviceRates, rounded,
-              last_bw_read: dict[int, int], graph_kinds: tuple[str, ...], output_use: dict[int, str],
-              user_outputs: list[fx.Node]):
+              last_bw_read: dict[int, int], graph_kinds: tuple[str, ...]):
     """Per rank: gradient-side bytes (tangents and the buffers backward makes) at the start of its backward, at their
     peak before it releases the last forward value it reads, and after; per rank its backward seconds; the
-    backward's FLOPs, the parameters' gradient bytes at the end, and per user output what the step does with it."""
+    backward's FLOPs, and the parameters' gradient bytes at the end."""
     outputs: dict[int, str] = {}
     for k, grad in enumerate(joint.gradients):
         if isinstance(grad, fx.Node):
@@ -506,9 +505,7 @@ def _backward(joint: JointGraph, bw: list[fx.Node], rank_of_bw: list[int], n_ops
         else:
             carried = left[r]
     parameter_grads = sum(sizes[key] for key, kind in outputs.items() if kind == PARAMETER and key in sizes)
-    uses = [min((output_use.get(k, DROPPED) for k in keys_of(node) if k in produced_by),
-                key=(GRADIENT, KEPT, DROPPED).index, default=DROPPED) for node in user_outputs]
-    return start, before, after, seconds, total_flops, parameter_grads, uses
+    return start, before, after, seconds, total_flops, parameter_grads
 
 
 _CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
