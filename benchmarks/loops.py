@@ -112,8 +112,9 @@ def main() -> None:
             times, peak, plan = run(True)
             plans.append(f"{label}: {plan}")
             for strategy, t, p in (("eager", eager_times, eager_peak), ("sublinear", times, peak)):
+                ratio = statistics.median(t) / statistics.median(eager_times)
                 lines.append(f"| {label} | {strategy} | {p / 2**20:,.0f} | {p / eager_peak:.2f} | "
-                             f"{statistics.median(t):.2f} | {statistics.median(t) / statistics.median(eager_times):.2f} |")
+                             f"{statistics.median(t):.2f} | {ratio:.2f} |")
                 print(lines[-1], flush=True)
     lines += ["", *(f"- {p}" for p in plans)]
     if options.out:

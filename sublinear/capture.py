@@ -290,9 +290,10 @@ def capture_error(exc: BaseException, what: str) -> CaptureError:
         where = f"{tb[-1].filename}:{tb[-1].lineno}" if tb else ""
     if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and exc.__cause__ is not None:
         inner = exc.__cause__  # sublinear's own backend failed on the captured graph
+        reason = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
         return CaptureError(f"sublinear could not take the graph TorchDynamo captured from {what}: "
-                            f"{type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}"
-                            " (a fault of sublinear's: please report it with this message)")
+                            f"{type(inner).__name__}: {reason} (a fault of sublinear's: please report it with this "
+                            "message)")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)):
         return NeedsData(f"{what}{f' at {where}' if where else ''} needs tensor values ({type(exc).__name__}: "

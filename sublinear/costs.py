@@ -262,11 +262,11 @@ def measure_node_costs(nodes: Sequence[int], call: Callable[[int, tuple, dict], 
             a, k = _materialise((args, kwargs), device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            out, seconds = _timed_call(lambda: call(i, a, k), device)
+            out, seconds = _timed_call(functools.partial(call, i, a, k), device)
             forward.append(seconds)
             grads = _backward_pair(out, (a, k))
             if grads is not None:
-                backward.append(_timed(lambda: torch.autograd.grad(*grads, allow_unused=True), device))
+                backward.append(_timed(functools.partial(torch.autograd.grad, *grads, allow_unused=True), device))
             del out, grads, a, k
         costs.forward_seconds[i] = min(forward[1:])
         costs.backward_seconds[i] = min(backward[1:]) if len(backward) > 1 else 0.0

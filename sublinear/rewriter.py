@@ -318,8 +318,9 @@ def _view_of(value: Any, leaf: int, view: tuple, where: str, block: int) -> torc
     tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
     size, stride, offset, dtype, nbytes = view
     if leaf >= len(tensors) or tensors[leaf].untyped_storage().nbytes() != nbytes or tensors[leaf].dtype != dtype:
-        got = "no tensor" if leaf >= len(tensors) else \
-            f"a {tuple(tensors[leaf].shape)} {tensors[leaf].dtype} tensor on {tensors[leaf].untyped_storage().nbytes()} bytes"
+        got = "no tensor" if leaf >= len(tensors) else (
+            f"a {tuple(tensors[leaf].shape)} {tensors[leaf].dtype} tensor on "
+            f"{tensors[leaf].untyped_storage().nbytes()} bytes")
         raise RecomputeError(
             f"sublinear: recomputing block {block} at {where}: output leaf {leaf} is {got}, but forward saved a "
             f"{size} {dtype} view of a {nbytes}-byte storage. Were parameters, flags or the module changed between "

@@ -44,7 +44,7 @@ from .planners.driver import step_floor
 from .profiler import DROPPED, GRADIENT, KEPT, autocast_state, profile
 from .rewriter import RewrittenGraph, rewrite
 from .progress import PlanningProgress
-from .shapes import Binding, argument_dims, bucket, covers, describe_binding, join
+from .shapes import Binding, SymbolicSizes, argument_dims, bucket, covers, describe_binding, join
 from .sharding import refuse_nested_fsdp
 from .tensors import device_of
 from .simulator import simulate
@@ -255,7 +255,7 @@ class _Variant:
     budget: int | None  # the memory budget the step must fit (the search may have aimed lower)
     settling: bool = False  # the lowest peak taken while earlier graphs of the call were not planned for this one
     compiled_excess: int = 0  # what the compiled graphs hold beyond the simulation, once compiled
-    bound: Binding = field(default_factory=dict)  # a dynamic graph's sizes the plan was made for (it serves those below)
+    bound: Binding = field(default_factory=dict)  # a dynamic graph's sizes its plan was made for (and serves below)
     checked: bool = False  # compiled, and what the compiled graphs hold read
 
     @property
@@ -735,7 +735,8 @@ class SublinearBackend:
             except BudgetError as exc:
                 if settled:
                     raise
-                plan, origin, settling = exc.lowest.plan, "lowest peak, until the earlier graphs are planned for it", True
+                plan, settling = exc.lowest.plan, True
+                origin = "lowest peak, until the earlier graphs are planned for it"
                 log.info("sublinear: graph %d does not fit beside the earlier graphs' plans yet; they are planned "
                          "again for it", runtime.index)
             else:

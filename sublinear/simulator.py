@@ -3,11 +3,11 @@
 The one scoring function every planner uses. It needs only a :class:`GraphProfile` (plain numbers, no torch) and
 follows the plan's analysis (:func:`sublinear.core.analysis.analyse`) to the storage: each storage lives from
 the op that produced it until its last holder lets go (the forward values reading it, autograd for retained
-saves, a block's frame, the recompute of its block, the caller for outputs). The gradient side of backward is plan-independent and taken
-from the profiled eager step. Under FSDP2 the parameters and gradients are counted as FSDP holds them per rank
-(:class:`sublinear.core.profile.ShardedParameters`), and when TorchDynamo split the call into several graphs, what
-the other graphs keep live beside this one is added (:class:`sublinear.core.profile.StepContext`). Time is the eager
-step's predicted time plus the forward time of every op a recompute closure re-runs.
+saves, a block's frame, the recompute of its block, the caller for outputs). The gradient side of backward is
+plan-independent and taken from the profiled eager step. Under FSDP2 the parameters and gradients are counted as
+FSDP holds them per rank (:class:`sublinear.core.profile.ShardedParameters`), and when TorchDynamo split the call into
+several graphs, what the other graphs keep live beside this one is added (:class:`sublinear.core.profile.StepContext`).
+Time is the eager step's predicted time plus the forward time of every op a recompute closure re-runs.
 """
 
 from __future__ import annotations

@@ -396,7 +396,7 @@ def test_decorator_trains_exactly_like_eager_and_leaves_the_module_alone():
         return loss
 
     torch.manual_seed(0)
-    losses = [train_func(d, l, net=net, optimizer=optimizer).detach() for d, l in batches]
+    losses = [train_func(data, label, net=net, optimizer=optimizer).detach() for data, label in batches]
     assert all(torch.equal(a, b) for a, b in zip(expected, losses))
     assert type(net) is type(base) and "forward" not in net.__dict__
     compiled = train_func.sublinear_modules[net]

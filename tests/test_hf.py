@@ -208,8 +208,8 @@ def test_twenty_steps_over_ten_lengths_plan_twice_and_new_lengths_add_no_time(ca
     lengths = [12, 40, 23, 64, 17, 33, 50, 9, 28, 45]
     order = lengths + [lengths[k] for k in (3, 7, 1, 5, 0, 8, 2, 6, 4, 9)]
     g = torch.Generator().manual_seed(0)
-    batches = [dict(input_ids=torch.randint(1, VOCAB, (4, n), generator=g), labels=torch.randint(0, 2, (4,), generator=g))
-               for n in order]
+    batches = [dict(input_ids=torch.randint(1, VOCAB, (4, n), generator=g),
+                    labels=torch.randint(0, 2, (4,), generator=g)) for n in order]
 
     def steps(model, repeats: int = 1) -> list[float]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

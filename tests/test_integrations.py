@@ -24,8 +24,9 @@ def _tiny_bert():
 
 def _examples(count=16, seq=12):
     g = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(1, 64, (seq,), generator=g), "attention_mask": torch.ones(seq, dtype=torch.long),
-             "labels": torch.randint(0, 2, (), generator=g)} for _ in range(count)]
+    return [{"input_ids": torch.randint(1, 64, (seq,), generator=g),
+             "attention_mask": torch.ones(seq, dtype=torch.long), "labels": torch.randint(0, 2, (), generator=g)}
+            for _ in range(count)]
 
 
 def _state(model):

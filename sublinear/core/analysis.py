@@ -41,7 +41,7 @@ class PlanAnalysis:
     group_of: np.ndarray  # per block: its group (blocks joined by soft split points share retained inputs)
     recomputed: np.ndarray  # per op: may be re-run in backward (not kept, not pinned, not in the last block)
     state: np.ndarray  # per storage: StorageState
-    closure: list[list[int]]  # per block: ops re-run in backward, ascending (may reach into earlier blocks of its group)
+    closure: list[list[int]]  # per block: ops re-run in backward, ascending (may reach earlier blocks of its group)
     trigger: np.ndarray  # per block: rank whose backward first needs a rebuilt storage (-1: none)
     frame_end: np.ndarray  # per block: rank after whose backward its group's frame is released (-1: none)
     group_end: np.ndarray  # per block: the last op of its group

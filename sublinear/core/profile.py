@@ -162,7 +162,7 @@ class GraphProfile:
     backward_flops: int
     node_facts: dict[int, NodeFacts] = field(default_factory=dict)
     op_of_node: dict[int, int] = field(default_factory=dict)
-    node_storages: dict[int, tuple[int, ...]] = field(default_factory=dict)  # node -> storage per tensor leaf (-1: none)
+    node_storages: dict[int, tuple[int, ...]] = field(default_factory=dict)  # node -> storage per tensor (-1: none)
     reaches_output: np.ndarray = field(default_factory=lambda: _empty(bool))  # per op
     op_storages: list[tuple[int, ...]] = field(default_factory=list)  # per op: storages of the values it outputs
     held_through_forward: np.ndarray = field(default_factory=lambda: _empty(bool))  # autocast's cast cache

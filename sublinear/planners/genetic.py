@@ -6,7 +6,8 @@ plans of k equal blocks (:func:`uniform_plans`) and the best 16 of those cut int
 (:func:`nested_plans`), padded to the pool size with mutated copies when fewer. Each generation keeps
 ``genetic_pool_size`` survivors (80 % the best, the rest drawn at random from the others) and each survivor makes
 two children: one by two random mutations (split a block, merge two blocks, move a boundary, toggle a kept op,
-toggle a soft point, or nothing, equally likely), one by one-point crossover with a random survivor. Every operator returns a valid plan.
+toggle a soft point, or nothing, equally likely), one by one-point crossover with a random survivor. Every operator
+returns a valid plan.
 
 Fitness is the problem's :class:`~sublinear.core.objective.Objective` over the simulated candidate (MegEngine's is
 the simulated peak alone; ours also weighs predicted time under a cap, or time under a memory budget). There are
