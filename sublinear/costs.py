@@ -19,7 +19,6 @@ import functools
 import json
 import logging
 import platform
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -356,5 +355,3 @@ def _cuda_peaks(nodes, call, inputs, device) -> tuple[dict[int, int], dict[int, 
     return forward, backward
 
 
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else 0.0

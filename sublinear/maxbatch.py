@@ -39,7 +39,7 @@ from .planners.driver import StepFloor
 from .profiler import step_backward
 from .runtime import SublinearPlan
 
-__all__ = ["NothingFits", "StrategyResult", "Tuning", "TuningRow", "baseline_costs", "compare", "fixed_floor",
+__all__ = ["NothingFits", "StrategyResult", "Tuning", "TuningRow", "compare", "fixed_floor",
            "largest_fitting", "tune"]
 
 log = logging.getLogger("sublinear.maxbatch")
@@ -339,23 +339,6 @@ def _bracket(peak: Callable[[int], int | None], budget: int, refinements: int = 
         else:
             candidate = fit + int((budget - fit_peak) * (over - fit) // (over_peak - fit_peak))
     return fit, over
-
-
-def baseline_costs(spec: ModelSpec, batch: int, seq: int | None = None) -> dict[str, tuple[int, float, float]]:
-    """(measured peak bytes, step FLOPs ratio, predicted step time ratio) of eager and each hand-written strategy
-    that applies to the model, at ``batch``, data-less."""
-    env = _Environment.for_model(spec, "meta", None)
-    costs = {}
-    for name, prepare, _ in strategies((), None, seq, spec):
-        model = env.build(spec)
-        try:
-            with env:
-                module = prepare(model, batch)
-            costs[name] = (_step_peak(spec, module, model, batch, env, seq),
-                           *_cost_ratios(spec, prepare, batch, seq, env))
-        except NotApplicable as exc:
-            log.info("%s: %s skipped: %s", spec.name, name, exc)
-    return costs
 
 
 REFERENCE_BATCH = {"image": 64, "text": 8}  # where tune() compares best peaks: small enough to plan in a second

@@ -44,7 +44,6 @@ def fsdp_sharding(module: nn.Module) -> ShardedParameters | None:
     if group is None:  # FSDP manages no parameters of this module
         return None
     world = group.mesh_info.shard_mesh_size
-    policy = group.mp_policy
     backend = dist.get_backend(group.mesh_info.shard_process_group)
     sharded = unsharded = reduce_input = grad_shards = 0
     for p in group.fsdp_params:
@@ -58,5 +57,4 @@ def fsdp_sharding(module: nn.Module) -> ShardedParameters | None:
     return ShardedParameters(
         world_size=world, sharded_bytes=sharded, unsharded_bytes=unsharded,
         reduce_scatter_bytes=reduce_input, sharded_gradient_bytes=grad_shards,
-        collective_workspace=backend == "gloo", reshard_after_forward=group.post_forward_mesh_info is not None,
-        casts_inputs=policy.param_dtype is not None and policy.cast_forward_inputs)
+        collective_workspace=backend == "gloo", reshard_after_forward=group.post_forward_mesh_info is not None)

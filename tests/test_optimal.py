@@ -177,7 +177,7 @@ def test_the_model_follows_fsdp_and_the_other_graphs_of_a_call(reshard_after_for
     p = chain(4, 8)
     layout = ShardedParameters(world_size=4, sharded_bytes=1000, unsharded_bytes=4000, reduce_scatter_bytes=4100,
                                sharded_gradient_bytes=1000, collective_workspace=True,
-                               reshard_after_forward=reshard_after_forward, casts_inputs=False)
+                               reshard_after_forward=reshard_after_forward)
     for context in (StepContext(1000, 5000, 30000), StepContext(0, 0, None), None):
         variant = dataclasses.replace(p, sharding=layout, step_context=context)
         model = FlatModel(variant)

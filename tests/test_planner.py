@@ -77,7 +77,7 @@ def test_the_floor_is_below_every_plan_with_other_graphs_and_under_fsdp(small_ch
     plans = [Plan.no_split(n), *(Plan.of(range(k - 1, n, k), n) for k in (1, 2, 3))]
     sharding = ShardedParameters(world_size=2, sharded_bytes=p.parameter_bytes // 2, unsharded_bytes=p.parameter_bytes,
                                  reduce_scatter_bytes=p.gradient_bytes, sharded_gradient_bytes=p.gradient_bytes // 2,
-                                 collective_workspace=True, reshard_after_forward=True, casts_inputs=False)
+                                 collective_workspace=True, reshard_after_forward=True)
     for context in (None, StepContext(10_000, 30_000, None), StepContext(10_000, 30_000, 10**7)):
         for shards in (None, sharding):
             varied = dataclasses_replace(p, step_context=context, sharding=shards)

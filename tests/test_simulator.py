@@ -123,7 +123,7 @@ def test_sharded_parameters_replace_full_parameters_in_the_timeline(reshard_afte
     full, _ = timeline(graph_profile, plan)
     layout = ShardedParameters(world_size=4, sharded_bytes=1000, unsharded_bytes=4000, reduce_scatter_bytes=4100,
                                sharded_gradient_bytes=1000, collective_workspace=True,
-                               reshard_after_forward=reshard_after_forward, casts_inputs=False)
+                               reshard_after_forward=reshard_after_forward)
     sharded, labels = timeline(dataclasses.replace(graph_profile, sharding=layout), plan)
 
     n, params, grads = graph_profile.num_ops, graph_profile.parameter_bytes, graph_profile.gradient_bytes

@@ -74,7 +74,6 @@ class ShardedParameters:
     sharded_gradient_bytes: int  # the rank's gradient shards the step leaves behind
     collective_workspace: bool  # the backend copies a collective's full buffer while it runs (gloo)
     reshard_after_forward: bool  # parameters freed after forward and gathered again for backward
-    casts_inputs: bool  # a MixedPrecisionPolicy casts floating inputs; the caller's originals are not counted
 
     @property
     def all_gather_bytes(self) -> int:
