@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 import torch._inductor.compile_fx
-import transformers
 
 import sublinear
 import sublinear.runtime as runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_hf import dynamic_padding, timed_steps  # noqa: E402
 from test_shapes import SHAPES, TinyTransformer, token_batches  # noqa: E402
 
 CONFIG = sublinear.SublinearMemoryConfig(memory_budget=None, cache_dir="")
@@ -48,38 +48,13 @@ class Counts(logging.Handler):
 
 
 def bert_loop():
-    T = transformers
-    T.logging.set_verbosity_error()
-    config = T.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=64, max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = T.BertForSequenceClassification._from_config(config, attn_implementation="eager").train()
-    lengths = [12, 40, 23, 64, 17, 33, 50, 9, 28, 45]
-    order = lengths + [lengths[k] for k in (3, 7, 1, 5, 0, 8, 2, 6, 4, 9)]
-    g = torch.Generator().manual_seed(0)
-    batches = [dict(input_ids=torch.randint(1, 64, (4, n), generator=g), labels=torch.randint(0, 2, (4,), generator=g))
-               for n in order]
+    model, batches = dynamic_padding()
     return model, batches, lambda m, b: m(**b).loss
 
 
 def transformer_loop():
     torch.manual_seed(0)
     return TinyTransformer(), [dict(ids=ids) for ids in token_batches(SHAPES)], lambda m, b: m(**b)
-
-
-def timed(model, batches, loss_of, repeats: int = 1) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    times = []
-    for batch in batches:
-        fastest = float("inf")
-        for _ in range(repeats):
-            started = time.perf_counter()
-            loss_of(model, batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            fastest = min(fastest, time.perf_counter() - started)
-        times.append(fastest)
-    return times
 
 
 def run(name: str, loop, compiler: str, max_sizes=None) -> dict:
@@ -103,15 +78,15 @@ def run(name: str, loop, compiler: str, max_sizes=None) -> dict:
     runtime.trace_joint, torch._inductor.compile_fx.compile_fx = trace, compile_
     try:
         started = time.perf_counter()
-        first_two = timed(model, batches[:2], loss_of)
+        first_two = timed_steps(model, batches[:2], loss_of)
         early = (counts.searches, dict(work))
-        first = timed(model, batches[2:], loss_of)
+        first = timed_steps(model, batches[2:], loss_of)
         total = time.perf_counter() - started
-        again = timed(model, batches[2:], loss_of, repeats=3)
+        again = timed_steps(model, batches[2:], loss_of, repeats=3)
     finally:
         runtime.trace_joint, torch._inductor.compile_fx.compile_fx = real_trace, real_compile
         logging.getLogger("sublinear").removeHandler(counts)
-    eager = timed(copy.deepcopy(base), batches[2:], loss_of, repeats=3)
+    eager = timed_steps(copy.deepcopy(base), batches[2:], loss_of, repeats=3)
     return dict(name=name, compiler=compiler, steps=len(batches), searches=counts.searches,
                 later_searches=counts.searches - early[0], traces=work["trace"],
                 later_traces=work["trace"] - early[1]["trace"], compiles=work["compile"],

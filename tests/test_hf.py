@@ -181,6 +181,39 @@ def test_full_size_prediction_within_one_percent_of_measured(family):
         assert abs(predicted - measured) / measured < 0.01, (family, label, predicted, measured)
 
 
+def dynamic_padding():
+    """A two-layer BERT classifier and 20 batches of 4 at 10 sequence lengths from 9 to 64 (dynamic padding)."""
+    T = transformers
+    config = T.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = T.BertForSequenceClassification._from_config(config, attn_implementation="eager").train()
+    lengths = [12, 40, 23, 64, 17, 33, 50, 9, 28, 45]
+    order = lengths + [lengths[k] for k in (3, 7, 1, 5, 0, 8, 2, 6, 4, 9)]
+    g = torch.Generator().manual_seed(0)
+    batches = [dict(input_ids=torch.randint(1, VOCAB, (4, n), generator=g),
+                    labels=torch.randint(0, 2, (4,), generator=g)) for n in order]
+    return model, batches
+
+
+def timed_steps(model, batches, loss_of, repeats: int = 1) -> list[float]:
+    """One SGD step per batch; per batch the fastest of ``repeats`` steps, in seconds."""
+    import time
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    times = []
+    for batch in batches:
+        fastest = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            loss_of(model, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            fastest = min(fastest, time.perf_counter() - started)
+        times.append(fastest)
+    return times
+
+
 @pytest.mark.slow
 def test_twenty_steps_over_ten_lengths_plan_twice_and_new_lengths_add_no_time(caplog, monkeypatch):
     """Dynamic padding: a BERT classifier over ten sequence lengths, compiled by inductor. The first call's static
@@ -189,7 +222,6 @@ def test_twenty_steps_over_ten_lengths_plan_twice_and_new_lengths_add_no_time(ca
     run, take at most 10 % of eager's step time more than the same steps run again (medians: one step's scheduling
     noise on two shared cores is larger than the steps)."""
     import statistics
-    import time
 
     import torch._inductor.compile_fx as inductor
 
@@ -200,30 +232,10 @@ def test_twenty_steps_over_ten_lengths_plan_twice_and_new_lengths_add_no_time(ca
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: work.append(_n) or _f(*a, **k))
 
-    T = transformers
-    config = T.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=64, max_position_embeddings=128)
-    torch.manual_seed(0)
-    base = T.BertForSequenceClassification._from_config(config, attn_implementation="eager").train()
-    lengths = [12, 40, 23, 64, 17, 33, 50, 9, 28, 45]
-    order = lengths + [lengths[k] for k in (3, 7, 1, 5, 0, 8, 2, 6, 4, 9)]
-    g = torch.Generator().manual_seed(0)
-    batches = [dict(input_ids=torch.randint(1, VOCAB, (4, n), generator=g),
-                    labels=torch.randint(0, 2, (4,), generator=g)) for n in order]
+    base, batches = dynamic_padding()
 
     def steps(model, repeats: int = 1) -> list[float]:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        times = []
-        for batch in batches:
-            fastest = float("inf")
-            for _ in range(repeats):
-                started = time.perf_counter()
-                model(**batch).loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                fastest = min(fastest, time.perf_counter() - started)
-            times.append(fastest)
-        return times
+        return timed_steps(model, batches, lambda m, batch: m(**batch).loss, repeats)
 
     planned = sublinear.apply(copy.deepcopy(base), dataclasses.replace(PLAIN, compiler="inductor"))
     optimizer = torch.optim.SGD(planned.parameters(), lr=0.1)
