@@ -23,7 +23,7 @@ from .core.plan import Plan, PlanError
 __all__ = ["PlanCache", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 4
+_FORMAT = 5  # 5: plans in normal form (no kept op in the last block)
 
 
 def cache_dir(configured: str | os.PathLike | None) -> Path | None:

@@ -39,3 +39,12 @@ def test_soft_points_and_groups():
         Plan((2, 5, 8, 11), soft=frozenset({8})).validate(12)
     with pytest.raises(PlanError, match="soft points"):
         Plan((2, 5, 8, 11), soft=frozenset({3})).validate(12)
+
+
+def test_one_normal_form_so_plans_that_mean_the_same_compare_equal():
+    n = 10
+    a = Plan.of([3, 6], n, kept=[1, 8], soft=[3, 9])  # op 8 is in the last block; 9 cannot be soft
+    b = Plan.normal([9, 6, 3, 3], kept=[1], soft=[3])
+    assert a == b and a.kept == {1} and a.soft == {3}
+    with pytest.raises(PlanError, match="last block"):
+        Plan((3, 6, 9), frozenset({8})).validate(n)

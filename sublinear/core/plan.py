@@ -45,10 +45,18 @@ class Plan:
 
     @staticmethod
     def of(split_points: Iterable[int], num_ops: int, kept: Iterable[int] = (), soft: Iterable[int] = ()) -> Plan:
-        """A valid plan from any split points: sorted, deduplicated, last op added; soft points that cannot be
-        soft (not split points, or the last block's boundary) are dropped."""
-        points = sorted({int(p) for p in split_points if 0 <= int(p) < num_ops} | ({num_ops - 1} if num_ops else set()))
-        return Plan(tuple(points), frozenset(int(k) for k in kept), frozenset(int(p) for p in soft) & set(points[:-2]))
+        """A valid plan from any split points within ``num_ops`` ops (the last op added), in normal form."""
+        points = {int(p) for p in split_points if 0 <= int(p) < num_ops} | ({num_ops - 1} if num_ops else set())
+        return Plan.normal(points, (int(k) for k in kept), (int(p) for p in soft))
+
+    @staticmethod
+    def normal(split_points: Iterable[int], kept: Iterable[int] = (), soft: Iterable[int] = ()) -> Plan:
+        """The one form of a plan whose split points end at the last op, so that plans that mean the same compare
+        equal: split points sorted and unique; kept ops only outside the last block (which is never recomputed);
+        soft points only among the split points before the last two. :meth:`validate` refuses any other form."""
+        points = tuple(sorted(set(split_points)))
+        last_start = points[-2] + 1 if len(points) > 1 else 0
+        return Plan(points, frozenset(k for k in kept if k < last_start), frozenset(soft) & frozenset(points[:-2]))
 
     def as_dict(self) -> dict[str, list[int]]:
         """JSON-ready form (plan cache)."""
@@ -71,6 +79,11 @@ class Plan:
         bad = sorted(k for k in self.kept if not 0 <= k < num_ops)
         if bad:
             raise PlanError(f"kept ops {bad} are outside 0..{num_ops - 1}")
+        last_start = points[-2] + 1 if len(points) > 1 else 0
+        bad = sorted(k for k in self.kept if k >= last_start)
+        if bad:
+            raise PlanError(f"kept ops {bad} are in the last block, which is never recomputed; build plans with "
+                            "Plan.of or Plan.normal")
         bad = sorted(self.soft - set(points[:-2]))
         if bad:
             raise PlanError(f"soft points {bad} must be split points other than the last two {list(points[-2:])}")

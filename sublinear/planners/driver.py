@@ -12,7 +12,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..config import SublinearMemoryConfig
 from ..core.analysis import analyse
@@ -185,7 +185,8 @@ def hand_back(problem: PlanningProblem, candidate: Candidate, floor: int) -> Can
     for o in recomputed:
         if profile.ops[o].forward_seconds <= 0:
             break
-        trial = problem.candidate(replace(best.plan, kept=best.plan.kept | {int(o)}), "lb_memory hand-back")
+        plan = Plan.normal(best.plan.split_points, best.plan.kept | {int(o)}, best.plan.soft)
+        trial = problem.candidate(plan, "lb_memory hand-back")
         if (trial.simulation.peak_bytes <= floor
                 and trial.simulation.recompute_seconds < best.simulation.recompute_seconds):
             best = trial

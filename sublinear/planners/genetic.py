@@ -73,13 +73,6 @@ class GeneticResult:
 # Operators: valid Plan(s) -> valid Plan over the same ops. One that cannot apply returns the plan unchanged.
 
 
-def _plan(points: Sequence[int], kept: frozenset[int], soft: frozenset[int] = frozenset()) -> Plan:
-    """A plan from sorted unique points ending at the last op; kept ops in the last block (never recomputed
-    anyway) and soft points that cannot be soft are dropped, so that equivalent plans compare equal."""
-    last_start = points[-2] + 1 if len(points) > 1 else 0
-    return Plan(tuple(points), frozenset(k for k in kept if k < last_start), soft & frozenset(points[:-2]))
-
-
 def split_block(plan: Plan, rng: random.Random) -> Plan:
     """Insert a split point inside a random block of at least two ops."""
     blocks = [b for b in plan.blocks() if len(b) >= 2]
@@ -87,7 +80,7 @@ def split_block(plan: Plan, rng: random.Random) -> Plan:
         return plan
     block = rng.choice(blocks)
     point = rng.randrange(block.start, block.stop - 1)
-    return _plan(sorted((*plan.split_points, point)), plan.kept, plan.soft)
+    return Plan.normal(sorted((*plan.split_points, point)), plan.kept, plan.soft)
 
 
 def merge_blocks(plan: Plan, rng: random.Random) -> Plan:
@@ -96,7 +89,7 @@ def merge_blocks(plan: Plan, rng: random.Random) -> Plan:
     if len(points) < 2:
         return plan
     del points[rng.randrange(len(points) - 1)]
-    return _plan(points, plan.kept, plan.soft)
+    return Plan.normal(points, plan.kept, plan.soft)
 
 
 def move_boundary(plan: Plan, rng: random.Random) -> Plan:
@@ -110,7 +103,7 @@ def move_boundary(plan: Plan, rng: random.Random) -> Plan:
     target = rng.randrange(low, points[i + 1] - 1)  # one slot fewer than the range: skip the current position
     old, points[i] = points[i], target if target < points[i] else target + 1
     soft = plan.soft - {old} | ({points[i]} if old in plan.soft else set())
-    return _plan(points, plan.kept, frozenset(soft))
+    return Plan.normal(points, plan.kept, frozenset(soft))
 
 
 def toggle_kept(plan: Plan, rng: random.Random, pinned: frozenset[int] = frozenset()) -> Plan:
@@ -119,7 +112,7 @@ def toggle_kept(plan: Plan, rng: random.Random, pinned: frozenset[int] = frozens
     eligible = [o for o in range(last_start) if o not in pinned]
     if not eligible:
         return plan
-    return _plan(plan.split_points, plan.kept ^ {rng.choice(eligible)}, plan.soft)
+    return Plan.normal(plan.split_points, plan.kept ^ {rng.choice(eligible)}, plan.soft)
 
 
 def toggle_soft(plan: Plan, rng: random.Random) -> Plan:
@@ -128,7 +121,7 @@ def toggle_soft(plan: Plan, rng: random.Random) -> Plan:
     eligible = plan.split_points[:-2]
     if not eligible:
         return plan
-    return _plan(plan.split_points, plan.kept, plan.soft ^ {rng.choice(eligible)})
+    return Plan.normal(plan.split_points, plan.kept, plan.soft ^ {rng.choice(eligible)})
 
 
 def crossover(a: Plan, b: Plan, rng: random.Random) -> Plan:
@@ -140,7 +133,7 @@ def crossover(a: Plan, b: Plan, rng: random.Random) -> Plan:
     points = [p for p in a.split_points if p < cut] + [p for p in b.split_points if p >= cut]
     kept = {k for k in a.kept if k < cut} | {k for k in b.kept if k >= cut}
     soft = {p for p in a.soft if p < cut} | {p for p in b.soft if p >= cut}
-    return _plan(points, frozenset(kept), frozenset(soft))
+    return Plan.normal(points, frozenset(kept), frozenset(soft))
 
 
 def _rebuild_bytes(profile: GraphProfile) -> np.ndarray:
@@ -224,7 +217,7 @@ def _individual(plan: Plan):
 
 
 def _plan_of(ind) -> Plan:
-    return Plan(tuple(ind), ind.kept, ind.soft)
+    return Plan.normal(ind, ind.kept, ind.soft)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 
@@ -99,7 +98,7 @@ def keep_variants(profile: GraphProfile, plan: Plan) -> list[Plan]:
     np.add.at(out_bytes, profile.storage_producer, profile.storage_bytes)
     density = sorted(recomputed, key=lambda o: -profile.ops[o].forward_seconds / max(1, out_bytes[o]))
     choices = ([o for o in recomputed if profile.ops[o].flops > 0], density[: max(1, len(density) // 2)])
-    return [replace(plan, kept=plan.kept | frozenset(chosen)) for chosen in choices if chosen]
+    return [Plan.normal(plan.split_points, plan.kept | frozenset(chosen), plan.soft) for chosen in choices if chosen]
 
 
 class GridPlanner:

@@ -202,10 +202,8 @@ class FlatModel:
         return self.start(i).last_block()
 
     def plan(self, points: Sequence[int]) -> Plan:
-        """The plan with these split points and this model's kept set (kept ops in the last block left out)."""
-        points = tuple(sorted(points))
-        last_start = points[-2] + 1 if len(points) > 1 else 0
-        return Plan(points, frozenset(o for o in self.kept if o < last_start))
+        """The plan with these split points and this model's kept set, in normal form."""
+        return Plan.normal(points, self.kept)
 
     def peak(self, plan: Plan) -> int:
         """The model's peak for a flat plan with this model's kept set."""
