@@ -15,7 +15,6 @@ storage tracker sees (scratch inside ``convolution_backward``) is part of the si
 from __future__ import annotations
 
 import bisect
-import contextlib
 import itertools
 import logging
 from collections import defaultdict
@@ -32,10 +31,10 @@ from .capture import BUFFER, INPUT, PARAMETER, CapturedGraph, FakeTwin, describe
 from .core.profile import AutocastState, GraphProfile, NodeFacts, OpProfile
 from .costs import REFERENCE_GPU, DeviceRates, aten_work, device_rates, estimate_seconds, measure_node_costs, spec_tree
 from .interpret import NodeProgram
-from .tensors import device_of, storage_key
+from .tensors import autocast_context, autocast_state, device_of, storage_key
 from .tracking import StorageTracker
 
-__all__ = ["DROPPED", "GRADIENT", "KEPT", "ProfileError", "autocast_state", "default_loss", "profile",
+__all__ = ["DROPPED", "GRADIENT", "KEPT", "ProfileError", "default_loss", "profile",
            "step_backward", "training_step"]
 
 log = logging.getLogger("sublinear.profiler")
@@ -46,19 +45,12 @@ _COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "c10d", "c10d_functio
 _BATCH_NORMS = frozenset(getattr(torch.ops.aten, name) for name in (
     "native_batch_norm", "batch_norm", "_batch_norm_impl_index", "cudnn_batch_norm", "miopen_batch_norm",
     "_native_batch_norm_legit", "_batch_norm_with_update"))
-_AUTOCAST_DEVICES = ("cpu", "cuda")
 GRADIENT, KEPT, DROPPED = "gradient", "kept", "dropped"  # what a call does with a graph output (see profile())
 CUDA_ALLOCATION_GRANULARITY = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
 
 class ProfileError(RuntimeError):
     """The profiled step failed at a node; the message names the node, its module path and source line."""
-
-
-def autocast_state() -> AutocastState:
-    """The autocast modes in force, per device type, as plain data."""
-    return tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d)).removeprefix("torch."))
-                 for d in _AUTOCAST_DEVICES)
 
 
 def _written_tensors(func, args, kwargs) -> list[torch.Tensor]:
@@ -494,18 +486,6 @@ def _node_times(trace: _Trace, rank_of_node: dict[int, int], device: torch.devic
         if 0 <= k and seq < 2**62 and owners[k] in rank_of_node:
             backward[owners[k]] += estimate_seconds(flops, moved, 1, rates)
     return forward, dict(backward), f"estimated for {rates.describe()}"
-
-
-def autocast_context(state: AutocastState):
-    """Enter the autocast modes of ``state`` (without the cast cache: a replay's inputs are fresh tensors, which the
-    cache would keep alive until the outermost autocast exits)."""
-    stack = contextlib.ExitStack()
-    for device, enabled, dtype in state:
-        if device == "cuda" and not torch.cuda.is_available():
-            continue
-        stack.enter_context(torch.autocast(device, dtype=getattr(torch, dtype), enabled=enabled,
-                                           cache_enabled=False))
-    return stack
 
 
 def _node_facts(i: int, trace: _Trace) -> NodeFacts:

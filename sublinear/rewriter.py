@@ -34,8 +34,7 @@ from .core.analysis import PlanAnalysis, StorageState, analyse
 from .core.plan import Plan
 from .core.profile import GraphProfile, NodeFacts
 from .interpret import NodeProgram
-from .profiler import autocast_context
-from .tensors import storage_key
+from .tensors import autocast_context, storage_key
 
 __all__ = ["RecomputeError", "RewrittenGraph", "rewrite"]
 

@@ -41,12 +41,12 @@ from .core.profile import GraphProfile, ShardedParameters, StepContext
 from .core.units import format_bytes
 from .planners import BudgetError, PlanningResult, make_plan, objective_for
 from .planners.driver import step_floor
-from .profiler import DROPPED, GRADIENT, KEPT, autocast_state, profile
+from .profiler import DROPPED, GRADIENT, KEPT, profile
 from .rewriter import RewrittenGraph, rewrite
 from .progress import PlanningProgress
 from .shapes import Binding, SymbolicSizes, argument_dims, bucket, covers, describe_binding, join
 from .sharding import refuse_nested_fsdp
-from .tensors import device_of
+from .tensors import autocast_state, device_of
 from .simulator import simulate
 
 __all__ = ["BlockSummary", "GraphPlan", "ParetoPoint", "SublinearBackend", "SublinearPlan", "backend",

@@ -1,14 +1,20 @@
-"""Small facts about tensors that several stages need (a leaf module: it imports nothing of sublinear's)."""
+"""Small facts about tensors and torch's modes that several stages need (a leaf module: of sublinear it imports only
+the torch-free core)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["device_of", "stand_in_for_grad", "storage_key"]
+from .core.profile import AutocastState
+
+__all__ = ["autocast_context", "autocast_state", "device_of", "stand_in_for_grad", "storage_key"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def device_of(values: Sequence[Any]) -> torch.device:
@@ -33,3 +39,21 @@ def storage_key(t: torch.Tensor) -> int | None:
         return t.untyped_storage()._cdata
     except (NotImplementedError, RuntimeError):
         return None
+
+
+def autocast_state() -> AutocastState:
+    """The autocast modes in force, per device type, as plain data."""
+    return tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d)).removeprefix("torch."))
+                 for d in _AUTOCAST_DEVICES)
+
+
+def autocast_context(state: AutocastState):
+    """Enter the autocast modes of ``state`` (without the cast cache: a replay's inputs are fresh tensors, which the
+    cache would keep alive until the outermost autocast exits)."""
+    stack = contextlib.ExitStack()
+    for device, enabled, dtype in state:
+        if device == "cuda" and not torch.cuda.is_available():
+            continue
+        stack.enter_context(torch.autocast(device, dtype=getattr(torch, dtype), enabled=enabled,
+                                           cache_enabled=False))
+    return stack

@@ -118,6 +118,10 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
     bytes, and none for ``"auto"`` (which the caller resolves on the device). ``pool``: candidates found earlier
     for the same profile (they seed the planners and compete)."""
     config = config or SublinearMemoryConfig()
+    unknown = [name for name in config.planners if name not in PLANNERS]
+    if unknown:
+        raise ValueError(f"unknown planner(s) {unknown} in SublinearMemoryConfig.planners; registered: "
+                         f"{', '.join(sorted(PLANNERS))}")
     if memory_budget is _FROM_CONFIG:
         memory_budget = config.memory_budget if isinstance(config.memory_budget, int) else None
     problem = PlanningProblem(profile, objective_for(config, memory_budget), config)
