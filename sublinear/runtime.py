@@ -1088,8 +1088,8 @@ def _positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
 def collecting_new_objects_only() -> Iterator[None]:
     """Garbage collections inside scan only the objects made inside: the process's older objects are frozen
     (``gc.freeze``) and go back to the oldest generation at the end. Capture and profiling make enough objects to
-    set off full collections, and one over a long-running process's heap took 1-3 s (a max-batch search, after
-    some dozens of compiles), inside the planning's wall time. A heap the process froze itself is left as it is."""
+    set off full collections, and one over a long-running process's heap (seconds, after some dozens of compiles)
+    would land inside the planning's wall time. A heap the process froze itself is left as it is."""
     if gc.get_freeze_count():
         yield
         return

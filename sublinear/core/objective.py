@@ -81,8 +81,7 @@ class Objective:
             return 1, sim.recompute_seconds, sim.peak_bytes, blocks
         # Plans that fit rank by time alone, so those within the cap come first, then fitting plans over it: a
         # plan that fits is a better step for a search towards one within the cap than a faster one that does not
-        # fit (BERT-base at batch 140 under 11 GiB: searched this way, x1.348; ranking within-cap plans over the
-        # budget first, x1.39).
+        # fit (docs/algorithm.md gives the figures).
         if self.fits(c):
             return 0, sim.recompute_seconds, sim.peak_bytes, blocks
         return 1, sim.peak_bytes, sim.recompute_seconds, blocks

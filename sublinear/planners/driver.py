@@ -160,9 +160,9 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
 
 @contextlib.contextmanager
 def _no_cycle_collection() -> Iterator[None]:
-    """Planners stop at wall-clock limits, and a full collection of a long-running process's heap (0.2-0.4 s after
-    one to eight ResNet-50 compiles, growing with the heap) landing inside one cuts its search short and changes its
-    plan. Inside, memory is freed by reference counting; reference cycles wait until the planner returns."""
+    """Planners stop at wall-clock limits, and a full collection of a long-running process's heap (its time grows
+    with the heap) landing inside one cuts its search short and changes its plan. Inside, memory is freed by
+    reference counting; reference cycles wait until the planner returns."""
     enabled = gc.isenabled()
     gc.disable()
     try:

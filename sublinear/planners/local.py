@@ -1,8 +1,7 @@
 """Local search: hill climbing by one-edit neighbours from the best plans simulated so far.
 
 The genetic search edits plans at random and keeps a population, so its best plan is rarely a local optimum: a
-plan one edit away is often better still (ResNet-50 at batch 540 under 11 GiB: the genetic search's best with 20
-generations needs predicted time x1.371; one-edit improvements from it reach x1.312). This planner starts from the
+plan one edit away is often better still. This planner starts from the
 :data:`START_PLANS` best distinct plans the problem has simulated (every planner's candidates and the genetic
 population) and from each moves to the first neighbour the objective ranks lower, until no neighbour is (a local
 optimum), within :data:`EVALUATIONS` new simulations (:data:`EVALUATIONS_PER_OP` per op on small graphs) and
@@ -30,7 +29,7 @@ from .base import PlanningProblem, register_planner
 __all__ = ["LocalSearchPlanner", "neighbours"]
 
 START_PLANS = 4
-EVALUATIONS = 3000  # new simulations per propose at most (0.25-0.35 ms each on ResNet-50 and BERT-base) ...
+EVALUATIONS = 3000  # new simulations per propose at most ...
 EVALUATIONS_PER_OP = 10  # ... and at most this many per op of the graph
 TIME_LIMIT_SECONDS = 3.0  # per propose, for graphs whose simulation is slow
 BOUNDARY_STEPS = (-2, -1, 1, 2)

@@ -26,8 +26,8 @@ that can be in its own block's closure is counted as held by that closure's fram
 frame before its last reader is counted both as carried and as read in the blocks up to that reader; a storage
 held for autograd that autocast's cache or a non-reaching node also holds is counted both ways. None arises when
 every storage read across a block boundary is saved by a reaching node and nothing else holds it (chains such as
-Linear/GELU stacks); on the zoo's ResNet-50, BERT-base and GPT the model matched the simulator on every plan
-compared; on small random DAGs it is up to ~12 % above. A plan whose model peak fits therefore fits in simulation,
+Linear/GELU stacks); elsewhere it may be above the simulator (docs/optimal.md measures by how much). A plan whose
+model peak fits therefore fits in simulation,
 and every plan proposed is scored by the simulator.
 
 **Search** (:func:`solve`). A label at op ``i`` is a prefix of blocks ending at ``i - 1`` with its carried bytes
