@@ -1,0 +1,93 @@
+"""The one reading of a plan (core.analysis.analyse) on hand-built profiles: which storages are kept, rebuilt or
+transient, which ops each block's recompute re-runs, and where groups of soft blocks end."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sublinear.core import GraphProfile, OpProfile, Plan, StorageState, analyse
+
+KEPT, REBUILT, TRANSIENT = StorageState.KEPT, StorageState.REBUILT, StorageState.TRANSIENT
+
+
+def hand_profile(num_ops: int, storages: list[tuple[int, int, tuple[int, ...]]],
+                 reads: dict[int, list[tuple[int, tuple[int, ...]]]], outputs: dict[int, tuple[int, ...]] | None = None,
+                 reaching: set[int] | None = None, pinned: set[int] = frozenset()) -> GraphProfile:
+    """A profile of ``num_ops`` one-node ops. ``storages``: (producer op, last forward reader, ops saving it), 100
+    bytes each; ``reads[o]``: (producer op, storages) per value op ``o`` reads; ``outputs[o]``: the storages op
+    ``o``'s value lies on (default: the storages it produces; a view lists its base's); ``reaching``: the ops whose
+    values reach the graph's outputs (default: all)."""
+    outputs = outputs or {}
+    produced = {o: tuple(s for s, (p, _, _) in enumerate(storages) if p == o) for o in range(num_ops)}
+    op_storages = [outputs.get(o, produced[o]) for o in range(num_ops)]
+    saved_at = [tuple(savers) for _, _, savers in storages]
+    ops = [OpProfile(index=o, nodes=(o,), name=f"op{o}", flops=1, forward_extra_bytes=0, snapshot_bytes=0,
+                     random=False, mutates_state=False, pin_reason="pinned" if o in pinned else "",
+                     forward_seconds=1.0) for o in range(num_ops)]
+    return GraphProfile(
+        ops=ops, storage_bytes=np.full(len(storages), 100, dtype=np.int64),
+        storage_producer=np.array([p for p, _, _ in storages], dtype=np.int64),
+        storage_last_use=np.array([u for _, u, _ in storages], dtype=np.int64),
+        storage_saved_by=saved_at, op_inputs=[tuple(reads.get(o, ())) for o in range(num_ops)],
+        baseline_bytes=0, parameter_bytes=0, buffer_bytes=0, input_bytes=0, gradient_bytes=0,
+        measured_peak_bytes=0, backward_flops=0, op_of_node={o: o for o in range(num_ops)},
+        node_storages={o: op_storages[o] for o in range(num_ops)},
+        reaches_output=np.array([reaching is None or o in reaching for o in range(num_ops)], dtype=bool),
+        op_storages=op_storages, held_through_forward=np.zeros(len(storages), dtype=bool),
+        storage_saved_at=saved_at, node_op=np.arange(num_ops, dtype=np.int64),
+        grad_start=np.zeros(num_ops, dtype=np.int64), grad_peak=np.zeros(num_ops, dtype=np.int64),
+        grad_after_release=np.zeros(num_ops, dtype=np.int64), backward_seconds=np.zeros(num_ops))
+
+
+def chain(num_ops: int) -> GraphProfile:
+    """Op ``i`` makes storage ``i``; op ``i + 1`` reads it and saves it for backward; the last op's is returned."""
+    storages = [(i, i + 1 if i + 1 < num_ops else num_ops, (i + 1,) if i + 1 < num_ops else ()) for i in range(num_ops)]
+    return hand_profile(num_ops, storages, {i + 1: [(i, (i,))] for i in range(num_ops - 1)})
+
+
+def test_flat_blocks_keep_their_boundaries_and_rebuild_the_inside():
+    a = analyse(chain(6), Plan.of([2], 6))
+    assert list(a.block_of) == [0, 0, 0, 1, 1, 1]
+    # Storage 2 crosses into the next block: kept. 0 and 1 are saved inside block 0: rebuilt; the last block's own.
+    assert list(a.state) == [REBUILT, REBUILT, KEPT, KEPT, KEPT, KEPT]
+    assert a.closure == [[0, 1], []]  # block 0 re-runs what made its rebuilt storages, from the frame's inputs
+    assert a.trigger[0] == 2 and a.trigger[1] == -1  # op 2's backward is the first to need a rebuilt storage
+
+
+def test_soft_groups_rebuild_across_their_inner_boundary_from_the_groups_inputs():
+    a = analyse(chain(6), Plan.of([1, 3], 6, soft=[1]))  # blocks [0,1] [2,3] [4,5]; the first two are one group
+    assert list(a.group_of) == [0, 0, 1] and list(a.group_end) == [3, 3, 5]
+    assert a.state[1] == REBUILT  # crosses the soft boundary: not kept
+    assert a.state[3] == KEPT  # crosses into the next group
+    assert a.closure[1] == [0, 1, 2]  # reaches back into block 0 to rebuild what crossed the soft point
+    assert a.frame_end[0] == a.frame_end[1]  # one frame for the group, released after its first rebuild
+
+
+def test_a_view_read_by_a_later_block_keeps_its_base():
+    # op 1 is a view of op 0's value (same storage); op 2, in the next block, reads the view.
+    storages = [(0, 2, (2,))]
+    profile = hand_profile(3, storages, {1: [(0, (0,))], 2: [(1, (0,))]}, outputs={1: (0,)})
+    a = analyse(profile, Plan.of([1], 3))
+    assert a.state[0] == KEPT and a.closure == [[], []]
+    kept_view = analyse(profile, Plan.of([0, 1], 3, kept=[1]))  # a kept op's value keeps the storage it views
+    assert kept_view.state[0] == KEPT
+
+
+def test_a_saver_whose_values_never_reach_the_outputs_rebuilds_nothing():
+    # op 1 saves storage 0 but its value reaches no output: autograd frees what it saved in forward.
+    storages = [(0, 2, (1,)), (1, 1, ()), (2, 3, ())]
+    profile = hand_profile(3, storages, {1: [(0, (0,))], 2: [(0, (0,))]}, reaching={0, 2})
+    a = analyse(profile, Plan.of([0, 1], 3))
+    assert a.state[0] == KEPT  # read by a later block
+    dead = analyse(hand_profile(3, [(0, 1, (1,)), (1, 1, ()), (2, 3, ())], {1: [(0, (0,))]}, reaching={0, 2}),
+                   Plan.of([1], 3))
+    assert dead.state[0] == TRANSIENT and dead.closure == [[], []]
+
+
+def test_pinned_and_kept_ops_are_never_recomputed():
+    a = analyse(hand_profile(4, [(0, 1, (1,)), (1, 2, (2,)), (2, 3, (3,)), (3, 4, ())],
+                             {1: [(0, (0,))], 2: [(1, (1,))], 3: [(2, (2,))]}, pinned={1}),
+                Plan.of([2], 4, kept=[0]))
+    assert list(a.recomputed) == [False, False, True, False]
+    assert a.state[0] == KEPT and a.state[1] == KEPT  # made by ops that are never re-run
+    assert a.closure[0] == []  # storage 2 crosses into block 1: nothing of block 0 is rebuilt
