@@ -385,6 +385,16 @@ def step_contexts(runs: Sequence[_GraphRun], first: int = 0, eager: bool = False
     return contexts
 
 
+def _contexts_by_graph(runs: Sequence[_GraphRun], eager: bool) -> dict[str, StepContext]:
+    """Per graph of a call of several runs, its :func:`step_contexts`; a graph run several times gets the widest."""
+    found: dict[str, StepContext] = {}
+    if len(runs) > 1:
+        for run, context in zip(runs, step_contexts(runs, eager=eager)):
+            code = run.runtime.graph.code
+            found[code] = _widest(found[code], context) if code in found else context
+    return found
+
+
 def output_uses(runs: Sequence[_GraphRun], returned: Any) -> list[tuple[str, ...]]:
     """Per run of one call that returned ``returned``, per tensor output: what the step did with it (see
     :func:`sublinear.profiler.profile`). A later run reads it, or it is the loss: the scalars among what the call
@@ -547,13 +557,8 @@ class SublinearBackend:
             return []
         self.previous = runs
         stale = self._learn_output_uses(runs, returned)
-        contexts: dict[str, StepContext] = {}
-        eager_contexts: dict[str, StepContext] = {}
-        if len(runs) > 1:
-            for found, eager in ((contexts, False), (eager_contexts, True)):
-                for run, context in zip(runs, step_contexts(runs, eager=eager)):
-                    code = run.runtime.graph.code
-                    found[code] = _widest(found[code], context) if code in found else context
+        contexts = _contexts_by_graph(runs, eager=False)
+        eager_contexts: dict[str, StepContext] | None = None  # made when a context changed: eager's, for the report
         self.latest = {}
         for run in runs:
             code, variant = run.runtime.graph.code, run.variant
@@ -568,6 +573,8 @@ class SublinearBackend:
                 context = _widest(planned_in, context)
             if run.runtime in stale or (context == variant.profile.step_context and not variant.settling):
                 continue
+            if eager_contexts is None:
+                eager_contexts = _contexts_by_graph(runs, eager=True)
             variant.set_context(context, eager_contexts.get(code))
             unknown_later = variant.objective.memory_budget is not None and not _planned_knowing_later(variant, context)
             if variant.settling or not variant.accepted or unknown_later:
