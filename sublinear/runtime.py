@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from .cache import PlanCache, cache_dir
 from .compiled import CompiledGraph, JointGraph, JointTraceError, profile_joint, resolve_compiler, trace_joint
-from .capture import (BUFFER, INPUT, PARAMETER, CapturedGraph, GraphBreak, GraphOutputs, InputSignature,
+from .capture import (BUFFER, INPUT, PARAMETER, CapturedGraph, CaptureError, GraphBreak, GraphOutputs, InputSignature,
                       NeedsData, SharedGraph, capture, capture_error, compile_entry,
                       eager_or_model_error, graph_breaks, input_signature, receiving)
 from .config import SublinearMemoryConfig
@@ -1019,8 +1019,7 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
                             "that TorchDynamo cannot compile under: this call runs the original forward, unplanned",
                             name)
             return module(*args, **kwargs)
-        signature = input_signature(args, kwargs)
-        if signature in session.uncapturable:
+        if session.uncapturable and input_signature(args, kwargs) in session.uncapturable:
             return module(*args, **kwargs)
         mark_max_sizes(session.config, session.positional_names, args, kwargs)
         session.ran_graph = False
@@ -1030,7 +1029,11 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
             if not session.latest and _has_budget(session.config, args, kwargs):
                 # Under a budget the call's graphs are planned together, on a data-less twin, before the first of
                 # them runs: planned one by one as they run, the first ones would not know the later ones.
-                plan_ahead(owner, session, args, kwargs)
+                try:
+                    plan_ahead(owner, session, args, kwargs)
+                except CaptureError as exc:
+                    log.warning("sublinear: %s could not be planned ahead on a data-less copy (%s); its graphs are "
+                                "planned one by one as they run, so the first call may exceed the budget", name, exc)
         session.begin_call()
         try:
             with receiving(session):
@@ -1042,12 +1045,13 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
                             out = compiled(*args, **kwargs)
                         session.note_breaks(breaks)
                 except TorchDynamoException as exc:
+                    what = f"{name}.forward"
                     if session.ran_graph:  # a graph of this call ran, with its side effects: no second run
-                        raise capture_error(exc, f"{name}.forward") from exc
+                        raise capture_error(exc, what) from exc
                     out = eager_or_model_error(module, args, kwargs)
-                    session.uncapturable[signature] = str(capture_error(exc, f"{name}.forward"))
+                    reason = session.uncapturable[input_signature(args, kwargs)] = str(capture_error(exc, what))
                     log.warning("sublinear: %s; this call and later ones with its input shapes run eagerly, "
-                                "unplanned (exact, with eager's memory)", session.uncapturable[signature])
+                                "unplanned (exact, with eager's memory)", reason)
                     return out
             session.finish_call(out)
             session.say_breaks(name)
