@@ -220,19 +220,23 @@ def _summarise(index: int, values: Sequence[Any], graph: CapturedGraph, profile_
         recomputed = tuple(profile_.ops[o].name for o in a.closure[b])
         kept = tuple(profile_.ops[o].name for o in ops if not a.recomputed[o] and b != plan.num_blocks - 1)
         mask = a.retained & (a.block_of[profile_.storage_producer] == b) if len(profile_.storage_producer) else []
-        blocks.append(BlockSummary(b, profile_.ops[ops[0]].name, profile_.ops[ops[-1]].name, recomputed, kept,
-                                   int(profile_.storage_bytes[mask].sum()) if len(mask) else 0,
-                                   float(profile_.op_seconds[a.closure[b]].sum()),
-                                   ops[-1] in plan.soft))
+        blocks.append(BlockSummary(index=b, first_op=profile_.ops[ops[0]].name, last_op=profile_.ops[ops[-1]].name,
+                                   recomputed_ops=recomputed, kept_ops=kept,
+                                   kept_bytes=int(profile_.storage_bytes[mask].sum()) if len(mask) else 0,
+                                   recompute_seconds=float(profile_.op_seconds[a.closure[b]].sum()),
+                                   soft_end=ops[-1] in plan.soft))
     inputs = [v for k, v in zip(graph.kinds, values) if k == "input"]
     signature = input_signature(inputs).describe(graph.model_device)
     if bound:
         signature += f" (a dynamic graph planned for {describe_binding(bound)})"
-    return GraphPlan(index, signature, plan, profile_.num_ops, tuple(blocks),
-                     sim.peak_bytes, eager.peak_bytes, sim.recompute_seconds, sim.eager_seconds,
-                     sim.recompute_flops, profile_.step_flops, objective.describe(), origin, profile_.cost_source,
-                     history, planning_seconds, result.seconds if result is not None and not from_cache else 0.0,
-                     from_cache)
+    return GraphPlan(graph=index, signature=signature, plan=plan, num_ops=profile_.num_ops, blocks=tuple(blocks),
+                     predicted_peak_bytes=sim.peak_bytes, baseline_peak_bytes=eager.peak_bytes,
+                     recompute_seconds=sim.recompute_seconds, eager_seconds=sim.eager_seconds,
+                     recompute_flops=sim.recompute_flops, step_flops=profile_.step_flops,
+                     objective=objective.describe(), origin=origin, cost_source=profile_.cost_source,
+                     history=history, planning_seconds=planning_seconds,
+                     search_seconds=result.seconds if result is not None and not from_cache else 0.0,
+                     from_cache=from_cache)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -763,8 +767,9 @@ class SublinearBackend:
         summary = _summarise(runtime.index, values, graph, profile_, plan, result, sim, eager, origin, objective,
                              time.perf_counter() - started, from_cache, history, bound)
         log.info("sublinear: %s %s", "planned" if searched else "reused the plan for", summary)
-        return _Variant(profile_, plan, sim, rewritten, summary, config.memory_budget == "auto", objective, context,
-                        profile_.output_uses, budget, settling, bound=bound)
+        return _Variant(profile=profile_, plan=plan, simulation=sim, rewritten=rewritten, summary=summary,
+                        auto_budget=config.memory_budget == "auto", objective=objective, planned_in=context,
+                        uses=profile_.output_uses, budget=budget, settling=settling, bound=bound)
 
     def _joint(self, graph: CapturedGraph, values: Sequence[Any], key: tuple, bound: Binding) -> JointGraph:
         """The joint graph inductor partitions for ``graph`` at ``key``'s signature (for a dynamic graph, traced for
