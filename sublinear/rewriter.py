@@ -213,7 +213,7 @@ class _Frame:
             h = by_order.get((current[0], current[1]))
             current[1] += 1
             if h is not None:
-                _check_same(h, t, program.describe(current[0]), self.block)
+                _check_same(h, t, program, current[0], self.block)
                 h.tensor = t.detach()
 
         def never_unpacked(_: Any) -> torch.Tensor:
@@ -238,7 +238,7 @@ class _Frame:
                         f"{program.describe(i)}: {type(exc).__name__}: {exc}") from exc
                 env[i] = out
                 for h in by_node.get(i, ()):
-                    h.tensor = _view_of(out, h.leaf, h.view, program.describe(i), self.block)
+                    h.tensor = _view_of(out, h.leaf, h.view, program, i, self.block)
                 for j in program.inputs[i]:
                     if last_read.get(j) == i:
                         env[j] = None
@@ -304,26 +304,34 @@ def _detached(value: Any) -> Any:
     return value
 
 
-def _check_same(saved: _Saved, t: torch.Tensor, where: str, block: int) -> None:
+def _tensor_leaves(values: Any) -> list[torch.Tensor]:
+    """The tensors among ``values`` in order (a list or tuple of tensors without flattening: the common case)."""
+    if isinstance(values, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in values):
+        return list(values)
+    return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
+def _check_same(saved: _Saved, t: torch.Tensor, program: NodeProgram, node: int, block: int) -> None:
     size, _stride, _offset, dtype, _ = saved.view
     if tuple(t.shape) != size or t.dtype != dtype:
         raise RecomputeError(
-            f"sublinear: recomputing block {block} at {where}: its {saved.order + 1}. saved tensor is a "
+            f"sublinear: recomputing block {block} at {program.describe(node)}: its {saved.order + 1}. saved tensor "
+            "is a "
             f"{tuple(t.shape)} {t.dtype} tensor, but forward saved a {size} {dtype} one. Were parameters, flags or "
             "the module changed between forward and backward?")
 
 
-def _view_of(value: Any, leaf: int, view: tuple, where: str, block: int) -> torch.Tensor:
-    tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+def _view_of(value: Any, leaf: int, view: tuple, program: NodeProgram, node: int, block: int) -> torch.Tensor:
+    tensors = _tensor_leaves([value])
     size, stride, offset, dtype, nbytes = view
     if leaf >= len(tensors) or tensors[leaf].untyped_storage().nbytes() != nbytes or tensors[leaf].dtype != dtype:
         got = "no tensor" if leaf >= len(tensors) else (
             f"a {tuple(tensors[leaf].shape)} {tensors[leaf].dtype} tensor on "
             f"{tensors[leaf].untyped_storage().nbytes()} bytes")
         raise RecomputeError(
-            f"sublinear: recomputing block {block} at {where}: output leaf {leaf} is {got}, but forward saved a "
-            f"{size} {dtype} view of a {nbytes}-byte storage. Were parameters, flags or the module changed between "
-            "forward and backward?")
+            f"sublinear: recomputing block {block} at {program.describe(node)}: output leaf {leaf} is {got}, but "
+            f"forward saved a {size} {dtype} view of a {nbytes}-byte storage. Were parameters, flags or the module "
+            "changed between forward and backward?")
     base = tensors[leaf]
     with torch.no_grad():
         return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
@@ -345,7 +353,7 @@ class _ForwardCall:
     def _own(self, tensors: Iterable[Any], node: int) -> None:
         """Register the storages of a node's output (node -1: inputs and constants) and whether they are kept."""
         known_leaves = self.schedule.leaf_kept.get(node, ())
-        for leaf, t in enumerate(t for t in tree_leaves(list(tensors)) if isinstance(t, torch.Tensor)):
+        for leaf, t in enumerate(_tensor_leaves(tensors)):
             if storage_key(t) is None:
                 continue  # a batched value inside a vmap region: its op is never split, it is never a handle
             st = t.untyped_storage()
