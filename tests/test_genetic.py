@@ -71,7 +71,7 @@ def _assert_valid(plan: Plan, n: int) -> None:
     assert plan.soft <= set(plan.split_points[:-2])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plans(), st.randoms(use_true_random=False))
 def test_split_block_inserts_one_point_inside_a_block(case, rng):
     n, plan, _ = case
@@ -85,7 +85,7 @@ def test_split_block_inserts_one_point_inside_a_block(case, rng):
         assert child.kept == plan.kept
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plans(), st.randoms(use_true_random=False))
 def test_merge_blocks_removes_one_point_never_the_last(case, rng):
     n, plan, _ = case
@@ -99,7 +99,7 @@ def test_merge_blocks_removes_one_point_never_the_last(case, rng):
         assert child.kept <= plan.kept
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plans(), st.randoms(use_true_random=False))
 def test_move_boundary_stays_between_its_neighbours(case, rng):
     n, plan, _ = case
@@ -116,7 +116,7 @@ def test_move_boundary_stays_between_its_neighbours(case, rng):
         assert (old[i - 1] if i else -1) < new[i] < old[i + 1]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plans(), st.randoms(use_true_random=False))
 def test_toggle_kept_flips_one_eligible_op(case, rng):
     n, plan, pinned = case
@@ -131,7 +131,7 @@ def test_toggle_kept_flips_one_eligible_op(case, rng):
         assert op not in pinned and op < _last_start(plan)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plans(), st.data(), st.randoms(use_true_random=False))
 def test_crossover_keeps_a_valid_plan_made_of_its_parents(case, data, rng):
     n, a, _ = case
@@ -146,7 +146,7 @@ def test_crossover_keeps_a_valid_plan_made_of_its_parents(case, data, rng):
     assert all(p in a.split_points for p in child.split_points if p <= cut_low)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plans(), st.randoms(use_true_random=False))
 def test_toggle_soft_flips_one_point_never_the_last_two(case, rng):
     n, plan, _ = case

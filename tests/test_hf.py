@@ -80,7 +80,8 @@ def hf_training(model, inputs: dict, steps: int = 3):
 
 
 @pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family", ["bert", pytest.param("gpt2", marks=pytest.mark.slow), "llama",
+@pytest.mark.parametrize("family", ["bert", pytest.param("gpt2", marks=pytest.mark.slow),
+                                    pytest.param("llama", marks=pytest.mark.slow),
                                     pytest.param("t5", marks=pytest.mark.slow),
                                     pytest.param("vit", marks=pytest.mark.slow)])
 def test_trains_bit_for_bit_like_eager(family, attn):

@@ -3,7 +3,6 @@ model they hold. Each trains bit for bit like the same loop without sublinear, a
 
 import copy
 
-import lightning
 import torch
 import transformers
 from torch import nn
@@ -58,34 +57,35 @@ def test_hugging_face_trainer_trains_the_applied_model_like_eager(tmp_path):
     assert type(planned) is transformers.BertForSequenceClassification  # the Trainer holds the same object
 
 
-class Classifier(lightning.LightningModule):
-    """The LightningModule shape: the network is an attribute, and training_step computes the loss."""
-
-    def __init__(self, net: nn.Module, plan: bool):
-        super().__init__()
-        self.net = sublinear.apply(net, config=PLAIN) if plan else net
-
-    def training_step(self, batch, _index):
-        return self.net(**batch).loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _lightning_run(module, tmp_path):
-    loader = torch.utils.data.DataLoader(_examples(), batch_size=4)
-    trainer = lightning.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
-    torch.manual_seed(0)
-    trainer.fit(module, loader)
-    return _state(module)
-
-
 def test_lightning_module_trains_the_applied_network_like_eager(tmp_path):
+    import lightning  # seconds to import: only this test pays for it
+
+    class Classifier(lightning.LightningModule):
+        """The LightningModule shape: the network is an attribute, and training_step computes the loss."""
+
+        def __init__(self, net: nn.Module, plan: bool):
+            super().__init__()
+            self.net = sublinear.apply(net, config=PLAIN) if plan else net
+
+        def training_step(self, batch, _index):
+            return self.net(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def run(module, folder):
+        loader = torch.utils.data.DataLoader(_examples(), batch_size=4)
+        trainer = lightning.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False, default_root_dir=str(folder))
+        torch.manual_seed(0)
+        trainer.fit(module, loader)
+        return _state(module)
+
     model = _tiny_bert()
-    eager = _lightning_run(Classifier(copy.deepcopy(model), plan=False), tmp_path / "eager")
+    eager = run(Classifier(copy.deepcopy(model), plan=False), tmp_path / "eager")
     planned = Classifier(copy.deepcopy(model), plan=True)
-    ours = _lightning_run(planned, tmp_path / "planned")
+    ours = run(planned, tmp_path / "planned")
     _assert_same(eager, ours)
     plan = planned.net.forward.sublinear_plan
     assert plan is not None and plan.num_blocks > len(plan.graphs)

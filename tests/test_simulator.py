@@ -84,7 +84,7 @@ def test_one_block_predicts_no_recompute_and_more_blocks_predict_less_memory():
     assert 0 < best.recompute_flops <= p.forward_flops
 
 
-@settings(max_examples=int(os.environ.get("SUBLINEAR_EXAMPLES", 12)), deadline=None)
+@settings(max_examples=int(os.environ.get("SUBLINEAR_EXAMPLES", 6)), deadline=None)
 @given(seed=st.integers(0, 10_000), plan_seed=st.integers(0, 10_000), batch=st.integers(8, 32))
 def test_random_dags_random_plans_exact_and_predicted(seed, plan_seed, batch):
     torch.manual_seed(seed)
