@@ -1,4 +1,5 @@
-"""A lean node-by-node executor for fx graphs, shared by the profiler, the cost measurement and the rewriter.
+"""A lean node-by-node executor for fx graphs, shared by the profiler and the cost measurement, and the source of
+the rewriter's generated code (:meth:`NodeProgram.expression`).
 
 Values live in a list indexed by node position and are dropped right after their last use, exactly as fx's
 generated code does, so memory behaves as in eager execution of the same graph.
@@ -47,6 +48,8 @@ class NodeProgram:
             if not node.users and node.op not in ("placeholder", "output"):
                 self.frees_after[i].append(i)  # dead values go at once, as in fx's generated code
         self._steps = [self._compile(n) for n in self.nodes]
+        self.namespace: dict[str, Any] = {}  # objects that generated code names (see expression)
+        self._names: dict[int, str] = {}
 
     def describe(self, i: int, with_line: bool = True) -> str:
         """Where node ``i`` comes from in the user's model: module path, node name and (optionally) source line."""
@@ -101,6 +104,51 @@ class NodeProgram:
             for j in frees[i]:
                 env[j] = None
         raise AssertionError("graph has no output node")
+
+    # -- generated code ----------------------------------------------------------------------------------------
+
+    def expression(self, i: int) -> str:
+        """Python source computing node ``i`` from locals ``v<j>`` (node j's value), with its function, module and
+        constants named in :attr:`namespace`; exec it with :meth:`define`."""
+        node = self.nodes[i]
+        if node.op == "output":
+            return self._source(node.args[0])
+        if node.op == "get_attr":
+            return f"getattr({self.bind(self._resolve(node.target)[0])}, {node.target.rsplit('.', 1)[-1]!r})"
+        args = [self._source(a) for a in node.args]
+        kwargs = [f"{k}={self._source(v)}" if k.isidentifier() else f"**{{{k!r}: {self._source(v)}}}"
+                  for k, v in node.kwargs.items()]
+        if node.op == "call_method":
+            return f"{args[0]}.{node.target}({', '.join(args[1:] + kwargs)})"
+        fn = getattr(*self._resolve(node.target)) if node.op == "call_module" else node.target
+        return f"{self.bind(fn)}({', '.join(args + kwargs)})"
+
+    def define(self, name: str, source: str) -> Callable[..., Any]:
+        """The function ``name`` that ``source`` (built from :meth:`expression`) defines."""
+        scope = dict(self.namespace)
+        exec(compile(source, f"<sublinear {name}>", "exec"), scope)  # noqa: S102 (source built from the graph)
+        return scope[name]
+
+    def _source(self, template: Any) -> str:
+        if isinstance(template, Node):
+            return f"v{self.index[template]}"
+        if isinstance(template, tuple):
+            return f"({''.join(self._source(a) + ', ' for a in template)})"
+        if isinstance(template, list):
+            return f"[{', '.join(self._source(a) for a in template)}]"
+        if isinstance(template, dict):
+            return f"{{{', '.join(f'{k!r}: {self._source(v)}' for k, v in template.items())}}}"
+        if template is None or isinstance(template, (bool, int, str)):
+            return repr(template)
+        return self.bind(template)
+
+    def bind(self, obj: Any) -> str:
+        """A name in :attr:`namespace` bound to ``obj`` (one name per object)."""
+        name = self._names.get(id(obj))
+        if name is None:
+            name = self._names[id(obj)] = f"_k{len(self._names)}"
+            self.namespace[name] = obj
+        return name
 
     # -- compilation -------------------------------------------------------------------------------------------
 

@@ -15,6 +15,9 @@ autocast state it ran with in forward, random nodes under their forward RNG stat
 clones of the state as it was (BatchNorm running statistics are updated once, in forward). The rebuilt storages fill
 every handle of the block, each checked against forward's shape and dtype; autograd frees each one after its node's
 backward, as in eager.
+
+The forward and each block's recompute run as Python code generated from the graph for the plan (straight-line
+calls, values in locals freed after their last use), with bookkeeping calls only at the nodes of recomputed blocks.
 """
 
 from __future__ import annotations
@@ -92,6 +95,83 @@ class _Schedule:
             self.closure_inputs.append({j for i in nodes for j in program.inputs[i] if j not in inside})
         self.closure_ops = [set(members) for members in analysis.closure]
         self.num_blocks = len(blocks)
+        self.forward = program.define("forward", self._forward_source())
+        self.recompute = [program.define(f"recompute_{b}", self._recompute_source(b)) for b in range(len(blocks))]
+
+    def _forward_source(self) -> str:
+        """``forward(call, values)``: the graph as straight-line code, values in locals freed after their last use
+        as in fx's generated code; a node of a framed block tells ``call`` (a :class:`_ForwardCall`) what it reads
+        before it runs and what it made after, so that the saved-tensor hook knows the running node."""
+        program = self.program
+        lines = ["def forward(call, values):",
+                 f"    {''.join(f'v{i}, ' for i in program.placeholders)}= values"]
+        for i, node in enumerate(program.nodes):
+            if node.op == "placeholder":
+                continue
+            if i == program.output:
+                lines.append(f"    return {program.expression(i)}")
+                break
+            if node.op == "get_attr":
+                lines += [f"    v{i} = {program.expression(i)}", f"    call._own([v{i}], -1)"]
+            elif not self.in_frame_block[i]:
+                lines.append(f"    v{i} = {program.expression(i)}")
+            else:
+                lines.append(f"    frame = call._frame_for({i})")
+                if self.recomputable[i]:
+                    reads = ", ".join(f"{j}: v{j}" for j in self._prepare_reads(i))
+                    lines.append(f"    call._prepare(frame, {i}, {{{reads}}})")
+                lines += [f"    call.node = {i}", "    call.packs = 0", f"    v{i} = {program.expression(i)}",
+                          "    call.node = -1", f"    call._after({i}, v{i}, frame)"]
+            lines += [f"    del v{j}" for j in program.frees_after[i]]
+            if self.in_frame_block[i] and i in self.block_end:
+                lines.append(f"    call._end_block({i})")
+        return "\n".join(lines) + "\n"
+
+    def _recompute_source(self, block: int) -> str:
+        """``recompute_<block>(current, enter, replay, fill, by_node, inputs)``: the block's recompute closure as
+        straight-line code. ``inputs`` holds the values it reads from its frame; per node it sets ``current`` (the
+        node and its count of saved tensors, for the harvesting hook), enters the node's forward modes where they
+        change, runs random and state-writing nodes through ``replay`` and hands outputs that handles view to
+        ``fill``; values are freed after their last read."""
+        program = self.program
+        nodes = self.closure_nodes[block]
+        last_read: dict[int, int] = {}
+        for i in nodes:
+            for j in program.inputs[i]:
+                last_read[j] = i
+        frees: dict[int, list[int]] = {}
+        for j, i in last_read.items():
+            frees.setdefault(i, []).append(j)
+        lines = [f"def recompute_{block}(current, enter, replay, fill, by_node, inputs):"]
+        lines += [f"    v{j} = inputs[{j}]" for j in sorted(self.closure_inputs[block])]
+        mode = None
+        for i in nodes:
+            facts = self.facts.get(i)
+            lines.append(f"    current[0] = {i}; current[1] = 0")
+            node_mode = (True, ()) if facts is None else (facts.grad_enabled, facts.autocast)
+            if node_mode != mode:
+                lines.append(f"    enter({program.bind(node_mode)})")
+                mode = node_mode
+            if facts is not None and (facts.random or facts.state_args):
+                reads = ", ".join(f"{j}: v{j}" for j in program.inputs[i])
+                lines.append(f"    v{i} = replay({i}, {{{reads}}})")
+            else:
+                lines.append(f"    v{i} = {program.expression(i)}")
+            lines.append(f"    if {i} in by_node: fill({i}, v{i})")
+            dead = sorted(set(frees.get(i, ())) | ({i} if i not in last_read else set()))
+            lines += [f"    del v{j}" for j in dead]
+        lines.append("    return None")
+        return "\n".join(lines) + "\n"
+
+    def _prepare_reads(self, i: int) -> list[int]:
+        """The values :meth:`_ForwardCall._prepare` reads for node ``i``: its inputs, and at an op's first node the
+        inputs of the op's nodes from other ops."""
+        program = self.program
+        op = self.op_of_node[i]
+        reads = set(program.inputs[i])
+        if i == self.nodes_of_op[op][0]:
+            reads |= {j for node in self.nodes_of_op[op] for j in program.inputs[node] if self.op_of_node[j] != op}
+        return sorted(reads)
 
 
 class RewrittenGraph:
@@ -203,10 +283,7 @@ class _Frame:
         for h in handles:
             if h.order < 0:
                 by_node.setdefault(h.node, []).append(h)
-        nodes = s.closure_nodes[self.block]
-        env: list[Any] = [None] * len(program.nodes)
-        for j in s.closure_inputs[self.block]:
-            env[j] = _detached(self.group.inputs[j])  # fresh leaves per recompute
+        inputs = {j: _detached(self.group.inputs[j]) for j in s.closure_inputs[self.block]}  # fresh leaves
         current = [-1, 0]
 
         def harvest(t: torch.Tensor) -> None:
@@ -219,34 +296,25 @@ class _Frame:
         def never_unpacked(_: Any) -> torch.Tensor:
             raise AssertionError("sublinear: recompute graph is never differentiated")
 
-        last_read: dict[int, int] = {}
-        for i in nodes:
-            for j in program.inputs[i]:
-                last_read[j] = i
+        def fill(i: int, out: Any) -> None:
+            for h in by_node[i]:
+                h.tensor = _view_of(out, h.leaf, h.view, program, i, self.block)
+
         modes = _ModeSwitch()
         with modes, torch.autograd.graph.saved_tensors_hooks(harvest, never_unpacked):
-            for i in nodes:
-                current[0], current[1] = i, 0
-                modes.enter(s.facts.get(i))
-                try:
-                    out = self._replay(i, env)
-                except Exception as exc:
-                    names = ", ".join(s.op_names[o] for o in s.analysis.closure[self.block][:3])
-                    raise RecomputeError(
-                        f"sublinear: recomputing block {self.block} (ops {names}"
-                        f"{', ...' if len(s.analysis.closure[self.block]) > 3 else ''}) failed at "
-                        f"{program.describe(i)}: {type(exc).__name__}: {exc}") from exc
-                env[i] = out
-                for h in by_node.get(i, ()):
-                    h.tensor = _view_of(out, h.leaf, h.view, program, i, self.block)
-                for j in program.inputs[i]:
-                    if last_read.get(j) == i:
-                        env[j] = None
-                if last_read.get(i) is None:
-                    env[i] = None
-                del out  # the next node must not run while this value is still referenced here
+            try:
+                s.recompute[self.block](current, modes.enter, self._replay, fill, by_node, inputs)
+            except RecomputeError:
+                raise
+            except Exception as exc:
+                members = s.analysis.closure[self.block]
+                names = ", ".join(s.op_names[o] for o in members[:3])
+                raise RecomputeError(
+                    f"sublinear: recomputing block {self.block} (ops {names}{', ...' if len(members) > 3 else ''}) "
+                    f"failed at {program.describe(current[0])}: {type(exc).__name__}: {exc}") from exc
 
-    def _replay(self, i: int, env: list[Any]) -> Any:
+    def _replay(self, i: int, env: dict[int, Any]) -> Any:
+        """Node ``i`` again under its forward RNG state, or on clones of the state it wrote as it was."""
         program = self.schedule.program
         snapshot = self.group.snapshots.get(i)
         if snapshot is not None:
@@ -276,8 +344,8 @@ class _ModeSwitch:
         self.stack = contextlib.ExitStack()
         self.current: tuple | None = None
 
-    def enter(self, facts: NodeFacts | None) -> None:
-        mode = (True, ()) if facts is None else (facts.grad_enabled, facts.autocast)
+    def enter(self, mode: tuple) -> None:
+        """Run under ``mode``: (grad enabled, autocast state)."""
         if mode == self.current:
             return
         self.stack.close()
@@ -367,38 +435,15 @@ class _ForwardCall:
                 self.kept.add(key)
 
     def run(self, values: list[Any]) -> Any:
-        s = self.schedule
-        program = s.program
         self._own(values, -1)
-        env: list[Any] = [None] * len(program.nodes)
-        for i, v in zip(program.placeholders, values):
-            env[i] = v
         with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
-            for i, node in enumerate(program.nodes):
-                if node.op == "placeholder":
-                    continue
-                if i == program.output:
-                    return program.run_node(i, env)
-                if node.op == "get_attr":
-                    env[i] = program.run_node(i, env)
-                    self._own([env[i]], -1)
-                    continue
-                frame = self._frame_for(i)
-                if frame is not None and s.recomputable[i]:
-                    self._prepare(frame, i, env)
-                self.node, self.packs = i, 0
-                try:
-                    env[i] = program.run_node(i, env)
-                finally:
-                    self.node = -1
-                self._after(i, env[i], frame)
-                for j in program.frees_after[i]:
-                    env[j] = None
-                if frame is not None and i in s.block_end:
-                    del self.frames[s.block_of_node[i]]
-                    if i in s.group_end:
-                        self.groups.pop(s.group_of_node[i]).close()
-        raise AssertionError("graph has no output node")
+            return self.schedule.forward(self, values)
+
+    def _end_block(self, i: int) -> None:
+        s = self.schedule
+        del self.frames[s.block_of_node[i]]
+        if i in s.group_end:
+            self.groups.pop(s.group_of_node[i]).close()
 
     def _frame_for(self, i: int) -> _Frame | None:
         s = self.schedule
@@ -413,7 +458,7 @@ class _ForwardCall:
             frame = self.frames[b] = _Frame(s, b, group)
         return frame
 
-    def _prepare(self, frame: _Frame, i: int, env: list[Any]) -> None:
+    def _prepare(self, frame: _Frame, i: int, env: dict[int, Any]) -> None:
         """Record what replaying node i in backward needs: inputs, RNG state, state before its writes."""
         s = self.schedule
         program = s.program

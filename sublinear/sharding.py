@@ -8,6 +8,7 @@ numbers in the planning core) replaces the profiled full parameters and gradient
 from __future__ import annotations
 
 import math
+import sys
 
 from torch import nn
 
@@ -18,11 +19,12 @@ __all__ = ["ShardedParameters", "fsdp_sharding", "refuse_nested_fsdp"]
 
 def refuse_nested_fsdp(module: nn.Module) -> None:
     """Raise when FSDP units sit inside ``module``: a compiled graph calls their operators directly, so their
-    hooks (all-gather before use, reduce-scatter after backward) would never run."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed
+    hooks (all-gather before use, reduce-scatter after backward) would never run. Runs at every call: without
+    FSDP imported no module can be an FSDP unit, and the walk over the modules is skipped."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
         return
+    FSDPModule = fsdp.FSDPModule
     nested = [name for name, sub in module.named_modules() if sub is not module and isinstance(sub, FSDPModule)]
     if nested:
         raise ValueError(f"FSDP units inside the compiled module ({', '.join(nested[:3])}) would be bypassed by the "
