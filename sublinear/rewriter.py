@@ -26,7 +26,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -195,6 +195,16 @@ class RewrittenGraph:
 # Forward with saved-tensor handles
 
 
+class SavedView(NamedTuple):
+    """Where a saved tensor lies in its storage, and the storage's size: what a recompute must rebuild."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    nbytes: int
+
+
 class _Saved:
     """What autograd stores for one saved tensor: the tensor itself, or a handle filled by recompute."""
 
@@ -207,7 +217,7 @@ class _Saved:
         self.node = -1
         self.leaf = -1
         self.order = -1
-        self.view: tuple | None = None
+        self.view: SavedView | None = None
 
     def keep(self, t: torch.Tensor) -> _Saved:
         self.tensor = t.detach()
@@ -228,7 +238,7 @@ def _unpack(saved: _Saved) -> torch.Tensor:
         saved.frame.recompute()
     if saved.tensor is None:
         frame = saved.frame
-        size, _stride, _offset, dtype, _nbytes = saved.view
+        size, dtype = saved.view.size, saved.view.dtype
         what = f"its {saved.order + 1}. saved tensor" if saved.order >= 0 else f"output leaf {saved.leaf}"
         raise RecomputeError(
             f"sublinear: recomputing block {frame.block} did not rebuild {what} of "
@@ -380,7 +390,7 @@ def _tensor_leaves(values: Any) -> list[torch.Tensor]:
 
 
 def _check_same(saved: _Saved, t: torch.Tensor, program: NodeProgram, node: int, block: int) -> None:
-    size, _stride, _offset, dtype, _ = saved.view
+    size, dtype = saved.view.size, saved.view.dtype
     if tuple(t.shape) != size or t.dtype != dtype:
         raise RecomputeError(
             f"sublinear: recomputing block {block} at {program.describe(node)}: its {saved.order + 1}. saved tensor "
@@ -389,7 +399,7 @@ def _check_same(saved: _Saved, t: torch.Tensor, program: NodeProgram, node: int,
             "the module changed between forward and backward?")
 
 
-def _view_of(value: Any, leaf: int, view: tuple, program: NodeProgram, node: int, block: int) -> torch.Tensor:
+def _view_of(value: Any, leaf: int, view: SavedView, program: NodeProgram, node: int, block: int) -> torch.Tensor:
     tensors = _tensor_leaves([value])
     size, stride, offset, dtype, nbytes = view
     if leaf >= len(tensors) or tensors[leaf].untyped_storage().nbytes() != nbytes or tensors[leaf].dtype != dtype:
@@ -502,7 +512,8 @@ class _ForwardCall:
             saved.keep(t)
             return
         saved.frame, saved.node, saved.leaf, saved.order = frame, node, leaf, order
-        saved.view = (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
+        saved.view = SavedView(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype,
+                               t.untyped_storage().nbytes())
         frame.handles.append(weakref.ref(saved))
 
     def _after(self, i: int, value: Any, frame: _Frame | None) -> None:

@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import sublinear.planners.optimal as optimal
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core import Plan, ShardedParameters, StepContext
-from sublinear.planners import PLANNERS, BudgetError, PlanningProblem, make_plan, objective_for
+from sublinear.planners import PLANNERS, BudgetError, make_plan
 from sublinear.planners.optimal import FlatModel, OptimalPlanner, kept_sets, solve
 from sublinear.simulator import simulate
 
-from conftest import Chain, RandomDAG, profile_of
+from conftest import Chain, RandomDAG, problem_for, profile_of
 
 _PROFILES: dict[tuple, object] = {}
 _TABLES: dict[tuple, list] = {}
@@ -183,13 +183,6 @@ def test_the_model_follows_fsdp_and_the_other_graphs_of_a_call(reshard_after_for
         model = FlatModel(variant)
         for plan in flat_plans(p.num_ops):
             assert model.peak(plan) == simulate(variant, plan).peak_bytes, (context, plan)
-
-
-def problem_for(p, **config):
-    config = SublinearMemoryConfig(**{"max_time_ratio": math.inf, "memory_budget": None, "cache_dir": "",
-                                      **config})
-    budget = config.memory_budget if isinstance(config.memory_budget, int) else None
-    return PlanningProblem(p, objective_for(config, budget), config)
 
 
 def test_the_planner_proposes_simulated_plans_that_say_what_was_proven():
