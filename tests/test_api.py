@@ -18,9 +18,10 @@ from torch import nn
 
 import sublinear
 from sublinear.core import Plan
+from sublinear.planners import make_plan
 from sublinear.models import get_model
 
-from conftest import PLAIN, Chain, ResidualNet, assert_same_training, train_steps
+from conftest import PLAIN, Chain, ResidualNet, assert_same_training, profile_of, train_steps
 
 
 def _eager_losses(model, batches, steps):
@@ -775,3 +776,20 @@ def test_a_budget_holds_for_a_split_step_from_its_first_call():
     assert first <= budget and plan.predicted_peak_bytes <= budget, (first, plan.predicted_peak_bytes, budget)
     assert sublinear.measure(step, copy.deepcopy(base), x).peak_bytes > budget  # eager does not fit
     assert plan.baseline_peak_bytes == free.baseline_peak_bytes  # eager's peak, whatever the plans
+
+
+def test_compile_with_a_budget_runs_exactly_and_within_it():
+    spec = get_model("tiny-bert")
+    torch.manual_seed(0)
+    model = spec.build().train()
+    args, _ = spec.example_inputs(32, seq=64)
+    eager = make_plan(profile_of(model, *args), PLAIN)
+    budget = (eager.simulation.peak_bytes + eager.baseline.peak_bytes) // 2
+    reference = copy.deepcopy(model)
+    config = dataclasses.replace(PLAIN, memory_budget=budget)
+    compiled = sublinear.compile(model, args, config=config)
+    measured = sublinear.measure(sublinear.profiler.training_step, compiled, *args).peak_bytes
+    assert compiled.sublinear_plan.predicted_peak_bytes <= budget
+    assert abs(measured - compiled.sublinear_plan.predicted_peak_bytes) / measured < 0.03
+    model.zero_grad(set_to_none=True)
+    assert_same_training(train_steps(reference, args), train_steps(compiled, args))  # dropout replayed exactly
