@@ -189,6 +189,28 @@ class GraphProfile:
         return len(self.ops)
 
     @functools.cached_property
+    def output_bytes(self) -> np.ndarray:
+        """Per op: bytes of the storages it produces."""
+        produced = np.zeros(self.num_ops, dtype=np.int64)
+        np.add.at(produced, self.storage_producer, self.storage_bytes)
+        return produced
+
+    @functools.cached_property
+    def rebuild_bytes(self) -> np.ndarray:
+        """Per op: bytes of the storages it produces that autograd saves, what recomputing it rebuilds (Chen's
+        measure)."""
+        saved = np.array([bool(ops) for ops in self.storage_saved_by], dtype=bool)
+        produced = np.zeros(self.num_ops, dtype=np.int64)
+        np.add.at(produced, self.storage_producer, self.storage_bytes * saved)
+        return produced
+
+    @functools.cached_property
+    def recompute_density(self) -> np.ndarray:
+        """Per op: forward seconds per byte it outputs (at least one): what recomputing it costs for the memory
+        that not keeping it frees."""
+        return np.array([op.forward_seconds for op in self.ops], dtype=float) / np.maximum(1, self.output_bytes)
+
+    @functools.cached_property
     def saved_pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """(storage, rank) for every operator node that saves a storage: ``storage_saved_at`` as two arrays."""
         pairs = [(s, r) for s, ranks in enumerate(self.storage_saved_at) for r in ranks]

@@ -135,21 +135,13 @@ def crossover(a: Plan, b: Plan, rng: random.Random) -> Plan:
     return Plan.normal(points, frozenset(kept), frozenset(soft))
 
 
-def _rebuild_bytes(profile: GraphProfile) -> np.ndarray:
-    """Per op: bytes of the saved storages it produces (what recomputing it rebuilds, Chen's measure)."""
-    rebuild = np.zeros(profile.num_ops)
-    saved = np.array([bool(ops) for ops in profile.storage_saved_by], dtype=bool)
-    np.add.at(rebuild, profile.storage_producer, profile.storage_bytes * saved)
-    return rebuild
-
-
 def uniform_plans(profile: GraphProfile) -> list[Plan]:
     """Plans of k blocks of equal size, for k = 2..2*sqrt(num_ops), sizes measured three ways: ops, bytes the
     block's recompute rebuilds and forward FLOPs. Seeds that the threshold grid misses on graphs of repeated
     layers."""
     n = profile.num_ops
     plans = []
-    for weight in (np.ones(n), _rebuild_bytes(profile), profile.op_flops.astype(float)):
+    for weight in (np.ones(n), profile.rebuild_bytes, profile.op_flops.astype(float)):
         cumulative = np.cumsum(weight)
         if not n or cumulative[-1] <= 0:
             continue
@@ -163,7 +155,7 @@ def nested_plans(profile: GraphProfile, plans: Sequence[Plan], parts: Sequence[i
     """Each plan with every block but the last cut into m pieces of equal rebuild bytes by soft split points:
     the same kept boundaries, a smaller block to rebuild at a time (Chen's recursive plan, two levels)."""
     n = profile.num_ops
-    cumulative = np.cumsum(_rebuild_bytes(profile))
+    cumulative = np.cumsum(profile.rebuild_bytes)
     nested = []
     for plan in plans:
         for m in parts:

@@ -37,10 +37,7 @@ def greedy_plan(profile: GraphProfile, threshold: float, measure: str = "rebuild
     if measure not in MEASURES:
         raise ValueError(f"measure must be one of {MEASURES}; got {measure!r}")
     n = profile.num_ops
-    saved = np.array([bool(ops) for ops in profile.storage_saved_by], dtype=bool)
-    weight = profile.storage_bytes * saved if measure == "rebuild" else profile.storage_bytes
-    produced = np.zeros(n, dtype=np.int64)
-    np.add.at(produced, profile.storage_producer, weight)
+    produced = profile.rebuild_bytes if measure == "rebuild" else profile.output_bytes
     released: list[list[int]] = [[] for _ in range(n)]
     if measure == "live":
         for s, last in enumerate(profile.storage_last_use):
@@ -94,9 +91,7 @@ def keep_variants(profile: GraphProfile, plan: Plan) -> list[Plan]:
     recomputed = [int(o) for o in np.flatnonzero(a.recomputed)]
     if not recomputed:
         return []
-    out_bytes = np.zeros(profile.num_ops, dtype=np.int64)
-    np.add.at(out_bytes, profile.storage_producer, profile.storage_bytes)
-    density = sorted(recomputed, key=lambda o: -profile.ops[o].forward_seconds / max(1, out_bytes[o]))
+    density = sorted(recomputed, key=lambda o: -profile.recompute_density[o])
     choices = ([o for o in recomputed if profile.ops[o].flops > 0], density[: max(1, len(density) // 2)])
     return [Plan.normal(plan.split_points, plan.kept | frozenset(chosen), plan.soft) for chosen in choices if chosen]
 

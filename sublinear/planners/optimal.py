@@ -627,9 +627,7 @@ def kept_sets(profile: GraphProfile) -> list[tuple[str, frozenset[int]]]:
     """The kept sets searched, named: none; every op with FLOPs (matmuls, convolutions); and the half of the ops
     with the most forward time per byte they output (the grid's keep variants, over the whole graph)."""
     ops = [op for op in profile.ops if not op.pinned and op.forward_seconds > 0]
-    out_bytes = np.zeros(profile.num_ops, dtype=np.int64)
-    np.add.at(out_bytes, profile.storage_producer, profile.storage_bytes)
-    dense = sorted(ops, key=lambda op: -op.forward_seconds / max(1, out_bytes[op.index]))[:len(ops) // 2]
+    dense = sorted(ops, key=lambda op: -profile.recompute_density[op.index])[:len(ops) // 2]
     sets = [("", frozenset()), ("ops with FLOPs kept", frozenset(op.index for op in ops if op.flops > 0)),
             ("densest half kept", frozenset(op.index for op in dense))]
     return [(name, kept) for k, (name, kept) in enumerate(sets)
