@@ -555,11 +555,11 @@ class GraphOutputs:
         return tuple(ref() is not None for ref in self._refs)
 
 
-def _detached(t: torch.Tensor) -> torch.Tensor:
+def _pack_detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
+def _unpack_as_is(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
@@ -570,7 +570,7 @@ class _Recorder:
         self.graphs: list[CapturedGraph] = []
 
     def run_graph(self, shared: SharedGraph, values: Sequence[Any]) -> Any:
-        with torch.autograd.graph.saved_tensors_hooks(_detached, _same):  # as the rewriter saves
+        with torch.autograd.graph.saved_tensors_hooks(_pack_detached, _unpack_as_is):  # as the rewriter saves
             outputs = shared.graph.graph_module(*values)
         self.graphs.append(dataclasses.replace(shared.graph, example_values=list(values),
                                                example_outputs=GraphOutputs.of(outputs)))

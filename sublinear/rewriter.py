@@ -293,7 +293,7 @@ class _Frame:
         for h in handles:
             if h.order < 0:
                 by_node.setdefault(h.node, []).append(h)
-        inputs = {j: _detached(self.group.inputs[j]) for j in s.closure_inputs[self.block]}  # fresh leaves
+        inputs = {j: _fresh_leaves(self.group.inputs[j]) for j in s.closure_inputs[self.block]}  # fresh leaves
         current = [-1, 0]
 
         def harvest(t: torch.Tensor) -> None:
@@ -371,14 +371,14 @@ class _ModeSwitch:
         self.stack.close()
 
 
-def _detached(value: Any) -> Any:
+def _fresh_leaves(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         if isinstance(value, nn.Parameter):
             return value
         d = value.detach()
         return d.requires_grad_(True) if value.requires_grad else d
     if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
+        return type(value)(_fresh_leaves(v) for v in value)
     return value
 
 
@@ -477,7 +477,7 @@ class _ForwardCall:
             for node in s.nodes_of_op[op]:  # vmap region, could not be detached from its history there)
                 for j in program.inputs[node]:
                     if s.op_of_node[j] != op and s.node_retained[j] and j not in frame.group.inputs:
-                        frame.group.inputs[j] = _detached(env[j])  # data and requires_grad: no autograd history
+                        frame.group.inputs[j] = _fresh_leaves(env[j])  # data and requires_grad: no autograd history
         facts = s.facts.get(i)
         if facts is None:
             return

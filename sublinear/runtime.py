@@ -479,7 +479,7 @@ class SublinearBackend:
     """A ``torch.compile`` backend: each graph TorchDynamo captures runs under a plan for each call signature.
 
     ``backend.sublinear_plan`` describes what the latest training call ran. ``sharding`` (a callable returning
-    FSDP2's per-rank layout, or None) is read at planning time.
+    FSDP2's per-process layout, or None) is read at planning time.
     """
 
     def __init__(self, config: SublinearMemoryConfig | None = None,

@@ -1,4 +1,4 @@
-"""How FSDP2 lays out a rank's parameters and gradients, read from FSDP's own state.
+"""How FSDP2 lays out one process's parameters and gradients, read from FSDP's own state.
 
 ``fully_shard(compiled)`` makes the compiled module one FSDP unit. The layout (:class:`ShardedParameters`, plain
 numbers in the planning core) replaces the profiled full parameters and gradients in the simulation

@@ -5,8 +5,9 @@ follows the plan's analysis (:func:`sublinear.core.analysis.analyse`) to the sto
 the op that produced it until its last holder lets go (the forward values reading it, autograd for retained
 saves, a block's frame, the recompute of its block, the caller for outputs). The gradient side of backward is
 plan-independent and taken from the profiled eager step. Under FSDP2 the parameters and gradients are counted as
-FSDP holds them per rank (:class:`sublinear.core.profile.ShardedParameters`), and when TorchDynamo split the call into
-several graphs, what the other graphs keep live beside this one is added (:class:`sublinear.core.profile.StepContext`).
+FSDP holds them per process (:class:`sublinear.core.profile.ShardedParameters`), and when TorchDynamo split the call
+into several graphs, what the other graphs keep live beside this one is added
+(:class:`sublinear.core.profile.StepContext`).
 Time is the eager step's predicted time plus the forward time of every op a recompute closure re-runs.
 """
 
@@ -214,11 +215,11 @@ def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_fo
                              n: int) -> tuple[np.ndarray, Slots]:
     """The timeline with FSDP's parameter and gradient memory in place of the profiled full parameters.
 
-    The step starts with an all-gather slot. Through forward and backward the rank holds its shards and the
+    The step starts with an all-gather slot. Through forward and backward the process holds its shards and the
     gathered parameters (padded), plus the all-gather buffer while the forward runs (and again when the outputs'
     gradients arrive, if FSDP resharded after forward). After backward FSDP frees the gathered parameters, copies the
-    gradients into the reduce-scatter input, frees them, and keeps the reduce-scatter output as the rank's gradient
-    shards. A backend workspace (gloo) is a copy of the collective's full buffer while it runs.
+    gradients into the reduce-scatter input, frees them, and keeps the reduce-scatter output as the process's
+    gradient shards. A backend workspace (gloo) is a copy of the collective's full buffer while it runs.
     """
     s = profile.sharding
     shards_for_parameters = s.sharded_bytes - profile.parameter_bytes

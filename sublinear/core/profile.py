@@ -59,25 +59,25 @@ class OpProfile:
 
 @dataclass(frozen=True)
 class ShardedParameters:
-    """One rank's parameter and gradient bytes under FSDP2 (shards are padded to equal size, as FSDP stores them).
+    """One process's parameter and gradient bytes under FSDP2 (shards are padded to equal size, as FSDP stores them).
 
-    Per rank, a step holds the parameter shards, always; the all-gathered (unsharded) parameters from the forward's
+    Per process, a step holds the parameter shards, always; the all-gathered (unsharded) parameters from the forward's
     start until FSDP reshards them after backward; the all-gather output buffer through the forward; and, after
     backward, the reduce-scatter input and output buffers that turn the full gradients into gradient shards. Gloo,
     which lacks native reduce-scatter and in-place all-gather, also copies each collective's full buffer.
     """
 
     world_size: int
-    sharded_bytes: int  # the rank's parameter shards, held across steps
+    sharded_bytes: int  # the process's parameter shards, held across steps
     unsharded_bytes: int  # the all-gathered parameters (padded), held from forward until reshard after backward
-    reduce_scatter_bytes: int  # the reduce-scatter input: every rank's padded gradients, in the reduce dtype
-    sharded_gradient_bytes: int  # the rank's gradient shards the step leaves behind
+    reduce_scatter_bytes: int  # the reduce-scatter input: every process's padded gradients, in the reduce dtype
+    sharded_gradient_bytes: int  # the process's gradient shards the step leaves behind
     collective_workspace: bool  # the backend copies a collective's full buffer while it runs (gloo)
     reshard_after_forward: bool  # parameters freed after forward and gathered again for backward
 
     @property
     def all_gather_bytes(self) -> int:
-        """The all-gather output buffer, held through the forward: every rank's shard at the gathered dtype."""
+        """The all-gather output buffer, held through the forward: every process's shard at the gathered dtype."""
         return self.unsharded_bytes
 
     def workspace(self, buffer_bytes: int) -> int:
