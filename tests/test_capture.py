@@ -258,7 +258,7 @@ def test_a_model_error_is_raised_as_eager_raises_it(wrong, ahead):
 
 
 def test_a_call_torchdynamo_cannot_capture_runs_eagerly_and_says_so(monkeypatch, caplog):
-    import sublinear.runtime as runtime
+    import sublinear.runtime.modules as runtime
 
     attempts = []
 

@@ -223,7 +223,7 @@ def test_a_graph_inductor_cannot_trace_runs_on_the_eager_executor(monkeypatch, c
     def refuse(*_args, **_kwargs):
         raise JointTraceError("RuntimeError: no lowering for this op")
 
-    monkeypatch.setattr("sublinear.runtime.trace_joint", refuse)
+    monkeypatch.setattr("sublinear.runtime.session.trace_joint", refuse)
     torch.manual_seed(0)
     base = ResidualNet().train()
     x = torch.randn(2, 3, 8, 8)

@@ -1,0 +1,18 @@
+"""The runtime: what runs each captured graph under its plan, and what it reports.
+
+- :mod:`.session`: :class:`SublinearBackend`, the ``torch.compile`` backend, one session per compiled model: it
+  profiles, plans and rewrites each graph per call signature and keeps the plans.
+- :mod:`.variant`: a graph planned for one call signature.
+- :mod:`.step`: a training call's graph runs and what they tell each graph (step contexts, output uses).
+- :mod:`.modules`: a module's forward run through the backend (:func:`compile_module`), and planning ahead on a
+  data-less twin (:func:`plan_ahead`).
+- :mod:`.plans`: what a plan says, for people (:class:`SublinearPlan`).
+"""
+
+from .session import SublinearBackend, backend, collecting_new_objects_only
+from .modules import compile_module, plan_ahead
+from .plans import BlockSummary, GraphPlan, ParetoPoint, SublinearPlan
+from .step import output_uses, step_contexts
+
+__all__ = ["BlockSummary", "GraphPlan", "ParetoPoint", "SublinearBackend", "SublinearPlan", "backend",
+           "collecting_new_objects_only", "compile_module", "output_uses", "plan_ahead", "step_contexts"]

@@ -1,0 +1,156 @@
+"""One training call's graph runs, and what they tell each graph: what the other runs keep live beside it
+(:func:`step_contexts`) and what the call did with each output (:func:`output_uses`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from ..capture import BUFFER, INPUT, PARAMETER, GraphOutputs
+from ..core.plan import Plan
+from ..core.profile import StepContext
+from ..profiler import DROPPED, GRADIENT, KEPT
+from ..simulator import simulate
+from .variant import _Variant
+
+if TYPE_CHECKING:
+    from .session import _GraphRuntime
+
+
+def _storages(values: Any) -> dict[int, int]:
+    """Storage key -> bytes of every tensor among ``values`` (real or fake), each storage once."""
+    found: dict[int, int] = {}
+    for t in tree_leaves(values):
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            found[storage._cdata] = storage.nbytes()
+    return found
+
+
+@dataclass
+class _GraphRun:
+    """One graph's run in a training call: its variant and the storages it read and produced."""
+
+    runtime: _GraphRuntime
+    variant: _Variant | None  # None: the run of a graph about to be planned
+    state: dict[int, int]  # parameter and buffer storages -> bytes
+    parameters: dict[int, int]  # parameter storages (backward gives each a gradient of its size)
+    inputs: dict[int, int]  # the other tensor inputs
+    outputs: dict[int, int] = field(default_factory=dict)  # storages it returned that it made (activations)
+    returned: GraphOutputs | None = None  # every tensor output, watched until the call ends
+
+    @property
+    def held(self) -> int:
+        """What the run holds after its forward (0 for a graph about to be planned)."""
+        return self.variant.simulation.held_after_forward_bytes if self.variant is not None else 0
+
+    @property
+    def held_eager(self) -> int:
+        """What the run would hold after its forward unplanned."""
+        return self.variant.eager_held if self.variant is not None else 0
+
+    @staticmethod
+    def of(runtime: _GraphRuntime, variant: _Variant | None, values: Sequence[Any]) -> _GraphRun:
+        kinds = runtime.graph.kinds
+
+        def of_kind(*wanted: str) -> dict[int, int]:
+            return _storages([v for k, v in zip(kinds, values) if k in wanted])
+
+        return _GraphRun(runtime, variant, of_kind(PARAMETER, BUFFER), of_kind(PARAMETER), of_kind(INPUT))
+
+    def record(self, outputs: GraphOutputs) -> None:
+        """What the run returned."""
+        self.returned = outputs
+        self.outputs = {s: b for s, b in zip(outputs.storages, outputs.nbytes)
+                        if s not in self.state and s not in self.inputs}
+
+
+def _sum_except(storages: dict[int, int], excluded: dict[int, int]) -> int:
+    return sum(b for s, b in storages.items() if s not in excluded)
+
+
+def step_contexts(runs: Sequence[_GraphRun], first: int = 0, eager: bool = False) -> list[StepContext]:
+    """Per run of one call, what the other runs keep live beside it, with every run at its current plan (``eager``:
+    with every run unplanned, the step eager runs); complete for the runs from ``first`` on (the later runs need
+    plans, the earlier ones do not).
+
+    Runs go forward in order and backward in reverse order. Beside run i: every parameter and buffer of the call
+    and every input the caller passed (held by the caller through the call) that i does not read, and what each
+    earlier run holds after its forward (less the outputs i reads, which its own profile counts as inputs); beside
+    its backward also the gradients of later runs' parameters. The later runs' highest peak includes what run i
+    holds, so it is given relative to that: a context does not depend on the run's own plan.
+    """
+    everything: dict[int, int] = {}
+    produced: dict[int, int] = {}
+    for r in runs:
+        everything |= r.state
+        produced |= r.outputs
+    for r in runs:
+        everything |= {s: b for s, b in r.inputs.items() if s not in produced}
+    contexts = []
+    held_before, earlier_outputs = 0, {}
+    for i, r in enumerate(runs):
+        later_parameters: dict[int, int] = {}
+        for later in runs[i + 1:]:
+            later_parameters |= later.parameters
+        beside_forward = (_sum_except(everything, r.state | r.inputs) + held_before
+                          - sum(b for s, b in r.inputs.items() if s in earlier_outputs))
+        contexts.append(StepContext(beside_forward, beside_forward + _sum_except(later_parameters, r.state)))
+        held_before += r.held_eager if eager else r.held
+        earlier_outputs |= r.outputs
+    later_peak = None
+    for i in range(len(runs) - 1, first - 1, -1):
+        held = runs[i].held_eager if eager else runs[i].held
+        contexts[i] = dataclasses.replace(contexts[i], later_beyond_held=None if later_peak is None
+                                          else later_peak - held)
+        if i > first:
+            profile_ = runs[i].variant.profile
+            plan = Plan.no_split(profile_.num_ops) if eager else runs[i].variant.plan
+            peak = simulate(dataclasses.replace(profile_, step_context=contexts[i]), plan).peak_bytes
+            later_peak = peak if later_peak is None else max(later_peak, peak)
+    return contexts
+
+
+def _contexts_by_graph(runs: Sequence[_GraphRun], eager: bool) -> dict[str, StepContext]:
+    """Per graph of a call of several runs, its :func:`step_contexts`; a graph run several times gets the widest."""
+    found: dict[str, StepContext] = {}
+    if len(runs) > 1:
+        for run, context in zip(runs, step_contexts(runs, eager=eager)):
+            code = run.runtime.graph.code
+            found[code] = _widest(found[code], context) if code in found else context
+    return found
+
+
+def output_uses(runs: Sequence[_GraphRun], returned: Any) -> list[tuple[str, ...]]:
+    """Per run of one call that returned ``returned``, per tensor output: what the step did with it (see
+    :func:`sublinear.profiler.profile`). A later run reads it, or it is the loss: the scalars among what the call
+    returned when there are any (a loss computed in forward), else every floating tensor it returned; those get a
+    gradient. Of the others, what is still alive after the call was kept (a KV cache, a module attribute) and the
+    rest was dropped when the graph returned."""
+    returned = [t for t in tree_leaves(returned)
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    losses = {t.untyped_storage()._cdata for t in ([t for t in returned if t.dim() == 0] or returned)}
+    uses = []
+    for i, run in enumerate(runs):
+        read_later = set().union(*(later.inputs for later in runs[i + 1:]))
+        uses.append(tuple(GRADIENT if s in read_later or s in losses else KEPT if alive else DROPPED
+                          for s, alive in zip(run.returned.storages, run.returned.alive())))
+    return uses
+
+
+def _planned_knowing_later(variant: _Variant, context: StepContext | None) -> bool:
+    """Whether ``variant`` was planned knowing the graphs after it, where ``context`` says there are some."""
+    return context is None or context.later_beyond_held is None or (
+        variant.planned_in is not None and variant.planned_in.later_beyond_held is not None)
+
+
+def _widest(a: StepContext, b: StepContext) -> StepContext:
+    """A context covering both (a graph that runs several times in a call is planned for its worst run)."""
+    later = [v for v in (a.later_beyond_held, b.later_beyond_held) if v is not None]
+    return StepContext(max(a.beside_forward, b.beside_forward), max(a.beside_backward, b.beside_backward),
+                       max(later) if later else None)

@@ -1,0 +1,69 @@
+"""A graph planned for one call signature: its profile, plan, simulation and what runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+
+from ..compiled import CompiledGraph
+from ..core.objective import Candidate, Objective, Simulation
+from ..core.plan import Plan
+from ..core.profile import GraphProfile, StepContext
+from ..rewriter import RewrittenGraph
+from ..shapes import Binding
+from ..simulator import simulate
+from .plans import GraphPlan
+
+
+@dataclass
+class _Variant:
+    """A graph planned for one call signature; ``profile`` carries the step context it is simulated in."""
+
+    profile: GraphProfile
+    plan: Plan
+    simulation: Simulation
+    rewritten: RewrittenGraph | CompiledGraph
+    summary: GraphPlan
+    auto_budget: bool
+    objective: Objective
+    planned_in: StepContext | None  # the context the plan was searched in
+    uses: tuple[str, ...]  # what the profiled step did with each output
+    budget: int | None  # the memory budget the step must fit (the search may have aimed lower)
+    settling: bool = False  # the lowest peak taken while earlier graphs of the call were not planned for this one
+    compiled_excess: int = 0  # what the compiled graphs hold beyond the simulation, once compiled
+    bound: Binding = field(default_factory=dict)  # a dynamic graph's sizes its plan was made for (and serves below)
+    checked: bool = False  # compiled, and what the compiled graphs hold read
+
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted peak: simulated, and once compiled, as the compiled forward and backward hold memory."""
+        return self.simulation.peak_bytes + self.compiled_excess
+
+    def set_context(self, context: StepContext | None, eager_context: StepContext | None) -> None:
+        """Simulate the plan beside the call's other graphs as ``context`` says, and (for the report) eager beside
+        the other graphs unplanned as ``eager_context`` says: eager's peak is the same whatever the plans."""
+        self.profile = dataclasses.replace(self.profile, step_context=context)
+        self.simulation = simulate(self.profile, self.plan)
+        eager = simulate(dataclasses.replace(self.profile, step_context=eager_context),
+                         Plan.no_split(self.profile.num_ops))
+        self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.peak_bytes,
+                                           baseline_peak_bytes=eager.peak_bytes)
+
+    @functools.cached_property
+    def eager_held(self) -> int:
+        """What the graph would hold after its forward unplanned (its own storages: no context changes it)."""
+        alone = dataclasses.replace(self.profile, step_context=None)
+        return simulate(alone, Plan.no_split(alone.num_ops)).held_after_forward_bytes
+
+    def note_compiled(self, peak_alone: int) -> None:
+        """The compiled graphs hold ``peak_alone`` at their peak in a step of this graph alone."""
+        alone = simulate(dataclasses.replace(self.profile, step_context=None), self.plan).peak_bytes
+        self.compiled_excess = max(0, peak_alone - alone)
+        self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.peak_bytes,
+                                           compiled_peak_bytes=peak_alone)
+
+    @property
+    def accepted(self) -> bool:
+        return self.objective.accepts(Candidate(self.plan, self.simulation))
