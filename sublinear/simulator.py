@@ -13,14 +13,16 @@ Time is the eager step's predicted time plus the forward time of every op a reco
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .core.analysis import PlanAnalysis, analyse
 from .core.objective import Simulation
 from .core.plan import Plan
-from .core.profile import GraphProfile
+from .core.profile import GraphProfile, ShardedParameters
 
-__all__ = ["Simulation", "forward_release", "simulate", "timeline"]
+__all__ = ["Simulation", "StepTerms", "forward_release", "simulate", "step_terms", "timeline"]
 
 
 def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
@@ -67,6 +69,10 @@ def _describe(slots: Slots, i: int, profile: GraphProfile) -> str:
 
 def _special(kind: int) -> Slots:
     return np.array([kind], dtype=np.int8), np.array([-1], dtype=np.int64)
+
+
+def _none() -> Slots:
+    return np.array([], dtype=np.int8), np.array([], dtype=np.int64)
 
 
 def _joined(*parts: Slots) -> Slots:
@@ -197,46 +203,80 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
         np.add.at(held, until + 1, -nbytes)
 
     live = np.cumsum(held)[: end + 1]
-    totals = live + extra + profile.baseline_bytes
-    slots = (kinds, slot_ops)
-    context = profile.step_context
-    if context is not None:
-        totals[:n] += context.beside_forward
-        totals[n:] += context.beside_backward
-    if profile.sharding is not None:
-        totals, slots = _with_sharded_parameters(profile, totals, int(live[n]) + profile.baseline_bytes, slots, n)
-    if context is not None and context.later_beyond_held is not None:
-        totals = np.append(totals, int(live[n]) + context.later_beyond_held)
-        slots = _joined(slots, _special(_LATER))
-    return totals, slots, int(live[n])
+    own = live + extra
+    held_after_forward = int(live[n])
+    terms = step_terms(profile)
+    ending = terms.end(int(own[end]))
+    parts = [(np.array(terms.head, dtype=np.int64), _special(_GATHER) if terms.head else _none()),
+             (own[:n] + terms.forward, (kinds[:n], slot_ops[:n]))]
+    if terms.regather is not None:
+        parts.append((np.array([held_after_forward + terms.regather]), _special(_REGATHER)))
+    parts.append((own[n:end] + terms.backward, (kinds[n:end], slot_ops[n:end])))
+    if len(ending) > 1:
+        parts.append((np.array(ending[:-1]), _joined(_special(_SCATTER_COPY), _special(_SCATTER))))
+    parts.append((np.array(ending[-1:]), (kinds[end:], slot_ops[end:])))
+    if terms.later is not None:
+        parts.append((np.array([held_after_forward + terms.later]), _special(_LATER)))
+    totals = np.concatenate([values for values, _ in parts]).astype(np.int64)
+    return totals, _joined(*(labels for _, labels in parts)), held_after_forward
 
 
-def _with_sharded_parameters(profile: GraphProfile, totals: np.ndarray, after_forward: int, slots: Slots,
-                             n: int) -> tuple[np.ndarray, Slots]:
-    """The timeline with FSDP's parameter and gradient memory in place of the profiled full parameters.
+@dataclass(frozen=True)
+class StepTerms:
+    """What a step's timeline holds beyond the graph's own storages: the same under every plan. The simulator
+    builds its slots from it and the optimal planner its bounds, so the memory model lives here once.
 
-    The step starts with an all-gather slot. Through forward and backward the process holds its shards and the
-    gathered parameters (padded), plus the all-gather buffer while the forward runs (and again when the outputs'
-    gradients arrive, if FSDP resharded after forward). After backward FSDP frees the gathered parameters, copies the
-    gradients into the reduce-scatter input, frees them, and keeps the reduce-scatter output as the process's
-    gradient shards. A backend workspace (gloo) is a copy of the collective's full buffer while it runs.
+    ``forward``/``backward``: added to every forward/backward slot (the baseline, what the call's other graphs keep
+    beside this one, FSDP's shards and gathered parameters and, in forward, its all-gather buffer). ``head``: slots
+    before forward (FSDP's all-gather). ``beyond_held``: slots after forward, each the bytes forward leaves held
+    plus a constant (FSDP gathering again for backward, the call's later graphs). :meth:`end` gives the slots that
+    end the step from what the graph itself holds then.
     """
-    s = profile.sharding
-    shards_for_parameters = s.sharded_bytes - profile.parameter_bytes
-    step = totals[:-1] + shards_for_parameters + s.unsharded_bytes
-    step[:n] += s.all_gather_bytes
-    head = [profile.baseline_bytes + shards_for_parameters + s.all_gather_bytes + s.workspace(s.all_gather_bytes)]
-    if s.reshard_after_forward and len(step) > n:
-        regather = after_forward + profile.output_gradient_bytes + shards_for_parameters + s.backward_gather_bytes()
-        step = np.concatenate([step[:n], [regather], step[n:]])
-        slots = _joined((slots[0][:n], slots[1][:n]), _special(_REGATHER), (slots[0][n:], slots[1][n:]))
-    after = totals[-1] + shards_for_parameters - profile.gradient_bytes
-    tail = [after + profile.gradient_bytes + s.reduce_scatter_bytes,
-            after + s.reduce_scatter_bytes + s.workspace(s.reduce_scatter_bytes) + s.sharded_gradient_bytes,
-            after + s.sharded_gradient_bytes]
-    return (np.concatenate([head, step, tail]).astype(np.int64),
-            _joined(_special(_GATHER), (slots[0][:-1], slots[1][:-1]), _special(_SCATTER_COPY), _special(_SCATTER),
-                    (slots[0][-1:], slots[1][-1:])))
+
+    forward: int
+    backward: int
+    head: tuple[int, ...]
+    beyond_held: tuple[int, ...]
+    regather: int | None  # the part of beyond_held that FSDP's backward gather adds (None: no such slot)
+    later: int | None  # the part that the call's later graphs add (None: no later graphs, or not yet known)
+    sharding: ShardedParameters | None
+    shards_for_parameters: int  # FSDP: the shards minus the full parameters the profile counts
+    gradient_bytes: int
+
+    def end(self, own_bytes: int) -> tuple[int, ...]:
+        """The step's last slots, from the bytes the graph itself holds at its end (gradients included): the end
+        slot, or under FSDP the reduce-scatter of the gradients into shards (copy, collective, shards kept)."""
+        total = own_bytes + self.backward
+        s = self.sharding
+        if s is None:
+            return (total,)
+        after = total - s.unsharded_bytes - self.gradient_bytes
+        scatter = s.reduce_scatter_bytes
+        return (after + self.gradient_bytes + scatter,
+                after + scatter + s.workspace(scatter) + s.sharded_gradient_bytes,
+                after + s.sharded_gradient_bytes)
+
+
+def step_terms(profile: GraphProfile) -> StepTerms:
+    """The plan-independent terms of ``profile``'s step (:class:`StepTerms`)."""
+    context, s = profile.step_context, profile.sharding
+    forward = backward = profile.baseline_bytes
+    if context is not None:
+        forward += context.beside_forward
+        backward += context.beside_backward
+    head: tuple[int, ...] = ()
+    regather = None
+    shards = 0
+    if s is not None:
+        shards = s.sharded_bytes - profile.parameter_bytes
+        forward += shards + s.unsharded_bytes + s.all_gather_bytes
+        backward += shards + s.unsharded_bytes
+        head = (profile.baseline_bytes + shards + s.all_gather_bytes + s.workspace(s.all_gather_bytes),)
+        if s.reshard_after_forward and len(profile.node_op):
+            regather = profile.baseline_bytes + profile.output_gradient_bytes + shards + s.backward_gather_bytes()
+    later = context.later_beyond_held if context is not None else None
+    beyond = tuple(v for v in (regather, later) if v is not None)
+    return StepTerms(forward, backward, head, beyond, regather, later, s, shards, profile.gradient_bytes)
 
 
 def forward_release(profile: GraphProfile, end: int) -> np.ndarray:

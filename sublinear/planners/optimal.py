@@ -63,7 +63,7 @@ from ..core.objective import Candidate
 from ..core.plan import Plan
 from ..core.profile import GraphProfile
 from ..core.units import format_bytes
-from ..simulator import forward_release
+from ..simulator import forward_release, step_terms
 from .base import PlanningProblem, register_planner
 
 __all__ = ["FlatModel", "OptimalPlanner", "Solution", "kept_sets", "solve"]
@@ -160,7 +160,9 @@ class FlatModel:
         self.views = np.array(views, dtype=np.int64).reshape(-1, 2)
         self.entries0 = self._sweep(0, n - 1, np.full(n, NEVER))
 
-        self.forward_offset, self.backward_offset, self.held_offsets, self.floor = _phase_terms(p, self.end_bytes)
+        terms = step_terms(p)
+        self.forward_offset, self.backward_offset, self.held_offsets = terms.forward, terms.backward, terms.beyond_held
+        self.floor = max(terms.head + terms.end(self.end_bytes + p.gradient_bytes))  # plan-independent slots
         self._starts: dict[int, _Start] = {}
 
     def _sweep(self, i: int, top: int, entry: np.ndarray) -> np.ndarray:
@@ -221,36 +223,6 @@ class FlatModel:
         """The recompute seconds of a flat plan with this model's kept set (the simulator's)."""
         starts = (0, *(p + 1 for p in plan.split_points[:-1]))
         return float(sum(self.block(a, b)[0] for a, b in zip(starts, plan.split_points[:-1])))
-
-
-def _phase_terms(p: GraphProfile, end_bytes: int) -> tuple[int, int, tuple[int, ...], int]:
-    """What the timeline adds to live bytes per forward slot and per backward slot; the constants added to what
-    forward leaves held by the slots that follow it (FSDP's all-gather for backward, later graphs of the call); and
-    the largest plan-independent slot (end of step, FSDP's all-gather and reduce-scatter)."""
-    context, sharding = p.step_context, p.sharding
-    forward = backward = p.baseline_bytes
-    if context is not None:
-        forward += context.beside_forward
-        backward += context.beside_backward
-    end_slot = backward + end_bytes + p.gradient_bytes
-    held: list[int] = []
-    floor = end_slot
-    if sharding is not None:
-        for_parameters = sharding.sharded_bytes - p.parameter_bytes
-        forward += for_parameters + sharding.unsharded_bytes + sharding.all_gather_bytes
-        backward += for_parameters + sharding.unsharded_bytes
-        head = p.baseline_bytes + for_parameters + sharding.all_gather_bytes + \
-            sharding.workspace(sharding.all_gather_bytes)
-        if sharding.reshard_after_forward and len(p.node_op):
-            held.append(p.baseline_bytes + p.output_gradient_bytes + for_parameters + sharding.backward_gather_bytes())
-        after = end_slot + for_parameters - p.gradient_bytes
-        scatter = sharding.reduce_scatter_bytes
-        floor = max(head, after + p.gradient_bytes + scatter,
-                    after + scatter + sharding.workspace(scatter) + sharding.sharded_gradient_bytes,
-                    after + sharding.sharded_gradient_bytes)
-    if context is not None and context.later_beyond_held is not None:
-        held.append(context.later_beyond_held)
-    return forward, backward, tuple(held), floor
 
 
 def _merge(storage: np.ndarray, first: np.ndarray, last: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
