@@ -37,7 +37,7 @@ import torch
 
 import sublinear
 from sublinear.models import get_model
-from sublinear.profiler import default_loss
+from sublinear.training import default_loss
 
 MIB = 2**20
 

@@ -31,7 +31,7 @@ import torch
 import sublinear
 from sublinear.core import Plan
 from sublinear.models import get_model
-from sublinear.profiler import training_step
+from sublinear.training import training_step
 from sublinear.simulator import simulate
 
 BUDGET_FRACTIONS = (0.7, 0.5)

@@ -46,7 +46,8 @@ from sublinear.capture import capture
 from sublinear.costs import REFERENCE_GPU, StepCost
 from sublinear.maxbatch import _Environment
 from sublinear.models import get_model
-from sublinear.profiler import profile, training_step
+from sublinear.profiler import profile
+from sublinear.training import training_step
 from sublinear.report import ParetoSeries, plot_pareto
 
 _ATTENTION_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",

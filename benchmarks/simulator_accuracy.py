@@ -30,7 +30,7 @@ import torch
 import sublinear
 from sublinear.core import Plan
 from sublinear.models import get_model
-from sublinear.profiler import training_step
+from sublinear.training import training_step
 
 CASES = {"resnet50": (32, 64), "bert-base": (4, 8), "gpt": (4, 8), "hf:BertForSequenceClassification": (4,),
          "hf:GPT2LMHeadModel": (2,)}  # model -> batches, at the model's default sequence length

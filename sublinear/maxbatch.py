@@ -36,7 +36,7 @@ from .measurement import measure
 from .models import ModelSpec
 from .planners import BudgetError
 from .planners.driver import StepFloor
-from .profiler import step_backward
+from .training import step_backward
 from .runtime import SublinearPlan
 
 __all__ = ["NothingFits", "StrategyResult", "Tuning", "TuningRow", "compare", "fixed_floor",

@@ -19,12 +19,11 @@ import itertools
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .capture import BUFFER, INPUT, PARAMETER, CapturedGraph, FakeTwin, describe_node
@@ -33,9 +32,9 @@ from .costs import REFERENCE_GPU, DeviceRates, aten_work, device_rates, estimate
 from .interpret import NodeProgram
 from .tensors import autocast_context, autocast_state, device_of, storage_key
 from .tracking import StorageTracker
+from .training import DROPPED, GRADIENT, KEPT, gradient_receivers, step_backward
 
-__all__ = ["DROPPED", "GRADIENT", "KEPT", "ProfileError", "default_loss", "profile",
-           "step_backward", "training_step"]
+__all__ = ["ProfileError", "profile"]
 
 log = logging.getLogger("sublinear.profiler")
 
@@ -45,7 +44,6 @@ _COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "c10d", "c10d_functio
 _BATCH_NORMS = frozenset(getattr(torch.ops.aten, name) for name in (
     "native_batch_norm", "batch_norm", "_batch_norm_impl_index", "cudnn_batch_norm", "miopen_batch_norm",
     "_native_batch_norm_legit", "_batch_norm_with_update"))
-GRADIENT, KEPT, DROPPED = "gradient", "kept", "dropped"  # what a call does with a graph output (see profile())
 CUDA_ALLOCATION_GRANULARITY = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
 
@@ -63,70 +61,6 @@ def _written_tensors(func, args, kwargs) -> list[torch.Tensor]:
     if func._overloadpacket in _BATCH_NORMS and len(args) > 5 and args[5] is True:
         written.extend(t for t in args[3:5] if isinstance(t, torch.Tensor))
     return written
-
-
-
-def _differentiable(outputs: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(outputs)
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-
-
-def default_loss(outputs: Any) -> torch.Tensor | None:
-    """A loss for examples and tests: the sum of every floating output that requires grad (None if none). Its
-    gradient is one for every output element, as in :func:`step_backward`."""
-    parts = [t.sum() for t in _differentiable(outputs)]
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-
-
-class _DenseOnes(torch.autograd.Function):
-    """Identity whose backward hands on a dense gradient of ones, made inside the backward: autograd frees it once
-    the output's producer has used it, as it frees the gradient a loss function computes."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return torch.ones(grad.shape, dtype=grad.dtype, device=grad.device)
-
-
-def step_backward(outputs: Any, receives: Sequence[bool] | None = None) -> bool:
-    """The backward every prediction describes, run while ``outputs`` are held.
-
-    ``receives[k]``: whether the k-th tensor among ``outputs`` gets a gradient (what the call that ran this graph
-    did with it: a later graph read it, or the loss did). By default, when outputs that require grad include
-    scalars, those are the loss the forward computed (Hugging Face models given labels) and backward starts from
-    them alone; otherwise every floating output gets one. A scalar's gradient is one; any other output gets a dense
-    gradient of ones, as a loss computed from it hands autograd one gradient its size. False when nothing requires
-    grad."""
-    leaves = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
-    receives = gradient_receivers(leaves) if receives is None else receives
-    parts = [t if t.dim() == 0 else _DenseOnes.apply(t).sum()
-             for t in _differentiable([t for t, r in zip(leaves, receives) if r])]
-    if not parts:
-        return False
-    (parts[0] if len(parts) == 1 else torch.stack(parts).sum()).backward()
-    return True
-
-
-def gradient_receivers(tensors: Sequence[torch.Tensor]) -> list[bool]:
-    """Per tensor, whether :func:`step_backward`'s default hands it a gradient: the scalars that require grad when
-    there are any, else every floating tensor that requires grad."""
-    differentiable = [t.requires_grad and t.is_floating_point() for t in tensors]
-    scalars = [d and t.dim() == 0 for t, d in zip(tensors, differentiable)]
-    return scalars if any(scalars) else differentiable
-
-
-def training_step(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The step every prediction describes: forward, then :func:`step_backward` while the outputs are still held
-    (as ``out = model(x); loss_fn(out).backward()`` does)."""
-    outputs = module(*args, **kwargs)
-    step_backward(outputs)
-    return outputs
-
 
 
 
@@ -379,8 +313,13 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     rank_of_node = {node: r for r, node in enumerate(operators)}
     grad_start, grad_peak, grad_after = _backward_gradient_profile(rec.events, trace.node_seq, rank_of_node,
                                                                    len(operators), rec.serial_bytes)
-    forward_seconds, backward_seconds, source = _node_times(trace, rank_of_node, device, measure, rates,
-                                                            extra, op_of_node, grad_start, grad_peak, granule)
+    times = _node_times(trace, rank_of_node, device, measure, rates, granule)
+    forward_seconds, backward_seconds, source = times.forward_seconds, times.backward_seconds, times.source
+    for i, peak in times.forward_peak_bytes.items():  # measured workspace raises the tracked extra bytes
+        extra[op_of_node[i]] = max(extra[op_of_node[i]], peak)
+    for i, peak in times.backward_peak_bytes.items():
+        r = rank_of_node[i]
+        grad_peak[r] = max(grad_peak[r], grad_start[r] + peak)
 
     # Storages that can outlive the op that produced them.
     storages = sorted(s for s, node in producer_node.items()
@@ -451,11 +390,21 @@ def _peak(events, sizes: list[int], baseline: int) -> int:
     return peak
 
 
+@dataclass(frozen=True)
+class _NodeTimes:
+    """Forward and backward seconds per operator node, where they come from, and (measured only) the allocator's
+    peak per node beyond its inputs in forward and in backward: workspace that storage tracking misses."""
+
+    forward_seconds: dict[int, float]
+    backward_seconds: dict[int, float]
+    source: str
+    forward_peak_bytes: dict[int, int] = field(default_factory=dict)
+    backward_peak_bytes: dict[int, int] = field(default_factory=dict)
+
+
 def _node_times(trace: _Trace, rank_of_node: dict[int, int], device: torch.device, measure: bool,
-                rates: DeviceRates | None, extra: list[int], op_of_node: dict[int, int], grad_start: list[int],
-                grad_peak: list[int], granule: int) -> tuple[dict[int, float], dict[int, float], str]:
-    """Forward and backward seconds per operator node; with ``measure``, the allocator's peaks per node also raise
-    ``extra`` (per op) and ``grad_peak`` (per rank) where kernels use workspace that storage tracking misses."""
+                rates: DeviceRates | None, granule: int) -> _NodeTimes:
+    """Each operator node's time, measured on ``device`` or estimated from its FLOPs and bytes over ``rates``."""
     program, rec = trace.program, trace.recorder
     operators = program.operators
     if measure:
@@ -469,12 +418,9 @@ def _node_times(trace: _Trace, rank_of_node: dict[int, int], device: torch.devic
 
         costs = measure_node_costs(nodes, call, trace.node_inputs, device)
         round_up = (lambda b: -(-b // granule) * granule) if granule > 1 else (lambda b: b)
-        for i in nodes:
-            o = op_of_node[i]
-            extra[o] = max(extra[o], round_up(costs.forward_peak_bytes.get(i, 0)))
-            r = rank_of_node[i]
-            grad_peak[r] = max(grad_peak[r], grad_start[r] + round_up(costs.backward_peak_bytes.get(i, 0)))
-        return costs.forward_seconds, costs.backward_seconds, f"measured on {device}"
+        return _NodeTimes(costs.forward_seconds, costs.backward_seconds, f"measured on {device}",
+                          {i: round_up(costs.forward_peak_bytes.get(i, 0)) for i in nodes},
+                          {i: round_up(costs.backward_peak_bytes.get(i, 0)) for i in nodes})
     rates = rates or (device_rates(str(device)) if device.type in ("cpu", "cuda") else REFERENCE_GPU)
     forward = {i: estimate_seconds(rec.flops.get(i, 0), rec.io_bytes.get(i, 0), rec.calls.get(i, 0), rates)
                for i in operators}
@@ -485,7 +431,7 @@ def _node_times(trace: _Trace, rank_of_node: dict[int, int], device: torch.devic
         k = bisect.bisect_right(starts, seq) - 1
         if 0 <= k and seq < 2**62 and owners[k] in rank_of_node:
             backward[owners[k]] += estimate_seconds(flops, moved, 1, rates)
-    return forward, dict(backward), f"estimated for {rates.describe()}"
+    return _NodeTimes(forward, dict(backward), f"estimated for {rates.describe()}")
 
 
 def _node_facts(i: int, trace: _Trace) -> NodeFacts:

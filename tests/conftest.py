@@ -15,7 +15,8 @@ import sublinear
 from sublinear.capture import capture
 from sublinear.config import SublinearMemoryConfig
 from sublinear.models.chain import Chain  # noqa: F401  (the tests' long chain)
-from sublinear.profiler import default_loss, profile
+from sublinear.profiler import profile
+from sublinear.training import default_loss
 
 # Tests run graphs on sublinear's eager executor unless they ask for inductor (tests/test_compiled.py): it is exact
 # bit for bit against eager, and it needs no C++ compile per model (seconds each on two cores).

@@ -7,7 +7,7 @@ import torch
 
 import sublinear
 from sublinear.models import get_model
-from sublinear.profiler import default_loss, step_backward
+from sublinear.training import default_loss, step_backward
 
 from conftest import PLAIN, assert_same_training
 

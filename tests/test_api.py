@@ -789,7 +789,7 @@ def test_compile_with_a_budget_runs_exactly_and_within_it():
     reference = copy.deepcopy(model)
     config = dataclasses.replace(PLAIN, memory_budget=budget)
     compiled = sublinear.compile(model, args, config=config)
-    measured = sublinear.measure(sublinear.profiler.training_step, compiled, *args).peak_bytes
+    measured = sublinear.measure(sublinear.training.training_step, compiled, *args).peak_bytes
     assert compiled.sublinear_plan.predicted_peak_bytes <= budget
     assert abs(measured - compiled.sublinear_plan.predicted_peak_bytes) / measured < 0.03
     model.zero_grad(set_to_none=True)

@@ -21,7 +21,7 @@ from sublinear.compiled import CompiledGraph, JointTraceError, compiled_profile,
 from sublinear.compiled import executor as compiled_executor
 from sublinear.core import Plan, StorageState, analyse
 from sublinear.measurement import measure_cpu_allocator
-from sublinear.profiler import default_loss
+from sublinear.training import default_loss
 from sublinear.simulator import simulate
 
 from conftest import PLAIN, ResidualNet, train_steps

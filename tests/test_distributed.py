@@ -120,7 +120,7 @@ def _fsdp_peaks(depth, width, batch, reshard_after_forward):
 
     import sublinear
     from conftest import Chain
-    from sublinear.profiler import training_step
+    from sublinear.training import training_step
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 
 import sublinear
 from sublinear.core import Plan
-from sublinear.profiler import training_step
+from sublinear.training import training_step
 from sublinear.simulator import simulate
 
 from conftest import PLAIN

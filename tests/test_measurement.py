@@ -5,7 +5,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import sublinear
 from sublinear.models import get_model
-from sublinear.profiler import training_step
+from sublinear.training import training_step
 from sublinear.tracking import StorageTracker
 
 

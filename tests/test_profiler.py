@@ -7,7 +7,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import sublinear
 from sublinear.capture import capture
 from sublinear.models import get_model
-from sublinear.profiler import ProfileError, profile, training_step
+from sublinear.profiler import ProfileError, profile
+from sublinear.training import training_step
 
 from conftest import ResidualNet, profile_of
 

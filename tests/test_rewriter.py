@@ -11,7 +11,7 @@ from torch import nn
 import sublinear
 from sublinear.core import Plan
 from sublinear.models import get_model
-from sublinear.profiler import training_step
+from sublinear.training import training_step
 from sublinear.rewriter import RecomputeError
 
 from conftest import PLAIN, Branchy, Chain, ResidualNet, assert_same_training, compile_with, train_steps

@@ -11,7 +11,7 @@ from sublinear.core import Plan
 from sublinear.models import get_model
 from sublinear.planners import PlanningProblem, objective_for
 from sublinear.planners.grid import grid_plans
-from sublinear.profiler import training_step
+from sublinear.training import training_step
 from sublinear.simulator import simulate
 
 from conftest import PLAIN, RandomDAG, assert_same_training, profile_of, train_steps

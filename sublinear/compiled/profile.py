@@ -35,7 +35,7 @@ from torch.utils.flop_counter import flop_registry
 from ..capture import BUFFER, INPUT, PARAMETER, CapturedGraph, module_path
 from ..core.profile import GraphProfile, NodeFacts, OpProfile
 from ..costs import REFERENCE_GPU, DeviceRates, device_rates, estimate_seconds
-from ..profiler import DROPPED, GRADIENT, KEPT, gradient_receivers
+from ..training import DROPPED, GRADIENT, KEPT, gradient_receivers
 from .joint import JointGraph, is_view, origin
 from .wrapper import hint
 
@@ -146,7 +146,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     """The profile of ``graph``'s training step as inductor compiles it from ``joint``.
 
     ``uses``: per tensor output of the graph, what the call does with it (gradient, kept, dropped; see
-    :func:`sublinear.profiler.profile`); None: as :func:`sublinear.profiler.step_backward` by default (the scalar
+    :func:`sublinear.profiler.profile`); None: as :func:`sublinear.training.step_backward` by default (the scalar
     outputs get a gradient when there are any, else every floating output), the others are kept.
     """
     kinds = _Kinds()

@@ -32,7 +32,8 @@ from ..core.profile import GraphProfile, ShardedParameters, StepContext
 from ..core.units import format_bytes
 from ..planners import BudgetError, PlanningResult, make_plan, objective_for
 from ..planners.driver import step_floor
-from ..profiler import DROPPED, GRADIENT, KEPT, profile
+from ..profiler import profile
+from ..training import DROPPED, GRADIENT, KEPT
 from ..rewriter import rewrite
 from ..progress import PlanningProgress
 from ..shapes import Binding, SymbolicSizes, argument_dims, bucket, covers, describe_binding, join

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 from ..capture import BUFFER, INPUT, PARAMETER, GraphOutputs
 from ..core.plan import Plan
 from ..core.profile import StepContext
-from ..profiler import DROPPED, GRADIENT, KEPT
+from ..training import DROPPED, GRADIENT, KEPT
 from ..simulator import simulate
 from .variant import _Variant
 
