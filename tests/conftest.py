@@ -46,6 +46,17 @@ def problem_for(p, **config):
     return PlanningProblem(p, objective_for(config, budget), config)
 
 
+def budget_between(p, fraction: float) -> int:
+    """A memory budget ``fraction`` of the way from the grid's lowest predicted peak to eager's."""
+    from sublinear.core import Plan
+    from sublinear.planners import make_plan
+    from sublinear.simulator import simulate
+
+    lowest = make_plan(p, problem_for(p, planners=("grid",)).config).simulation.peak_bytes
+    eager = simulate(p, Plan.no_split(p.num_ops)).peak_bytes
+    return int(lowest + (eager - lowest) * fraction)
+
+
 def compile_with(module: nn.Module, plan_for, args, kwargs=None, config=PLAIN):
     """``module`` compiled at ``args``/``kwargs`` and made to run ``plan_for(num_ops)``; with its profile."""
     compiled = sublinear.compile(module, args, kwargs, config=config)

@@ -8,12 +8,10 @@ import torch
 
 import sublinear.planners.local as local
 from sublinear.core import Plan
-from sublinear.planners import BudgetError
 from sublinear.planners import make_plan
 from sublinear.planners.local import LocalSearchPlanner, climb, neighbours
-from sublinear.simulator import simulate
 
-from conftest import Chain, RandomDAG, problem_for, profile_of
+from conftest import Chain, RandomDAG, budget_between, problem_for, profile_of
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +24,6 @@ def chain_profile():
 def dag_profile():
     torch.manual_seed(3)
     return profile_of(RandomDAG(3, nodes=10), torch.randn(32, 64))
-
-
-def _budget_between(p, fraction: float) -> int:
-    """A memory budget ``fraction`` of the way from the grid's lowest predicted peak to eager's."""
-    lowest = make_plan(p, problem_for(p, planners=("grid",)).config).simulation.peak_bytes
-    eager = simulate(p, Plan.no_split(p.num_ops)).peak_bytes
-    return int(lowest + (eager - lowest) * fraction)
 
 
 def _one_edit(a: Plan, b: Plan) -> bool:
@@ -69,7 +60,7 @@ def test_neighbours_are_valid_distinct_one_edit_plans(which, request):
 
 def test_climb_ends_at_a_local_optimum_and_improves_a_start_that_is_not(chain_profile):
     p = chain_profile
-    budget = _budget_between(p, 0.3)
+    budget = budget_between(p, 0.3)
     problem = problem_for(p, memory_budget=budget)
     objective = problem.objective
     start = problem.candidate(Plan.no_split(p.num_ops), "eager")
@@ -81,7 +72,7 @@ def test_climb_ends_at_a_local_optimum_and_improves_a_start_that_is_not(chain_pr
 
 def test_local_search_never_ranks_below_its_starts_and_is_deterministic(dag_profile):
     p = dag_profile
-    budget = _budget_between(p, 0.5)
+    budget = budget_between(p, 0.5)
     results = []
     for _ in range(2):
         before = make_plan(p, problem_for(p, memory_budget=budget, planners=("grid",)).config)
@@ -93,7 +84,7 @@ def test_local_search_never_ranks_below_its_starts_and_is_deterministic(dag_prof
 
 def test_local_search_spends_at_most_its_evaluations(chain_profile, monkeypatch):
     monkeypatch.setattr(local, "EVALUATIONS", 7)
-    problem = problem_for(chain_profile, memory_budget=_budget_between(chain_profile, 0.2))
+    problem = problem_for(chain_profile, memory_budget=budget_between(chain_profile, 0.2))
     start = problem.candidate(Plan.no_split(chain_profile.num_ops), "eager")
     before = len(problem.simulations)
     LocalSearchPlanner().propose(problem, [start])
@@ -102,28 +93,9 @@ def test_local_search_spends_at_most_its_evaluations(chain_profile, monkeypatch)
 
 def test_local_search_stops_at_its_time_limit(chain_profile, monkeypatch):
     monkeypatch.setattr(local, "TIME_LIMIT_SECONDS", 0.0)
-    problem = problem_for(chain_profile, memory_budget=_budget_between(chain_profile, 0.2))
+    problem = problem_for(chain_profile, memory_budget=budget_between(chain_profile, 0.2))
     start = problem.candidate(Plan.no_split(chain_profile.num_ops), "eager")
     before = len(problem.simulations)
     started = time.perf_counter()
     assert LocalSearchPlanner().propose(problem, [start]) == []
     assert len(problem.simulations) == before and time.perf_counter() - started < 1.0
-
-
-def test_capped_objective_ranks_fitting_plans_over_the_cap_above_plans_that_do_not_fit(chain_profile):
-    """Under a budget, the climbs rank any plan that fits above every plan that does not, whatever the cap; plans
-    within both still rank first, and the driver accepts only those."""
-    p = chain_profile
-    budget = _budget_between(p, 0.5)
-    problem = problem_for(p, memory_budget=budget, max_time_ratio=1.0)
-    objective = problem.objective
-    fits = make_plan(p, problem_for(p, memory_budget=budget, planners=("grid",)).config).candidates[0]
-    over = problem.candidate(Plan.no_split(p.num_ops), "")  # eager: within every cap, over the budget
-    assert objective.fits(fits) and not objective.within_time(fits) and objective.within_time(over)
-    assert objective(fits) < objective(over)
-    assert not objective.accepts(fits) and not objective.accepts(over)
-    problem.simulations = {over.plan: over.simulation}
-    ends = LocalSearchPlanner().propose(problem, [over])
-    assert ends and any(objective.fits(c) for c in ends)
-    with pytest.raises(BudgetError, match="the fastest plan that fits needs time"):
-        make_plan(p, problem.config)
