@@ -291,3 +291,37 @@ def test_a_compiled_step_above_its_budget_is_planned_again_below_it(monkeypatch)
     plan = compiled.sublinear_plan
     assert compiled.sublinear_backend.budget_cuts  # planned again below the budget
     assert plan.graphs[0].compiled_peak_bytes <= budget and plan.predicted_peak_bytes <= budget
+
+
+
+_COMPILE_ONCE = """
+import copy, torch, sublinear
+from torch import nn
+from sublinear.core import Plan
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.LayerNorm(32)).train()
+x = torch.randn(16, 32)
+config = sublinear.SublinearMemoryConfig(compiler="inductor", memory_budget=None, cache_dir="", cost_model="estimate",
+                                         max_sizes={"input": (16, None)})  # a dynamic graph
+compiled = sublinear.compile(model, (x,), config=config)
+n = compiled.sublinear_profile.num_ops
+compiled.use(Plan.of(range(2, n, 3), n))
+compiled(x).sum().backward()
+graph = next(iter(compiled.sublinear_backend.latest.values())).rewritten
+print(graph.partitioner.applied, graph.peak_bytes is not None)
+"""
+
+
+@pytest.mark.slow
+def test_a_graph_compiled_again_in_a_new_process_is_partitioned_by_the_plan_again(tmp_path):
+    """The second process compiling the same graph under the same plan finds torch's compile caches warm; the
+    plan's partitioner still runs and the compiled graphs' memory is still read (no cached artifact answers)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _COMPILE_ONCE], env=env, capture_output=True, text=True,
+                             check=True).stdout.split()
+        assert out[-2:] == ["True", "True"], out

@@ -174,7 +174,10 @@ class CompiledGraph:
 
         inputs, renamed = (self.graph.sizes.symbolic_inputs(values, bound) if bound else (list(values), {}))
         # Backward is compiled now, under these settings, rather than at its first run after they are gone.
-        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        # AOTAutograd's cache stays off: a hit returns code without running the partitioner or inductor here, so
+        # neither whether the plan was applied nor the compiled graphs' memory would be known (inductor's own
+        # cache of each graph still serves).
+        with functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False):
             code = compile_fx(labelled_copy(self.graph.graph_module), inputs, inner_compile=inner,
                               config_patches=compile_patches(self.partitioner))
         if not bound:
