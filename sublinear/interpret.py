@@ -123,8 +123,25 @@ class NodeProgram:
         fn = getattr(*self._resolve(node.target)) if node.op == "call_module" else node.target
         return f"{self.bind(fn)}({', '.join(args + kwargs)})"
 
+    def source(self, name: str, node_lines: Callable[[int], list[str]] | None = None, first: str = "") -> str:
+        """Python source of ``def name(<first>values)``: the graph as straight-line code, node j's value in local
+        ``v<j>``, freed after its last use as in fx's generated code. ``node_lines(i)`` gives the indented lines
+        that compute operator or get_attr node ``i`` (by default ``v<i> = <expression>``)."""
+        lines = [f"def {name}({first}values):"]
+        if self.placeholders:
+            lines.append(f"    {''.join(f'v{i}, ' for i in self.placeholders)}= values")
+        for i, node in enumerate(self.nodes):
+            if node.op == "placeholder":
+                continue
+            if i == self.output:
+                lines.append(f"    return {self.expression(i)}")
+                break
+            lines += node_lines(i) if node_lines is not None else [f"    v{i} = {self.expression(i)}"]
+            lines += [f"    del v{j}" for j in self.frees_after[i]]
+        return "\n".join(lines) + "\n"
+
     def define(self, name: str, source: str) -> Callable[..., Any]:
-        """The function ``name`` that ``source`` (built from :meth:`expression`) defines."""
+        """The function ``name`` that ``source`` (from :meth:`source`, or built from :meth:`expression`) defines."""
         scope = dict(self.namespace)
         exec(compile(source, f"<sublinear {name}>", "exec"), scope)  # noqa: S102 (source built from the graph)
         return scope[name]

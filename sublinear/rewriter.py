@@ -95,37 +95,48 @@ class _Schedule:
             self.closure_inputs.append({j for i in nodes for j in program.inputs[i] if j not in inside})
         self.closure_ops = [set(members) for members in analysis.closure]
         self.num_blocks = len(blocks)
+        # At each recomputable op's first node: the retained values its nodes read from other ops, which its
+        # frame keeps for the recompute (they exist before the op starts, and inside a vmap region could not be
+        # detached from their history later).
+        self.frame_inputs: dict[int, list[int]] = {}
+        for o, nodes in enumerate(self.nodes_of_op):
+            if nodes and self.recomputable[nodes[0]]:
+                reads = (j for node in nodes for j in program.inputs[node]
+                         if self.op_of_node[j] != o and self.node_retained[j])
+                self.frame_inputs[nodes[0]] = list(dict.fromkeys(reads))
         self.forward = program.define("forward", self._forward_source())
         self.recompute = [program.define(f"recompute_{b}", self._recompute_source(b)) for b in range(len(blocks))]
 
     def _forward_source(self) -> str:
-        """``forward(call, values)``: the graph as straight-line code, values in locals freed after their last use
-        as in fx's generated code; a node of a framed block tells ``call`` (a :class:`_ForwardCall`) what it reads
-        before it runs and what it made after, so that the saved-tensor hook knows the running node."""
+        """``forward(call, values)``: the graph as straight-line code (:meth:`NodeProgram.source`); a node of a framed
+        block tells ``call`` (a :class:`_ForwardCall`) what it reads before it runs and what it made after, so that
+        the saved-tensor hook knows the running node."""
         program = self.program
-        lines = ["def forward(call, values):",
-                 f"    {''.join(f'v{i}, ' for i in program.placeholders)}= values"]
-        for i, node in enumerate(program.nodes):
-            if node.op == "placeholder":
-                continue
-            if i == program.output:
-                lines.append(f"    return {program.expression(i)}")
-                break
-            if node.op == "get_attr":
-                lines += [f"    v{i} = {program.expression(i)}", f"    call._own([v{i}], -1)"]
-            elif not self.in_frame_block[i]:
-                lines.append(f"    v{i} = {program.expression(i)}")
-            else:
-                lines.append(f"    frame = call._frame_for({i})")
-                if self.recomputable[i]:
-                    reads = ", ".join(f"{j}: v{j}" for j in self._prepare_reads(i))
-                    lines.append(f"    call._prepare(frame, {i}, {{{reads}}})")
-                lines += [f"    call.node = {i}", "    call.packs = 0", f"    v{i} = {program.expression(i)}",
-                          "    call.node = -1", f"    call._after({i}, v{i}, frame)"]
-            lines += [f"    del v{j}" for j in program.frees_after[i]]
-            if self.in_frame_block[i] and i in self.block_end:
+
+        def node_lines(i: int) -> list[str]:
+            if program.nodes[i].op == "get_attr":
+                return [f"    v{i} = {program.expression(i)}", f"    call._own([v{i}], -1)"]
+            if not self.in_frame_block[i]:
+                return [f"    v{i} = {program.expression(i)}"]
+            lines = [f"    frame = call._frame_for({i})"]
+            if self._prepares(i):
+                read = sorted(set(program.inputs[i]).union(self.frame_inputs.get(i, ())))
+                reads = ", ".join(f"{j}: v{j}" for j in read)
+                lines.append(f"    call._prepare(frame, {i}, {{{reads}}})")
+            lines += [f"    call.node = {i}", "    call.packs = 0", f"    v{i} = {program.expression(i)}",
+                      "    call.node = -1", f"    call._after({i}, v{i}, frame)"]
+            if i in self.block_end:
                 lines.append(f"    call._end_block({i})")
-        return "\n".join(lines) + "\n"
+            return lines
+
+        return program.source("forward", node_lines, first="call, ")
+
+    def _prepares(self, i: int) -> bool:
+        """Whether :meth:`_ForwardCall._prepare` records anything for node ``i``: the values its op reads from its
+        frame, its RNG state or a snapshot of the state it writes."""
+        facts = self.facts.get(i)
+        return self.recomputable[i] and (bool(self.frame_inputs.get(i)) or (
+            facts is not None and (facts.random or bool(facts.state_args))))
 
     def _recompute_source(self, block: int) -> str:
         """``recompute_<block>(current, enter, replay, fill, by_node, inputs)``: the block's recompute closure as
@@ -162,16 +173,6 @@ class _Schedule:
             lines += [f"    del v{j}" for j in dead]
         lines.append("    return None")
         return "\n".join(lines) + "\n"
-
-    def _prepare_reads(self, i: int) -> list[int]:
-        """The values :meth:`_ForwardCall._prepare` reads for node ``i``: its inputs, and at an op's first node the
-        inputs of the op's nodes from other ops."""
-        program = self.program
-        op = self.op_of_node[i]
-        reads = set(program.inputs[i])
-        if i == self.nodes_of_op[op][0]:
-            reads |= {j for node in self.nodes_of_op[op] for j in program.inputs[node] if self.op_of_node[j] != op}
-        return sorted(reads)
 
 
 class RewrittenGraph:
@@ -394,9 +395,8 @@ def _check_same(saved: _Saved, t: torch.Tensor, program: NodeProgram, node: int,
     if tuple(t.shape) != size or t.dtype != dtype:
         raise RecomputeError(
             f"sublinear: recomputing block {block} at {program.describe(node)}: its {saved.order + 1}. saved tensor "
-            "is a "
-            f"{tuple(t.shape)} {t.dtype} tensor, but forward saved a {size} {dtype} one. Were parameters, flags or "
-            "the module changed between forward and backward?")
+            f"is a {tuple(t.shape)} {t.dtype} tensor, but forward saved a {size} {dtype} one. Were parameters, flags "
+            "or the module changed between forward and backward?")
 
 
 def _view_of(value: Any, leaf: int, view: SavedView, program: NodeProgram, node: int, block: int) -> torch.Tensor:
@@ -472,12 +472,9 @@ class _ForwardCall:
         """Record what replaying node i in backward needs: inputs, RNG state, state before its writes."""
         s = self.schedule
         program = s.program
-        op = s.op_of_node[i]
-        if i == s.nodes_of_op[op][0]:  # what the op reads from other ops exists before it starts (and, inside a
-            for node in s.nodes_of_op[op]:  # vmap region, could not be detached from its history there)
-                for j in program.inputs[node]:
-                    if s.op_of_node[j] != op and s.node_retained[j] and j not in frame.group.inputs:
-                        frame.group.inputs[j] = _fresh_leaves(env[j])  # data and requires_grad: no autograd history
+        for j in s.frame_inputs.get(i, ()):
+            if j not in frame.group.inputs:
+                frame.group.inputs[j] = _fresh_leaves(env[j])  # data and requires_grad: no autograd history
         facts = s.facts.get(i)
         if facts is None:
             return

@@ -1,4 +1,4 @@
-"""Generated code: every node's expression computes what the node-by-node executor computes."""
+"""Generated code: the graph as straight-line code computes what the node-by-node executor computes."""
 
 import torch
 import torch.nn.functional as F
@@ -25,19 +25,6 @@ class Odd(nn.Module):
         return y.softmax(dim=1)[..., ::2].sum(), y.new_zeros(2)
 
 
-def straight_line(program: NodeProgram):
-    """The whole graph as one generated function of its placeholder values."""
-    lines = ["def run(values):", f"    {''.join(f'v{i}, ' for i in program.placeholders)}= values"]
-    for i, node in enumerate(program.nodes):
-        if node.op == "placeholder":
-            continue
-        if i == program.output:
-            lines.append(f"    return {program.expression(i)}")
-            break
-        lines.append(f"    v{i} = {program.expression(i)}")
-    return program.define("run", "\n".join(lines) + "\n")
-
-
 def graphs_of(module, args, kwargs) -> list:
     """(graph module, real example inputs) of each graph TorchDynamo captures for ``module(*args, **kwargs)``."""
     graphs = []
@@ -62,7 +49,7 @@ def test_generated_code_computes_what_the_graph_computes():
             torch.manual_seed(1)  # Branchy's dropout draws the same mask in both runs
             expected = tree_leaves(program.run(list(values)))
             torch.manual_seed(1)
-            got = tree_leaves(straight_line(program)(list(values)))
+            got = tree_leaves(program.define("run", program.source("run"))(list(values)))
             assert len(got) == len(expected) > 0
             for a, b in zip(expected, got):
                 assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, type(module).__name__
