@@ -298,11 +298,11 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
         last_use[s] = n_ops
     saved_by: dict[int, set[int]] = defaultdict(set)
     saved_at: dict[int, set[int]] = defaultdict(set)  # serial -> operator ranks (positions) that save it
-    rank = {node: r for r, node in enumerate(operators)}
+    rank_of_node = {node: r for r, node in enumerate(operators)}
     for i, serials in trace.node_saved.items():
         for s in serials:
             saved_by[s].add(op_of_node[i])
-            saved_at[s].add(rank[i])
+            saved_at[s].add(rank_of_node[i])
 
     # An op whose values never flow into the outputs has its autograd nodes freed in forward, with its outputs.
     reaches = [False] * len(program.nodes)
@@ -310,7 +310,6 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
         reaches[i] = any(u == program.output or reaches[u] for u in program.users[i])
     windows = _forward_windows(rec.events, op_of_node, n_ops)
     extra = _forward_extra(rec.events, windows, n_ops, rec.serial_bytes)
-    rank_of_node = {node: r for r, node in enumerate(operators)}
     grad_start, grad_peak, grad_after = _backward_gradient_profile(rec.events, trace.node_seq, rank_of_node,
                                                                    len(operators), rec.serial_bytes)
     times = _node_times(trace, rank_of_node, device, measure, rates, granule)

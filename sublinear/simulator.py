@@ -236,12 +236,15 @@ class StepTerms:
     forward: int
     backward: int
     head: tuple[int, ...]
-    beyond_held: tuple[int, ...]
-    regather: int | None  # the part of beyond_held that FSDP's backward gather adds (None: no such slot)
-    later: int | None  # the part that the call's later graphs add (None: no later graphs, or not yet known)
+    regather: int | None  # FSDP gathering the parameters again for backward (None: no such slot)
+    later: int | None  # the call's later graphs at their peak (None: no later graphs, or not yet known)
     sharding: ShardedParameters | None
-    shards_for_parameters: int  # FSDP: the shards minus the full parameters the profile counts
     gradient_bytes: int
+
+    @property
+    def beyond_held(self) -> tuple[int, ...]:
+        """The constants of the slots after forward, in timeline order."""
+        return tuple(v for v in (self.regather, self.later) if v is not None)
 
     def end(self, own_bytes: int) -> tuple[int, ...]:
         """The step's last slots, from the bytes the graph itself holds at its end (gradients included): the end
@@ -266,7 +269,6 @@ def step_terms(profile: GraphProfile) -> StepTerms:
         backward += context.beside_backward
     head: tuple[int, ...] = ()
     regather = None
-    shards = 0
     if s is not None:
         shards = s.sharded_bytes - profile.parameter_bytes
         forward += shards + s.unsharded_bytes + s.all_gather_bytes
@@ -275,8 +277,7 @@ def step_terms(profile: GraphProfile) -> StepTerms:
         if s.reshard_after_forward and len(profile.node_op):
             regather = profile.baseline_bytes + profile.output_gradient_bytes + shards + s.backward_gather_bytes()
     later = context.later_beyond_held if context is not None else None
-    beyond = tuple(v for v in (regather, later) if v is not None)
-    return StepTerms(forward, backward, head, beyond, regather, later, s, shards, profile.gradient_bytes)
+    return StepTerms(forward, backward, head, regather, later, s, profile.gradient_bytes)
 
 
 def forward_release(profile: GraphProfile, end: int) -> np.ndarray:
