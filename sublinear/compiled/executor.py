@@ -185,7 +185,9 @@ class CompiledGraph:
         env = torch._guards.detect_fake_mode(inputs).shape_env
         guards = tuple(g.expr.xreplace({s: sympy.Symbol(renamed[s.name], integer=True)
                                         for s in g.expr.free_symbols if s.name in renamed}) for g in env.guards)
-        return code, graphs, guards, {env_name: bound[name] for env_name, name in renamed.items()}
+        # each symbol's value as the environment hinted it (the bound, or a scalar input's own value)
+        hints = {str(symbol): int(value) for symbol, value in env.var_to_val.items()}
+        return code, graphs, guards, {env_name: hints[env_name] for env_name in renamed}
 
 
 def _step_peak(graphs: list[tuple[bool, fx.GraphModule, str | None]], sizes: dict[str, int]) -> int | None:
