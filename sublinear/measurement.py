@@ -95,7 +95,9 @@ def measure_cpu_allocator(step: Callable[..., Any], *args: Any, **kwargs: Any) -
     """Like :func:`measure`, but the CPU allocator's own count, read from the profiler's memory events.
 
     It sees what storage tracking cannot: storages that are resized in place, as FSDP2 frees and re-gathers its
-    parameters. Every CPU allocation of the profiled threads counts, at its requested size.
+    parameters. Every CPU allocation of the profiled threads counts, at its requested size. A buffer released on a
+    thread the profiler does not observe (a gloo worker that drops the last reference to a collective's output) is
+    never subtracted, so one step's count can exceed the truth by that buffer: take the median of a few steps.
     """
     from torch.profiler import ProfilerActivity, profile
 

@@ -246,3 +246,54 @@ def test_inductor_compiles_a_family_once_and_trains_like_torch_compile(caplog):
     assert grads.keys() == ref_grads.keys()
     assert all(torch.allclose(grads[k], ref_grads[k], rtol=1e-3, atol=1e-5) for k in grads)
     assert torch.equal(rng, ref_rng)
+
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _CountingNet(nn.Module):
+    """A custom autograd.Function, dropout and a Python side effect (a call counter) in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.drop, self.calls = nn.Linear(16, 16), nn.Linear(16, 16), nn.Dropout(0.1), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.b(self.drop(_Square.apply(self.a(x)))).sum()
+
+
+@pytest.mark.slow  # inductor compiles for sublinear and for torch.compile's reference
+def test_torch_compile_around_apply_trains_over_changing_batch_sizes_like_torch_compile():
+    """The outer compile breaks its graph at the planned module; the planned graph becomes dynamic at the second
+    batch size, and each of its symbols is sized as the shape environment hinted it, scalar inputs included."""
+    torch.manual_seed(0)
+    base = _CountingNet()
+    batches = [torch.randn(4 + k, 16, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+
+    def run(model, module):
+        torch.manual_seed(2)
+        grads = []
+        for x in batches:
+            model(x).backward()
+            grads.append([p.grad.clone() for p in module.parameters()])
+            module.zero_grad()
+        return grads, torch.get_rng_state()
+
+    planned = sublinear.apply(copy.deepcopy(base), dataclasses.replace(PLAIN, compiler="inductor"))
+    grads, rng = run(torch.compile(planned), planned)
+    reference = copy.deepcopy(base)
+    ref_grads, ref_rng = run(torch.compile(reference), reference)
+    assert planned.sublinear_plan is not None and planned.calls == reference.calls == len(batches)
+    assert all(torch.allclose(a, b, atol=1e-5) for got, ref in zip(grads, ref_grads) for a, b in zip(got, ref))
+    assert torch.equal(rng, ref_rng)

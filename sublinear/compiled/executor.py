@@ -186,7 +186,7 @@ class CompiledGraph:
         guards = tuple(g.expr.xreplace({s: sympy.Symbol(renamed[s.name], integer=True)
                                         for s in g.expr.free_symbols if s.name in renamed}) for g in env.guards)
         # each symbol's value as the environment hinted it (the bound, or a scalar input's own value)
-        hints = {str(symbol): int(value) for symbol, value in env.var_to_val.items()}
+        hints = {str(symbol): int(value) for symbol, value in env.backed_var_to_val.items()}
         return code, graphs, guards, {env_name: hints[env_name] for env_name in renamed}
 
 
