@@ -82,6 +82,10 @@ class _Schedule:
         self.leaf_kept: dict[int, tuple[bool | None, ...]] = {
             i: tuple(bool(analysis.state[s] == StorageState.KEPT) if s >= 0 else None for s in storages)
             for i, storages in profile.node_storages.items()}
+        # Nodes whose outputs' storages some node saves (or that the profile could not follow): only their
+        # storages need an owner when the forward runs, to tell a saved tensor's producer.
+        self.owns_saved = [any(st < 0 or profile.storage_saved_by[st] for st in profile.node_storages.get(i, (-1,)))
+                           for i in range(n_nodes)]
         self.node_retained = [True] * n_nodes
         for i, kept in analysis.node_retained.items():
             self.node_retained[i] = kept
@@ -112,21 +116,29 @@ class _Schedule:
         block tells ``call`` (a :class:`_ForwardCall`) what it reads before it runs and what it made after, so that
         the saved-tensor hook knows the running node."""
         program = self.program
+        framed_block = [-1]  # the block whose frame the local ``frame`` holds
 
         def node_lines(i: int) -> list[str]:
             if program.nodes[i].op == "get_attr":
                 return [f"    v{i} = {program.expression(i)}", f"    call._own([v{i}], -1)"]
             if not self.in_frame_block[i]:
                 return [f"    v{i} = {program.expression(i)}"]
-            lines = [f"    frame = call._frame_for({i})"]
+            lines = []
+            if self.block_of_node[i] != framed_block[0]:
+                lines.append(f"    frame = call._frame_for({i})")
+                framed_block[0] = self.block_of_node[i]
             if self._prepares(i):
                 read = sorted(set(program.inputs[i]).union(self.frame_inputs.get(i, ())))
                 reads = ", ".join(f"{j}: v{j}" for j in read)
                 lines.append(f"    call._prepare(frame, {i}, {{{reads}}})")
             lines += [f"    call.node = {i}", "    call.packs = 0", f"    v{i} = {program.expression(i)}",
-                      "    call.node = -1", f"    call._after({i}, v{i}, frame)"]
+                      "    call.node = -1"]
+            if self.owns_saved[i]:
+                lines.append(f"    call._own((v{i},), {i})")
+            lines.append(f"    if call.pending: call._settle({i}, frame)")
             if i in self.block_end:
                 lines.append(f"    call._end_block({i})")
+                framed_block[0] = -1
             return lines
 
         return program.source("forward", node_lines, first="call, ")
@@ -513,11 +525,9 @@ class _ForwardCall:
                                t.untyped_storage().nbytes())
         frame.handles.append(weakref.ref(saved))
 
-    def _after(self, i: int, value: Any, frame: _Frame | None) -> None:
-        if frame is None:
-            return
+    def _settle(self, i: int, frame: _Frame) -> None:
+        """Decide what node ``i``'s saved tensors become, now that its outputs have owners: stored, or handles."""
         s = self.schedule
-        self._own([value], i)
         pending, self.pending = self.pending, []
         for saved, t, order in pending:
             if storage_key(t) is None:

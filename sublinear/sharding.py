@@ -25,6 +25,16 @@ def refuse_nested_fsdp(module: nn.Module) -> None:
     if fsdp is None:
         return
     FSDPModule = fsdp.FSDPModule
+    pending = list(module._modules.values())  # a walk without names: the names are made only for the error
+    while pending:
+        sub = pending.pop()
+        if sub is None:
+            continue
+        if isinstance(sub, FSDPModule):
+            break
+        pending.extend(sub._modules.values())
+    else:
+        return
     nested = [name for name, sub in module.named_modules() if sub is not module and isinstance(sub, FSDPModule)]
     if nested:
         raise ValueError(f"FSDP units inside the compiled module ({', '.join(nested[:3])}) would be bypassed by the "

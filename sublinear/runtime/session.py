@@ -46,6 +46,9 @@ from .variant import _Variant
 log = logging.getLogger("sublinear")
 
 
+_META = torch.device("meta")
+
+
 def _value_key(values: Sequence[Any], model_device: str | None = None, sizes: SymbolicSizes | None = None) -> tuple:
     """What a plan depends on in a graph's inputs: every tensor's shape, stride, dtype, device and requires_grad
     (parameters included), and every other input's value. Values captured for a model on the meta device are fake
@@ -57,16 +60,24 @@ def _value_key(values: Sequence[Any], model_device: str | None = None, sizes: Sy
         if sizes is not None and isinstance(sizes.inputs[i], str):
             key.append("symbol")
         elif isinstance(v, torch.Tensor):
-            device = "meta" if model_device == "meta" and v.device.type == "cpu" else str(v.device)
-            shape, stride = sizes.masked(i, v) if sizes is not None else (tuple(v.shape), tuple(v.stride()))
-            key.append((shape, stride, str(v.dtype), device, v.requires_grad))
+            device = v.device
+            if model_device == "meta" and device.type == "cpu":
+                device = _META
+            shape, stride = sizes.masked(i, v) if sizes is not None else (v.shape, v.stride())
+            key.append((shape, stride, v.dtype, device, v.requires_grad))
         else:
             key.append(repr(v))
     return tuple(key)
 
 
 def _any_requires_grad(values: Sequence[Any]) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(list(values)))
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.requires_grad:
+                return True
+        elif isinstance(v, (list, tuple, dict)) and _any_requires_grad(tree_leaves(v)):
+            return True
+    return False
 
 
 class _PlanStore:

@@ -22,10 +22,10 @@ if TYPE_CHECKING:
     from .session import _GraphRuntime
 
 
-def _storages(values: Any) -> dict[int, int]:
+def _storages(values: list[Any]) -> dict[int, int]:
     """Storage key -> bytes of every tensor among ``values`` (real or fake), each storage once."""
     found: dict[int, int] = {}
-    for t in tree_leaves(values):
+    for t in values if all(isinstance(v, torch.Tensor) for v in values) else tree_leaves(values):
         if isinstance(t, torch.Tensor):
             storage = t.untyped_storage()
             found[storage._cdata] = storage.nbytes()
@@ -57,11 +57,10 @@ class _GraphRun:
     @staticmethod
     def of(runtime: _GraphRuntime, variant: _Variant | None, values: Sequence[Any]) -> _GraphRun:
         kinds = runtime.graph.kinds
-
-        def of_kind(*wanted: str) -> dict[int, int]:
-            return _storages([v for k, v in zip(kinds, values) if k in wanted])
-
-        return _GraphRun(runtime, variant, of_kind(PARAMETER, BUFFER), of_kind(PARAMETER), of_kind(INPUT))
+        state = _storages([v for k, v in zip(kinds, values) if k == PARAMETER or k == BUFFER])
+        parameters = state if BUFFER not in kinds else _storages([v for k, v in zip(kinds, values) if k == PARAMETER])
+        inputs = _storages([v for k, v in zip(kinds, values) if k == INPUT])
+        return _GraphRun(runtime, variant, state, parameters, inputs)
 
     def record(self, outputs: GraphOutputs) -> None:
         """What the run returned."""
