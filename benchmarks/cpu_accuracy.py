@@ -32,7 +32,7 @@ import sublinear
 from sublinear.core import Plan
 from sublinear.models import get_model
 from sublinear.training import training_step
-from sublinear.simulator import simulate
+from sublinear.simulation.timeline import simulate
 
 BUDGET_FRACTIONS = (0.7, 0.5)
 

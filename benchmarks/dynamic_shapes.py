@@ -28,7 +28,7 @@ import torch
 
 import sublinear
 import sublinear.runtime.session as runtime
-from sublinear.compiled import CompiledGraph
+from sublinear.execute.compiled import CompiledGraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_hf import dynamic_padding, timed_steps  # noqa: E402

@@ -10,7 +10,7 @@ Takes every option of `sublinear maxbatch` (same engine); --device cuda measures
 
 import sys
 
-from sublinear.cli import main
+from sublinear.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["maxbatch", *sys.argv[1:]]))

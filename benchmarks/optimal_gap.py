@@ -31,14 +31,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sublinear.capture import capture
+from sublinear.capture.dynamo import capture
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core import Plan
 from sublinear.models import get_model
 from sublinear.planners import BudgetError, make_plan
 from sublinear.planners.optimal import FlatModel, kept_sets, solve
-from sublinear.profiler import profile
-from sublinear.simulator import simulate
+from sublinear.profiling.graph import profile
+from sublinear.simulation.timeline import simulate
 
 MODELS = {"resnet50": 64, "bert-base": 8, "gpt": 8}  # model -> batch (sequence length: the model's default)
 MLP_BATCH = 256

@@ -9,9 +9,11 @@ Per model, at the planning batch (--batch) on data-less tensors:
 - sublinear: ``sublinear.pareto`` (grid search, then the least predicted time for --budgets memory budgets, refined
   by --genetic-iters generations), each point's predicted peak, predicted step-time ratio and FLOPs ratio;
 - references: eager, ``torch.utils.checkpoint`` around every residual block or transformer layer
-  (``sublinear.baselines.checkpoint_blocks``), and the same with selective activation checkpointing (the outputs of
+  (``sublinear.tools.baselines.checkpoint_blocks``), and the same with selective activation checkpointing (the outputs
+  of
   matmuls, convolutions and attention kernels saved, everything else recomputed); each one's peak measured by
-  ``sublinear.measure``, and its step's FLOPs and predicted time (``sublinear.costs.StepCost`` at the reference
+  ``sublinear.measure``, and its step's FLOPs and predicted time (``sublinear.profiling.costs.StepCost`` at the
+  reference
   GPU's rates, the rates the plans are predicted at) over eager's.
 
 Zoo models run on the meta device; Hugging Face models (``hf:<ModelClass>``) on fake CPU tensors, because
@@ -41,14 +43,14 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import sublinear
-from sublinear.baselines import checkpoint_blocks, residual_blocks
-from sublinear.capture import capture
-from sublinear.costs import REFERENCE_GPU, StepCost
-from sublinear.maxbatch import _Environment
+from sublinear.tools.baselines import checkpoint_blocks, residual_blocks
+from sublinear.capture.dynamo import capture
+from sublinear.profiling.costs import REFERENCE_GPU, StepCost
+from sublinear.tools.maxbatch import _Environment
 from sublinear.models import get_model
-from sublinear.profiler import profile
+from sublinear.profiling.graph import profile
 from sublinear.training import training_step
-from sublinear.report import ParetoSeries, plot_pareto
+from sublinear.tools.report import ParetoSeries, plot_pareto
 
 _ATTENTION_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",

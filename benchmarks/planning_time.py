@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+from pathlib import Path
 import time
 
 import functools
@@ -20,13 +21,15 @@ import functools
 import torch
 
 import sublinear
-from sublinear.capture import capture
+from sublinear.capture.dynamo import capture
 from sublinear.models import get_model
-from sublinear.models.chain import Chain
 from sublinear.models.hf import hf_model
 from sublinear.planners import make_plan
-from sublinear.profiler import profile
+from sublinear.profiling.graph import profile
 from sublinear.runtime import collecting_new_objects_only
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from conftest import Chain  # noqa: E402  (the tests' long chain)
 
 
 def cases():

@@ -9,7 +9,7 @@ Takes every option of `sublinear tune` (same engine, meta device).
 
 import sys
 
-from sublinear.cli import main
+from sublinear.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["tune", *sys.argv[1:]]))

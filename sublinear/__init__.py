@@ -1,7 +1,7 @@
 """sublinear: train PyTorch models with sublinear activation memory.
 
 Pipeline: capture (TorchDynamo) → profile → simulate → plan → compile (inductor, the plan as AOTAutograd's
-partition; ``sublinear.compiled``) or rewrite (sublinear's eager executor). ``sublinear.backend`` is the
+partition; ``sublinear.execute.compiled``) or rewrite (sublinear's eager executor). ``sublinear.backend`` is the
 ``torch.compile`` backend that runs all of it; ``compile``, ``apply`` and ``trace`` are built on it.
 
 The planning core (``sublinear.core``), the simulator and the planners never import torch; the names below are
@@ -17,15 +17,15 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "SublinearModule": "api", "apply": "api", "compile": "api", "pareto": "api", "remove": "api", "trace": "api",
     "ParetoPoint": "runtime", "SublinearBackend": "runtime", "SublinearPlan": "runtime", "backend": "runtime",
-    "CaptureError": "capture",
+    "CaptureError": "capture.dynamo",
     "SublinearMemoryConfig": "config", "parse_size": "config",
     "Candidate": "core", "GraphProfile": "core", "Objective": "core", "Plan": "core", "PlanAnalysis": "core",
     "PlanError": "core", "Simulation": "core", "StorageState": "core", "analyse": "core",
     "MemoryReport": "measurement", "measure": "measurement", "measure_cpu_allocator": "measurement",
     "BudgetError": "planners", "Planner": "planners", "make_plan": "planners", "register_planner": "planners",
-    "profile": "profiler",
-    "RecomputeError": "rewriter", "rewrite": "rewriter",
-    "simulate": "simulator", "timeline": "simulator",
+    "profile": "profiling.graph",
+    "RecomputeError": "execute.eager", "rewrite": "execute.eager",
+    "simulate": "simulation.timeline", "timeline": "simulation.timeline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -30,16 +30,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
-from .runtime import (GraphPlan, ParetoPoint, SublinearBackend, SublinearPlan, backend, compile_module,
+from sublinear.runtime import (GraphPlan, ParetoPoint, SublinearBackend, SublinearPlan, backend, compile_module,
                       plan_ahead)
-from .capture import ModelErrorsAsEager, capture, model_error
-from .config import SublinearMemoryConfig
-from .core.objective import ratio_over
-from .core.plan import Plan
-from .core.profile import GraphProfile
-from .planners import BudgetError, make_plan, pareto_front
-from .profiler import profile
-from .sharding import fsdp_sharding, refuse_nested_fsdp
+from sublinear.capture.dynamo import ModelErrorsAsEager, capture, model_error
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core.objective import ratio_over
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile
+from sublinear.planners import BudgetError, make_plan, pareto_front
+from sublinear.profiling.graph import profile
+from sublinear.sharding import fsdp_sharding, refuse_nested_fsdp
 
 __all__ = ["GraphPlan", "ParetoPoint", "SublinearBackend", "SublinearModule", "SublinearPlan", "apply", "backend",
            "compile", "pareto", "remove", "trace"]

@@ -18,7 +18,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from .core.plan import Plan, PlanError
+from sublinear.core.plan import Plan, PlanError
 
 __all__ = ["PlanCache", "cache_dir", "write_json"]
 
@@ -46,7 +46,7 @@ class PlanCache:
         """A key over ``parts`` (graph code, signature, config, ...) and the library versions."""
         import torch
 
-        from . import __version__
+        from sublinear import __version__
 
         text = json.dumps({**parts, "torch": torch.__version__, "sublinear": __version__, "format": _FORMAT},
                           sort_keys=True, default=str)

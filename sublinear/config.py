@@ -47,7 +47,7 @@ class SublinearMemoryConfig:
     max_sizes: the largest shape of the forward's tensor arguments, by argument name (``{"input_ids": (32, 512)}``;
         None for a dimension left to TorchDynamo). Every dimension of the arguments is then dynamic from the first
         call, and the one plan is made for these sizes, so it serves every smaller shape. Without it a size that
-        changes is planned for its power-of-two bucket of the largest value seen (see ``sublinear.shapes``).
+        changes is planned for its power-of-two bucket of the largest value seen (see ``sublinear.capture.shapes``).
     """
 
     thresh_nr_try: int = 10

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .core.units import format_bytes
-from .tracking import StorageTracker, storages_of
+from sublinear.core.units import format_bytes
+from sublinear.profiling.tracking import StorageTracker, storages_of
 
 __all__ = ["MemoryReport", "measure", "measure_cpu_allocator"]
 

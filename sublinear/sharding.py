@@ -2,7 +2,7 @@
 
 ``fully_shard(compiled)`` makes the compiled module one FSDP unit. The layout (:class:`ShardedParameters`, plain
 numbers in the planning core) replaces the profiled full parameters and gradients in the simulation
-(:func:`sublinear.simulator.timeline`).
+(:func:`sublinear.simulation.timeline.timeline`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 from torch import nn
 
-from .core.profile import ShardedParameters
+from sublinear.core.profile import ShardedParameters
 
 __all__ = ["ShardedParameters", "fsdp_sharding", "refuse_nested_fsdp"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .core.profile import AutocastState
+from sublinear.core.profile import AutocastState
 
 __all__ = ["autocast_context", "autocast_state", "device_of", "stand_in_for_grad", "storage_key"]
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from sublinear.capture import (BUFFER, INPUT, PARAMETER, CaptureError, NeedsData, _Dispatch, capture,
+from sublinear.capture.dynamo import (BUFFER, INPUT, PARAMETER, CaptureError, NeedsData, _Dispatch, capture,
                                compile_entry, describe_node, graph_breaks, receiving)
 import sublinear
-from sublinear.interpret import NodeProgram
-from sublinear.profiler import profile
+from sublinear.execute.program import NodeProgram
+from sublinear.profiling.graph import profile
 
 from conftest import PLAIN
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sublinear
-from sublinear.cli import build_parser, main
+from sublinear.tools.cli import build_parser, main
 
 MLP_MODULE = '''import torch
 
@@ -139,13 +139,13 @@ def test_an_impossible_budget_exits_2_naming_the_minimum_before_any_table(user_m
 
 
 def test_output_paths_are_checked_before_any_work(tmp_path, monkeypatch, capsys):
-    import sublinear.maxbatch
+    import sublinear.tools.maxbatch
 
     def no_work(*args, **kwargs):
         raise AssertionError("the work ran before the output path was checked")
 
-    monkeypatch.setattr(sublinear.maxbatch, "compare", no_work)
-    monkeypatch.setattr(sublinear.maxbatch, "tune", no_work)
+    monkeypatch.setattr(sublinear.tools.maxbatch, "compare", no_work)
+    monkeypatch.setattr(sublinear.tools.maxbatch, "tune", no_work)
     missing = tmp_path / "no-such-dir" / "out.md"
     for argv in (["maxbatch", "--model", "tiny-resnet", "--out", str(missing)],
                  ["tune", "--model", "tiny-resnet", "--out", str(missing)],
@@ -158,12 +158,12 @@ def test_output_paths_are_checked_before_any_work(tmp_path, monkeypatch, capsys)
 
 
 def test_a_file_that_cannot_be_written_after_the_work_is_one_line_too(monkeypatch, capsys):
-    import sublinear.cli
+    import sublinear.tools.cli
 
     def disk_full(args):
         raise OSError(28, "No space left on device", "table.md")
 
-    monkeypatch.setattr(sublinear.cli, "_cmd_profile", disk_full)
+    monkeypatch.setattr(sublinear.tools.cli, "_cmd_profile", disk_full)
     assert main(["profile", "--model", "tiny-resnet"]) == 2
     one_error_line(capsys, "sublinear profile: error: [Errno 28] No space left on device: 'table.md'")
 
@@ -237,13 +237,13 @@ def test_plan_plots_the_step_memory(user_models, capsys):
 
 
 def test_plots_without_matplotlib_fail_before_the_work(monkeypatch, tmp_path, capsys):
-    import sublinear.maxbatch
+    import sublinear.tools.maxbatch
 
     def no_sweep(*args, **kwargs):
         raise AssertionError("the sweep ran before the missing matplotlib was noticed")
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setattr(sublinear.maxbatch, "tune", no_sweep)
+    monkeypatch.setattr(sublinear.tools.maxbatch, "tune", no_sweep)
     assert main(["tune", "--model", "tiny-resnet", "--plot", str(tmp_path / "c.png")]) == 2
     one_error_line(capsys, "--plot needs matplotlib")
     assert main(["plan", "--model", "tiny-resnet", "--plot", str(tmp_path / "s.png")]) == 2
@@ -296,7 +296,7 @@ def test_python_dash_m_version_imports_no_transformers():
                             capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == f"sublinear {sublinear.__version__}"
     imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line]
-    assert "sublinear.cli" in imported and not any(name.startswith("transformers") for name in imported)
+    assert "sublinear.tools.cli" in imported and not any(name.startswith("transformers") for name in imported)
 
 
 def test_hf_models_without_transformers_exit_2_with_one_line(monkeypatch, capsys):
@@ -367,7 +367,7 @@ def test_maxbatch_hf_model_end_to_end(capsys):
 def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise(caplog):
     import io
 
-    from sublinear.cli import _Progress
+    from sublinear.tools.cli import _Progress
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -378,6 +378,6 @@ def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise(caplog):
     bar(0, 2, "first ...")
     bar(2, 2, "done")
     assert "\r" in terminal.getvalue() and "[" + "#" * _Progress.WIDTH + "] 2/2 done" in terminal.getvalue()
-    with caplog.at_level("INFO", logger="sublinear.cli"):
+    with caplog.at_level("INFO", logger="sublinear.tools.cli"):
         _Progress(io.StringIO())(1, 2, "halfway")
     assert [r.getMessage() for r in caplog.records] == ["halfway"]

@@ -17,12 +17,12 @@ from torch import nn
 import torch.nn.functional as F
 
 import sublinear
-from sublinear.compiled import CompiledGraph, JointTraceError, compiled_profile, trace_joint
-from sublinear.compiled import executor as compiled_executor
+from sublinear.execute.compiled import CompiledGraph, JointTraceError, compiled_profile, trace_joint
+from sublinear.execute.compiled import executor as compiled_executor
 from sublinear.core import Plan, StorageState, analyse
 from sublinear.measurement import measure_cpu_allocator
 from sublinear.training import default_loss
-from sublinear.simulator import simulate
+from sublinear.simulation.timeline import simulate
 
 from conftest import PLAIN, ResidualNet, train_steps
 
@@ -238,7 +238,7 @@ def test_a_graph_inductor_cannot_trace_runs_on_the_eager_executor(monkeypatch, c
 def test_the_joint_graph_names_every_forward_node_after_its_captured_node():
     torch.manual_seed(0)
     model = ResidualNet().train()
-    graph = sublinear.capture.capture(model, (torch.randn(2, 3, 8, 8),)).graph
+    graph = sublinear.capture.dynamo.capture(model, (torch.randn(2, 3, 8, 8),)).graph
     joint = trace_joint(graph, graph.example_values)
     profile = compiled_profile(graph, graph.example_values).profile
     assert len(profile.op_of_node) == len(joint.forward)
@@ -267,7 +267,7 @@ WRAPPER = '''
 
 
 def test_wrapper_walk_counts_allocations_aliases_library_results_and_frees():
-    from sublinear.compiled.wrapper import walk_wrapper
+    from sublinear.execute.compiled.wrapper import walk_wrapper
 
     memory = walk_wrapper(WRAPPER, {"saved_1": (1000, 4), "tangents_1": (64, 4)})
     # start: 1064; buf0 +512; tangents -64; conv result (4x8 float32, like buf1) +128; int64 buf5 +32; saved -1000

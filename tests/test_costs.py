@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sublinear.costs import REFERENCE_GPU, StepCost, aten_work, estimate_seconds
+from sublinear.profiling.costs import REFERENCE_GPU, StepCost, aten_work, estimate_seconds
 
 aten = torch.ops.aten
 
@@ -90,7 +90,7 @@ def test_the_default_cost_model_gives_the_same_plan_in_fresh_processes(tmp_path)
 def test_device_rates_are_measured_once_per_machine_and_read_back(tmp_path, monkeypatch):
     import json
 
-    from sublinear.costs import device_rates
+    from sublinear.profiling.costs import device_rates
 
     monkeypatch.setenv("SUBLINEAR_CACHE_DIR", str(tmp_path))
     device_rates.cache_clear()

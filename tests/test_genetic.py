@@ -14,7 +14,7 @@ from sublinear.planners import make_plan
 from sublinear.planners.genetic import (crossover, merge_blocks, move_boundary, split_block, toggle_kept,
                                         toggle_soft)
 from sublinear.planners.grid import grid_plans
-from sublinear.simulator import simulate
+from sublinear.simulation.timeline import simulate
 
 from conftest import Chain, problem_for, profile_of
 

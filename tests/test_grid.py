@@ -5,7 +5,7 @@ import torch
 
 from sublinear.core import Plan
 from sublinear.planners.grid import greedy_plan, grid_plans, keep_variants
-from sublinear.simulator import simulate
+from sublinear.simulation.timeline import simulate
 
 from conftest import Chain, problem_for, profile_of
 

@@ -12,7 +12,7 @@ import torch
 import sublinear
 from sublinear.core import Plan
 from sublinear.training import training_step
-from sublinear.simulator import simulate
+from sublinear.simulation.timeline import simulate
 
 from conftest import PLAIN
 

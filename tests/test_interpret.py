@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from sublinear.interpret import NodeProgram
+from sublinear.execute.program import NodeProgram
 
 from conftest import Branchy, ResidualNet
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from sublinear.baselines import (BASELINES, NotApplicable, _Checkpointed, checkpoint_blocks,
+from sublinear.tools.baselines import (BASELINES, NotApplicable, _Checkpointed, checkpoint_blocks,
                                  hf_gradient_checkpointing, residual_blocks)
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core.units import format_bytes
-from sublinear.maxbatch import (BATCH_LIMIT, DoesNotFit, NothingFits, StrategyResult, _bracket, compare,
+from sublinear.tools.maxbatch import (BATCH_LIMIT, DoesNotFit, NothingFits, StrategyResult, _bracket, compare,
                                 fixed_floor, largest_fitting, strategies)
 from sublinear.models import get_model
 
@@ -117,11 +117,11 @@ def test_baselines_edit_each_model_once():
 @pytest.mark.slow
 def test_hf_gradient_checkpointing_row(monkeypatch):
     import transformers  # noqa: F401  (in the test extra)
-    import sublinear.maxbatch
+    import sublinear.tools.maxbatch
     from sublinear.models.hf import hf_model
 
     kept = ("checkpoint_sequential sqrt(n)", "HF gradient_checkpointing_enable")  # "every block" matches HF's
-    monkeypatch.setattr(sublinear.maxbatch, "BASELINES", {name: BASELINES[name] for name in kept})
+    monkeypatch.setattr(sublinear.tools.maxbatch, "BASELINES", {name: BASELINES[name] for name in kept})
     spec = hf_model("BertForSequenceClassification", layers=2, hidden=32)
     notes = []
     rows = {r.strategy: r for r in compare(spec, 24 * 2**20, (), seq=64, note=notes.append)}
@@ -140,16 +140,16 @@ def test_planning_seconds_are_the_wall_time_of_planning_at_the_max_batch(monkeyp
     """Capture, profile and search of every graph at the max batch, not what the last re-plan took."""
     import time
 
-    import sublinear.maxbatch
+    import sublinear.tools.maxbatch
 
-    real = sublinear.maxbatch.sublinear_compile
+    real = sublinear.tools.maxbatch.sublinear_compile
     planned_batches = []
 
     def slow_compile(model, args, kwargs, config):
         planned_batches.append(args[0].shape[0])
         time.sleep(0.05)
         return real(model, args, kwargs, config=config)
-    monkeypatch.setattr(sublinear.maxbatch, "sublinear_compile", slow_compile)
+    monkeypatch.setattr(sublinear.tools.maxbatch, "sublinear_compile", slow_compile)
     from conftest import Chain
     from sublinear.models import ModelSpec
 
@@ -169,12 +169,12 @@ def _chain_spec(width: int = 64):
 
 
 def test_a_budget_below_the_fixed_bytes_fails_before_any_strategy_runs(monkeypatch):
-    import sublinear.maxbatch
+    import sublinear.tools.maxbatch
 
     def no_search(*args, **kwargs):
         raise AssertionError("a strategy ran under a budget no strategy can meet")
 
-    monkeypatch.setattr(sublinear.maxbatch, "_largest_batch", no_search)
+    monkeypatch.setattr(sublinear.tools.maxbatch, "_largest_batch", no_search)
     spec = _chain_spec()
     floor = fixed_floor(spec, None)
     parameters = 8 * (64 * 64 + 64) * 4
@@ -186,12 +186,12 @@ def test_a_budget_below_the_fixed_bytes_fails_before_any_strategy_runs(monkeypat
 
 
 def test_a_budget_no_strategy_meets_at_batch_1_names_the_least_need(monkeypatch):
-    import sublinear.maxbatch
+    import sublinear.tools.maxbatch
 
     spec = _chain_spec()
     budget = fixed_floor(spec, None).total + 1  # above the fixed bytes, below any step's activations
-    eager = sublinear.maxbatch._largest_batch(spec, "eager", lambda model, batch: model, budget,
-                                              sublinear.maxbatch._Environment("meta", None), None)
+    eager = sublinear.tools.maxbatch._largest_batch(spec, "eager", lambda model, batch: model, budget,
+                                              sublinear.tools.maxbatch._Environment("meta", None), None)
     assert eager.max_batch == 0 and eager.least_need[0] == 1 and eager.least_need[1] > budget
     config = SublinearMemoryConfig(planners=("grid",), cache_dir="", cost_model="estimate")
     (_, planned), = strategies((0,), config, None, spec, baselines=False, budget=budget)[1:]
@@ -201,11 +201,11 @@ def test_a_budget_no_strategy_meets_at_batch_1_names_the_least_need(monkeypatch)
 
     def refused(model, batch):
         raise DoesNotFit("no plan fits", 10 * batch * budget)
-    refusing = sublinear.maxbatch._largest_batch(spec, "sublinear", refused, budget,
-                                                 sublinear.maxbatch._Environment("meta", None), None)
+    refusing = sublinear.tools.maxbatch._largest_batch(spec, "sublinear", refused, budget,
+                                                 sublinear.tools.maxbatch._Environment("meta", None), None)
     assert refusing.max_batch == 0 and refusing.least_need == (1, 10 * budget)
     rows = [eager, refusing]
-    monkeypatch.setattr(sublinear.maxbatch, "_largest_batch", lambda spec, name, *args: rows.pop(0))
+    monkeypatch.setattr(sublinear.tools.maxbatch, "_largest_batch", lambda spec, name, *args: rows.pop(0))
     with pytest.raises(NothingFits, match=rf"chain: no strategy fits batch 1 in {format_bytes(budget)}; the least "
                                           rf"needed is {format_bytes(eager.least_need[1])} \(eager at batch 1\): "
                                           r"raise the budget to at least that$"):
@@ -213,7 +213,7 @@ def test_a_budget_no_strategy_meets_at_batch_1_names_the_least_need(monkeypatch)
 
 
 def test_rows_that_fit_no_batch_show_no_ratios():
-    from sublinear.report import maxbatch_markdown, maxbatch_text
+    from sublinear.tools.report import maxbatch_markdown, maxbatch_text
 
     rows = [StrategyResult("eager", 0, 0, float("nan"), float("nan"), None, None, "meta", (1, 5000)),
             StrategyResult("sublinear", 3, 900, 1.2, 1.1, 0.5, 800, "meta")]

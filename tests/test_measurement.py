@@ -6,7 +6,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import sublinear
 from sublinear.models import get_model
 from sublinear.training import training_step
-from sublinear.tracking import StorageTracker
+from sublinear.profiling.tracking import StorageTracker
 
 
 def test_views_and_in_place_results_count_once():

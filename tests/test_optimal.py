@@ -16,7 +16,7 @@ from sublinear.config import SublinearMemoryConfig
 from sublinear.core import Plan, ShardedParameters, StepContext
 from sublinear.planners import PLANNERS, BudgetError, make_plan
 from sublinear.planners.optimal import FlatModel, OptimalPlanner, kept_sets, solve
-from sublinear.simulator import simulate
+from sublinear.simulation.timeline import simulate
 
 from conftest import Chain, RandomDAG, problem_for, profile_of
 

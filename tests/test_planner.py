@@ -13,10 +13,10 @@ import sublinear
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core import Candidate, Plan, ShardedParameters, Simulation, StepContext
 from sublinear.core.units import format_bytes
-from sublinear.models.chain import Chain
+from conftest import Chain
 from sublinear.planners import PLANNERS, BudgetError, make_plan, pareto_front, register_planner
 from sublinear.planners.driver import step_floor
-from sublinear.simulator import simulate
+from sublinear.simulation.timeline import simulate
 
 from conftest import profile_of
 
@@ -224,6 +224,6 @@ def test_planners_search_without_cycle_collection_and_the_collector_comes_back(r
 
 
 def test_the_planning_core_imports_without_torch():
-    code = ("import sys; import sublinear.core, sublinear.simulator, sublinear.planners, sublinear.config; "
+    code = ("import sys; import sublinear.core, sublinear.simulation.timeline, sublinear.planners, sublinear.config; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -5,9 +5,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import sublinear
-from sublinear.capture import capture
+from sublinear.capture.dynamo import capture
 from sublinear.models import get_model
-from sublinear.profiler import ProfileError, profile
+from sublinear.profiling.graph import ProfileError, profile
 from sublinear.training import training_step
 
 from conftest import ResidualNet, profile_of

@@ -12,7 +12,7 @@ import sublinear
 from sublinear.core import Plan
 from sublinear.models import get_model
 from sublinear.training import training_step
-from sublinear.rewriter import RecomputeError
+from sublinear.execute.eager import RecomputeError
 
 from conftest import PLAIN, Branchy, Chain, ResidualNet, assert_same_training, compile_with, train_steps
 
@@ -270,7 +270,7 @@ def test_higher_order_gradients_through_recomputed_blocks(plan_for):
 
 def test_a_plan_that_recomputes_nothing_runs_the_graph_without_hooks(monkeypatch):
     """A budget the eager step fits gives eager: the captured graph runs as it is, with no saved-tensor hooks."""
-    import sublinear.rewriter as rewriter
+    import sublinear.execute.eager as rewriter
 
     model, x, eager = _residual_net_and_eager_training(steps=2)
     compiled = sublinear.compile(model, (x,), config=sublinear.SublinearMemoryConfig(memory_budget="1GiB"))

@@ -14,9 +14,9 @@ from torch import nn
 import torch.nn.functional as F
 
 import sublinear
-from sublinear.capture import compile_entry, receiving
+from sublinear.capture.dynamo import compile_entry, receiving
 from sublinear.measurement import measure
-from sublinear.shapes import SymbolicSizes, argument_dims, bucket, covers, guards_hold, join
+from sublinear.capture.shapes import SymbolicSizes, argument_dims, bucket, covers, guards_hold, join
 
 from conftest import PLAIN, assert_same_training
 
@@ -227,7 +227,7 @@ def test_max_sizes_make_one_plan_serve_every_smaller_shape(ahead, caplog):
 
 @pytest.mark.slow
 def test_inductor_compiles_a_family_once_and_trains_like_torch_compile(caplog):
-    from sublinear.compiled import CompiledGraph
+    from sublinear.execute.compiled import CompiledGraph
 
     torch.manual_seed(0)
     base = TinyTransformer()

@@ -12,7 +12,7 @@ from sublinear.models import get_model
 from sublinear.planners import PlanningProblem, objective_for
 from sublinear.planners.grid import grid_plans
 from sublinear.training import training_step
-from sublinear.simulator import simulate
+from sublinear.simulation.timeline import simulate
 
 from conftest import PLAIN, RandomDAG, assert_same_training, profile_of, train_steps
 
@@ -115,7 +115,7 @@ def test_sharded_parameters_replace_full_parameters_in_the_timeline(reshard_afte
 
     from conftest import Chain
     from sublinear.core import ShardedParameters
-    from sublinear.simulator import timeline
+    from sublinear.simulation.timeline import timeline
 
     x = torch.randn(32, 16)
     graph_profile = profile_of(Chain(4, 16), x)
@@ -147,7 +147,7 @@ def test_the_other_graphs_of_a_call_are_added_where_they_are_live():
 
     from conftest import Chain
     from sublinear.core import StepContext
-    from sublinear.simulator import timeline
+    from sublinear.simulation.timeline import timeline
 
     p = profile_of(Chain(6, 16), torch.randn(32, 16))
     plan = Plan.of([1, 3], p.num_ops)

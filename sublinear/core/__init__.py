@@ -15,10 +15,10 @@ Glossary (each word in one sense across the stages):
 - *held*: what the caller holds between graphs or after the step (outputs, inputs), never a plan's choice.
 """
 
-from .analysis import PlanAnalysis, StorageState, analyse
-from .objective import Candidate, Objective, Simulation
-from .plan import Plan, PlanError
-from .profile import GraphProfile, NodeFacts, OpProfile, ShardedParameters, StepContext
+from sublinear.core.analysis import PlanAnalysis, StorageState, analyse
+from sublinear.core.objective import Candidate, Objective, Simulation
+from sublinear.core.plan import Plan, PlanError
+from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile, ShardedParameters, StepContext
 
 __all__ = ["Candidate", "GraphProfile", "NodeFacts", "Objective", "OpProfile", "Plan", "PlanAnalysis", "PlanError",
            "ShardedParameters", "Simulation", "StepContext", "StorageState", "analyse"]

@@ -22,8 +22,8 @@ from functools import cached_property
 
 import numpy as np
 
-from .plan import Plan
-from .profile import GraphProfile
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile
 
 __all__ = ["PlanAnalysis", "StorageState", "analyse"]
 

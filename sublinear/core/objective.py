@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .plan import Plan
-from .units import format_bytes
+from sublinear.core.plan import Plan
+from sublinear.core.units import format_bytes
 
 __all__ = ["Candidate", "Objective", "Simulation", "ratio_over"]
 

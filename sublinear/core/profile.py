@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .units import format_bytes
+from sublinear.core.units import format_bytes
 
 __all__ = ["AutocastState", "GraphProfile", "NodeFacts", "OpProfile", "ShardedParameters", "StepContext"]
 

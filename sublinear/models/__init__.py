@@ -25,9 +25,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
-from .gpt import GPT, GPTConfig
-from .resnet import Bottleneck, BasicBlock, ResNet, resnet18, resnet50
+from sublinear.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from sublinear.models.gpt import GPT, GPTConfig
+from sublinear.models.resnet import Bottleneck, BasicBlock, ResNet, resnet18, resnet50
 
 __all__ = [
     "ModelSpec",
@@ -203,7 +203,7 @@ def get_model(name: str) -> ModelSpec:
     """A registered model, or ``hf:<ModelClass>`` (:func:`sublinear.models.hf.hf_model` with its defaults; needs
     transformers); raises ``ValueError`` naming the valid choices."""
     if name.startswith("hf:"):
-        from .hf import hf_model
+        from sublinear.models.hf import hf_model
 
         return hf_model(name[len("hf:"):])
     try:

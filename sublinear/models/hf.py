@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from . import ModelSpec
+from sublinear.models import ModelSpec
 
 __all__ = ["hf_model"]
 

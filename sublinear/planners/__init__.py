@@ -6,9 +6,9 @@ memory model of the simulator, by dynamic programming over block boundaries) and
 one-edit neighbours from the best plans found).
 """
 
-from . import genetic, grid, local, optimal  # noqa: F401  (register the built-in planners)
-from .base import PLANNERS, Planner, PlanningProblem, register_planner
-from .driver import BudgetError, PlanningResult, hand_back, make_plan, objective_for, pareto_front
+from sublinear.planners import genetic, grid, local, optimal  # noqa: F401  (register the built-in planners)
+from sublinear.planners.base import PLANNERS, Planner, PlanningProblem, register_planner
+from sublinear.planners.driver import BudgetError, PlanningResult, hand_back, make_plan, objective_for, pareto_front
 
 __all__ = ["BudgetError", "PLANNERS", "Planner", "PlanningProblem", "PlanningResult", "hand_back", "make_plan",
            "objective_for", "pareto_front", "register_planner"]

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..config import SublinearMemoryConfig
-from ..core.objective import Candidate, Objective, Simulation
-from ..core.plan import Plan
-from ..core.profile import GraphProfile
-from ..simulator import simulate
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core.objective import Candidate, Objective, Simulation
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile
+from sublinear.simulation.timeline import simulate
 
 __all__ = ["PLANNERS", "Planner", "PlanningProblem", "register_planner"]
 

@@ -14,13 +14,13 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..config import SublinearMemoryConfig
-from ..core.analysis import analyse
-from ..core.objective import Candidate, Objective, Simulation
-from ..core.plan import Plan
-from ..core.profile import GraphProfile
-from ..core.units import format_bytes
-from .base import PLANNERS, PlanningProblem
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core.analysis import analyse
+from sublinear.core.objective import Candidate, Objective, Simulation
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile
+from sublinear.core.units import format_bytes
+from sublinear.planners.base import PLANNERS, PlanningProblem
 
 __all__ = ["BudgetError", "PlanningResult", "StepFloor", "hand_back", "make_plan", "objective_for", "pareto_front",
            "step_floor"]

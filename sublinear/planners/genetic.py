@@ -38,12 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 from deap import base, creator, tools
 
-from ..config import SublinearMemoryConfig
-from ..core.objective import Candidate, Simulation
-from ..core.plan import Plan
-from ..core.profile import GraphProfile
-from ..simulator import simulate
-from .base import PlanningProblem, register_planner
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core.objective import Candidate, Simulation
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile
+from sublinear.simulation.timeline import simulate
+from sublinear.planners.base import PlanningProblem, register_planner
 
 __all__ = ["GeneticPlanner", "GeneticResult", "crossover", "genetic_search", "merge_blocks", "move_boundary",
            "split_block", "toggle_kept", "toggle_soft", "uniform_plans"]

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..config import SublinearMemoryConfig
-from ..core.analysis import analyse
-from ..core.objective import Candidate
-from ..core.plan import Plan
-from ..core.profile import GraphProfile
-from .base import PlanningProblem, register_planner
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core.analysis import analyse
+from sublinear.core.objective import Candidate
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile
+from sublinear.planners.base import PlanningProblem, register_planner
 
 __all__ = ["GridPlanner", "greedy_plan", "grid_plans", "keep_variants"]
 

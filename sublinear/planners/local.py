@@ -20,11 +20,11 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 
-from ..config import SublinearMemoryConfig
-from ..core.analysis import analyse
-from ..core.objective import Candidate, Objective
-from ..core.plan import Plan
-from .base import PlanningProblem, register_planner
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core.analysis import analyse
+from sublinear.core.objective import Candidate, Objective
+from sublinear.core.plan import Plan
+from sublinear.planners.base import PlanningProblem, register_planner
 
 __all__ = ["LocalSearchPlanner", "neighbours"]
 

@@ -7,7 +7,8 @@ is pinned or kept (or such an op outputs a view of it) or it is read after ``j``
 ``[i..j]`` iff ``j >= entry_i(o)``, an index computed per block start (:meth:`FlatModel._entries`). A plan's
 recompute time is the sum of its blocks', as the simulator counts it.
 
-**Memory: a model of the simulator's timeline** (``sublinear.simulator._timeline``), exact on chains and an upper
+**Memory: a model of the simulator's timeline** (``sublinear.simulation.timeline._timeline``), exact on chains and an
+upper
 bound everywhere. For blocks ``b = 1..k`` (``k`` the last) :meth:`FlatModel.peak` is
 ``max(floor, max over b of P_b + L(b))`` with ``P_b = R(1) + ... + R(b - 1)``, where
 
@@ -58,13 +59,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import SublinearMemoryConfig
-from ..core.objective import Candidate
-from ..core.plan import Plan
-from ..core.profile import GraphProfile
-from ..core.units import format_bytes
-from ..simulator import forward_release, step_terms
-from .base import PlanningProblem, register_planner
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core.objective import Candidate
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile
+from sublinear.core.units import format_bytes
+from sublinear.simulation.timeline import forward_release, step_terms
+from sublinear.planners.base import PlanningProblem, register_planner
 
 __all__ = ["FlatModel", "OptimalPlanner", "Solution", "kept_sets", "solve"]
 

@@ -9,10 +9,10 @@
 - :mod:`.plans`: what a plan says, for people (:class:`SublinearPlan`).
 """
 
-from .session import SublinearBackend, backend, collecting_new_objects_only
-from .modules import compile_module, plan_ahead
-from .plans import BlockSummary, GraphPlan, ParetoPoint, SublinearPlan
-from .step import output_uses, step_contexts
+from sublinear.runtime.session import SublinearBackend, backend, collecting_new_objects_only
+from sublinear.runtime.modules import compile_module, plan_ahead
+from sublinear.runtime.plans import BlockSummary, GraphPlan, ParetoPoint, SublinearPlan
+from sublinear.runtime.step import output_uses, step_contexts
 
 __all__ = ["BlockSummary", "GraphPlan", "ParetoPoint", "SublinearBackend", "SublinearPlan", "backend",
            "collecting_new_objects_only", "compile_module", "output_uses", "plan_ahead", "step_contexts"]

@@ -13,16 +13,16 @@ from torch import nn
 from torch._dynamo.exc import TorchDynamoException
 from torch.utils._python_dispatch import _disable_current_modes, any_torch_dispatch_mode_on_stack
 
-from ..capture import (CaptureError, NeedsData, capture, capture_error, compile_entry,
+from sublinear.capture.dynamo import (CaptureError, NeedsData, capture, capture_error, compile_entry,
                       eager_or_model_error, graph_breaks, input_signature, receiving)
-from ..config import SublinearMemoryConfig
-from ..core.objective import Candidate
-from ..planners import BudgetError
-from ..planners.driver import step_floor
-from ..sharding import refuse_nested_fsdp
-from ..tensors import device_of
-from .session import SublinearBackend, _GraphRuntime, collecting_new_objects_only
-from .step import _GraphRun
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core.objective import Candidate
+from sublinear.planners import BudgetError
+from sublinear.planners.driver import step_floor
+from sublinear.sharding import refuse_nested_fsdp
+from sublinear.tensors import device_of
+from sublinear.runtime.session import SublinearBackend, _GraphRuntime, collecting_new_objects_only
+from sublinear.runtime.step import _GraphRun
 
 log = logging.getLogger("sublinear")
 

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from ..capture import (CapturedGraph, GraphBreak, input_signature)
-from ..core.analysis import analyse
-from ..core.objective import Objective, Simulation, ratio_over
-from ..core.plan import Plan
-from ..core.profile import GraphProfile
-from ..core.units import format_bytes
-from ..planners import PlanningResult
-from ..shapes import Binding, describe_binding
+from sublinear.capture.dynamo import (CapturedGraph, GraphBreak, input_signature)
+from sublinear.core.analysis import analyse
+from sublinear.core.objective import Objective, Simulation, ratio_over
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile
+from sublinear.core.units import format_bytes
+from sublinear.planners import PlanningResult
+from sublinear.capture.shapes import Binding, describe_binding
 
 
 @dataclass(frozen=True)

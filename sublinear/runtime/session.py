@@ -20,28 +20,31 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from ..cache import PlanCache, cache_dir
-from ..compiled import CompiledGraph, JointGraph, JointTraceError, profile_joint, resolve_compiler, trace_joint
-from ..capture import (CapturedGraph, GraphBreak, GraphOutputs, InputSignature,
-                      SharedGraph)
-from ..config import SublinearMemoryConfig
-from ..core.analysis import PlanAnalysis, analyse
-from ..core.objective import Candidate, Objective, Simulation
-from ..core.plan import Plan
-from ..core.profile import GraphProfile, ShardedParameters, StepContext
-from ..core.units import format_bytes
-from ..planners import BudgetError, PlanningResult, make_plan, objective_for
-from ..planners.driver import step_floor
-from ..profiler import profile
-from ..training import DROPPED, GRADIENT, KEPT
-from ..rewriter import rewrite
-from ..progress import PlanningProgress
-from ..shapes import Binding, SymbolicSizes, argument_dims, bucket, covers, describe_binding, join
-from ..tensors import autocast_state, device_of
-from ..simulator import simulate
-from .plans import ParetoPoint, SublinearPlan, _summarise
-from .step import _GraphRun, _contexts_by_graph, _planned_knowing_later, _widest, output_uses, step_contexts
-from .variant import _Variant
+from sublinear.cache import PlanCache, cache_dir
+from sublinear.execute.compiled import (
+    CompiledGraph, JointGraph, JointTraceError, profile_joint, resolve_compiler, trace_joint,
+)
+from sublinear.capture.dynamo import CapturedGraph, GraphBreak, GraphOutputs, InputSignature, SharedGraph
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core.analysis import PlanAnalysis, analyse
+from sublinear.core.objective import Candidate, Objective, Simulation
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile, ShardedParameters, StepContext
+from sublinear.core.units import format_bytes
+from sublinear.planners import BudgetError, PlanningResult, make_plan, objective_for
+from sublinear.planners.driver import step_floor
+from sublinear.profiling.graph import profile
+from sublinear.training import DROPPED, GRADIENT, KEPT
+from sublinear.execute.eager import rewrite
+from sublinear.progress import PlanningProgress
+from sublinear.capture.shapes import Binding, SymbolicSizes, argument_dims, bucket, covers, describe_binding, join
+from sublinear.tensors import autocast_state, device_of
+from sublinear.simulation.timeline import simulate
+from sublinear.runtime.plans import ParetoPoint, SublinearPlan, _summarise
+from sublinear.runtime.step import (
+    _GraphRun, _contexts_by_graph, _planned_knowing_later, _widest, output_uses, step_contexts,
+)
+from sublinear.runtime.variant import _Variant
 
 log = logging.getLogger("sublinear")
 
@@ -152,7 +155,8 @@ class SublinearBackend:
         return runtime
 
     def run_graph(self, shared: SharedGraph, values: Sequence[Any]) -> Any:
-        """Run a graph from TorchDynamo's shared cache (see :data:`sublinear.capture.DISPATCH`) as this session's."""
+        """Run a graph from TorchDynamo's shared cache (see :data:`sublinear.capture.dynamo.DISPATCH`) as this
+        session's."""
         runtime = self._shared.get(id(shared))
         if runtime is None or runtime.graph is not shared.graph:
             runtime = self._shared[id(shared)] = self._add(shared.graph)
@@ -478,7 +482,7 @@ class _GraphRuntime:
 
     def compiler(self, values: Sequence[Any]) -> str:
         """What runs the graph for ``values``: inductor or sublinear's eager executor (see
-        :func:`sublinear.compiled.resolve_compiler`); a graph inductor cannot trace runs eagerly."""
+        :func:`sublinear.execute.compiled.resolve_compiler`); a graph inductor cannot trace runs eagerly."""
         if self.graph.code in self.backend.eager_only:
             return "eager"
         compiler = resolve_compiler(self.backend.config.compiler, device_of(values).type)
@@ -513,7 +517,8 @@ class _GraphRuntime:
         return variant
 
     def _plan_family(self, values: Sequence[Any], key: tuple, dry_run: bool, seen: Binding) -> _Variant:
-        """Plan for ``values``; a dynamic graph for its sizes' bucket (:func:`sublinear.shapes.bucket`), or, when
+        """Plan for ``values``; a dynamic graph for its sizes' bucket (:func:`sublinear.capture.shapes.bucket`), or,
+        when
         no plan fits the budget there, for the largest sizes seen."""
         if not seen:
             return self.backend.plan_graph(self, values, key, dry_run, {})

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..capture import BUFFER, INPUT, PARAMETER, GraphOutputs
-from ..core.plan import Plan
-from ..core.profile import StepContext
-from ..training import DROPPED, GRADIENT, KEPT
-from ..simulator import simulate
-from .variant import _Variant
+from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, GraphOutputs
+from sublinear.core.plan import Plan
+from sublinear.core.profile import StepContext
+from sublinear.training import DROPPED, GRADIENT, KEPT
+from sublinear.simulation.timeline import simulate
+from sublinear.runtime.variant import _Variant
 
 if TYPE_CHECKING:
-    from .session import _GraphRuntime
+    from sublinear.runtime.session import _GraphRuntime
 
 
 def _storages(values: list[Any]) -> dict[int, int]:
@@ -127,7 +127,7 @@ def _contexts_by_graph(runs: Sequence[_GraphRun], eager: bool) -> dict[str, Step
 
 def output_uses(runs: Sequence[_GraphRun], returned: Any) -> list[tuple[str, ...]]:
     """Per run of one call that returned ``returned``, per tensor output: what the step did with it (see
-    :func:`sublinear.profiler.profile`). A later run reads it, or it is the loss: the scalars among what the call
+    :func:`sublinear.profiling.graph.profile`). A later run reads it, or it is the loss: the scalars among what the call
     returned when there are any (a loss computed in forward), else every floating tensor it returned; those get a
     gradient. Of the others, what is still alive after the call was kept (a KV cache, a module attribute) and the
     rest was dropped when the graph returned."""

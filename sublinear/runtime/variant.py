@@ -7,14 +7,14 @@ import functools
 from dataclasses import dataclass, field
 
 
-from ..compiled import CompiledGraph
-from ..core.objective import Candidate, Objective, Simulation
-from ..core.plan import Plan
-from ..core.profile import GraphProfile, StepContext
-from ..rewriter import RewrittenGraph
-from ..shapes import Binding
-from ..simulator import simulate
-from .plans import GraphPlan
+from sublinear.execute.compiled import CompiledGraph
+from sublinear.core.objective import Candidate, Objective, Simulation
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile, StepContext
+from sublinear.execute.eager import RewrittenGraph
+from sublinear.capture.shapes import Binding
+from sublinear.simulation.timeline import simulate
+from sublinear.runtime.plans import GraphPlan
 
 
 @dataclass

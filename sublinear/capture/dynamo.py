@@ -37,14 +37,14 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                           FakeTensorMode)
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .shapes import SymbolicSizes
-from .tensors import stand_in_for_grad
+from sublinear.capture.shapes import SymbolicSizes
+from sublinear.tensors import stand_in_for_grad
 
 __all__ = ["DISPATCH", "Capture", "CaptureError", "CapturedGraph", "FakeTwin", "GraphBreak", "GraphOutputs",
            "GraphReceiver", "InputSignature", "ModelErrorsAsEager", "NeedsData", "SharedGraph", "capture",
            "compile_entry", "eager_or_model_error", "graph_breaks", "input_signature", "model_error", "receiving"]
 
-log = logging.getLogger("sublinear.capture")
+log = logging.getLogger("sublinear.capture.dynamo")
 
 PARAMETER, BUFFER, INPUT, SYMBOL = "parameter", "buffer", "input", "symbol"
 

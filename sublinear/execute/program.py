@@ -13,7 +13,7 @@ from typing import Any
 from torch import fx
 from torch.fx.node import Node, map_arg
 
-from .capture import describe_node, module_path
+from sublinear.capture.dynamo import describe_node, module_path
 
 __all__ = ["NodeProgram", "OPERATOR_KINDS"]
 

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from ..capture import CapturedGraph
+from sublinear.capture.dynamo import CapturedGraph
 
 __all__ = ["JointGraph", "JointTraceError", "labelled_copy", "normalise", "origin", "trace_joint"]
 

@@ -32,16 +32,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .capture import CapturedGraph
-from .core.analysis import PlanAnalysis, StorageState, analyse
-from .core.plan import Plan
-from .core.profile import GraphProfile, NodeFacts
-from .interpret import NodeProgram
-from .tensors import autocast_context, storage_key
+from sublinear.capture.dynamo import CapturedGraph
+from sublinear.core.analysis import PlanAnalysis, StorageState, analyse
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile, NodeFacts
+from sublinear.execute.program import NodeProgram
+from sublinear.tensors import autocast_context, storage_key
 
 __all__ = ["RecomputeError", "RewrittenGraph", "rewrite"]
 
-log = logging.getLogger("sublinear.rewriter")
+log = logging.getLogger("sublinear.execute.eager")
 
 
 class RecomputeError(RuntimeError):

@@ -23,7 +23,7 @@ import sympy
 import torch
 from torch import fx
 
-from .tensors import stand_in_for_grad
+from sublinear.tensors import stand_in_for_grad
 
 __all__ = ["Binding", "SymbolicSizes", "argument_dims", "bucket", "covers", "describe_binding", "guards_hold", "join"]
 

@@ -1,5 +1,5 @@
 """The profile of a training step as inductor runs it: a :class:`~sublinear.core.profile.GraphProfile` read off the
-joint graph inductor partitions (:mod:`sublinear.compiled.joint`), with no run of the step.
+joint graph inductor partitions (:mod:`sublinear.execute.compiled.joint`), with no run of the step.
 
 - **Ops** are runs of consecutive forward nodes traced from one captured node; nodes a pattern pass made run as an op
   of their own, and so does every random node (inductor's seed draw) and every write into an input (BatchNorm's
@@ -32,16 +32,16 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from ..capture import BUFFER, INPUT, PARAMETER, CapturedGraph, module_path
-from ..core.profile import GraphProfile, NodeFacts, OpProfile
-from ..costs import REFERENCE_GPU, DeviceRates, device_rates, estimate_seconds
-from ..training import DROPPED, GRADIENT, KEPT, gradient_receivers
-from .joint import JointGraph, is_view, origin
-from .wrapper import hint
+from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph, module_path
+from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
+from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates, device_rates, estimate_seconds
+from sublinear.training import DROPPED, GRADIENT, KEPT, gradient_receivers
+from sublinear.execute.compiled.joint import JointGraph, is_view, origin
+from sublinear.execute.compiled.wrapper import hint
 
 __all__ = ["CompiledProfile", "profile_joint"]
 
-log = logging.getLogger("sublinear.compiled")
+log = logging.getLogger("sublinear.execute.compiled")
 
 CUDA_ALLOCATION_GRANULARITY = 512
 
@@ -146,7 +146,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     """The profile of ``graph``'s training step as inductor compiles it from ``joint``.
 
     ``uses``: per tensor output of the graph, what the call does with it (gradient, kept, dropped; see
-    :func:`sublinear.profiler.profile`); None: as :func:`sublinear.training.step_backward` by default (the scalar
+    :func:`sublinear.profiling.graph.profile`); None: as :func:`sublinear.training.step_backward` by default (the scalar
     outputs get a gradient when there are any, else every floating output), the others are kept.
     """
     kinds = _Kinds()
@@ -396,8 +396,8 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
         materialized_when_rebuilt=materialized_when_rebuilt,
         recompute_shared=True,
     )
-    from ..simulator import simulate  # noqa: PLC0415 - the eager plan's peak, for the summary
-    from ..core.plan import Plan  # noqa: PLC0415
+    from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the eager plan's peak, for the summary
+    from sublinear.core.plan import Plan  # noqa: PLC0415
 
     profile = dataclasses.replace(profile, measured_peak_bytes=simulate(profile, Plan.no_split(n_ops)).peak_bytes)
     return CompiledProfile(profile, tuple(node.name for node in fw))

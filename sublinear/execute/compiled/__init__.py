@@ -1,9 +1,11 @@
 """Compiled execution: the training step as inductor compiles it, profiled from the joint graph AOTAutograd traces
 (:mod:`.joint`, :mod:`.profile`) and run with the plan as AOTAutograd's partition (:mod:`.executor`)."""
 
-from .executor import CompiledGraph, compile_plan, inductor_unavailable, recompute_tags, resolve_compiler
-from .joint import JointGraph, JointTraceError, trace_joint
-from .profile import CompiledProfile, profile_joint
+from sublinear.execute.compiled.executor import (
+    CompiledGraph, compile_plan, inductor_unavailable, recompute_tags, resolve_compiler,
+)
+from sublinear.execute.compiled.joint import JointGraph, JointTraceError, trace_joint
+from sublinear.execute.compiled.profile import CompiledProfile, profile_joint
 
 __all__ = ["CompiledGraph", "CompiledProfile", "JointGraph", "JointTraceError", "compile_plan", "compiled_profile",
            "inductor_unavailable", "profile_joint", "recompute_tags", "resolve_compiler", "trace_joint"]

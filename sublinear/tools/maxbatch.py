@@ -26,23 +26,23 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
-from .api import compile as sublinear_compile
-from .baselines import BASELINES, NotApplicable
-from .capture import CaptureError, FakeTwin
-from .config import SublinearMemoryConfig
-from .core.units import format_bytes
-from .costs import REFERENCE_GPU, StepCost, device_rates
-from .measurement import measure
-from .models import ModelSpec
-from .planners import BudgetError
-from .planners.driver import StepFloor
-from .training import step_backward
-from .runtime import SublinearPlan
+from sublinear.api import compile as sublinear_compile
+from sublinear.tools.baselines import BASELINES, NotApplicable
+from sublinear.capture.dynamo import CaptureError, FakeTwin
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core.units import format_bytes
+from sublinear.profiling.costs import REFERENCE_GPU, StepCost, device_rates
+from sublinear.measurement import measure
+from sublinear.models import ModelSpec
+from sublinear.planners import BudgetError
+from sublinear.planners.driver import StepFloor
+from sublinear.training import step_backward
+from sublinear.runtime import SublinearPlan
 
 __all__ = ["NothingFits", "StrategyResult", "Tuning", "TuningRow", "compare", "fixed_floor",
            "largest_fitting", "tune"]
 
-log = logging.getLogger("sublinear.maxbatch")
+log = logging.getLogger("sublinear.tools.maxbatch")
 
 
 @dataclass(frozen=True)
@@ -372,10 +372,10 @@ def tune(spec: ModelSpec, genetic_iters: tuple[int, ...], budget: int, config: S
          progress: Progress | None = None, seq: int | None = None) -> Tuning:
     """The genetic-iteration sweep: for each ``genetic_nr_iter``, the best peak and search time at the reference
     batch, and the max batch at ``budget``; text models at ``seq`` (default: the model's)."""
-    from .capture import capture
-    from .planners import PlanningProblem, make_plan, objective_for
-    from .planners.genetic import genetic_search
-    from .profiler import profile
+    from sublinear.capture.dynamo import capture
+    from sublinear.planners import PlanningProblem, make_plan, objective_for
+    from sublinear.planners.genetic import genetic_search
+    from sublinear.profiling.graph import profile
 
     base = config or SublinearMemoryConfig()
     batch = REFERENCE_BATCH["text" if spec.default_seq else "image"]

@@ -18,14 +18,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import __version__
-from .config import SublinearMemoryConfig, parse_size
-from .core.units import format_bytes
-from .models import MODELS, ModelSpec, get_model
+from sublinear import __version__
+from sublinear.config import SublinearMemoryConfig, parse_size
+from sublinear.core.units import format_bytes
+from sublinear.models import MODELS, ModelSpec, get_model
 
 __all__ = ["main"]
 
-log = logging.getLogger("sublinear.cli")
+log = logging.getLogger("sublinear.tools.cli")
 
 DESCRIPTION = ("Plan activation checkpointing for PyTorch training: how large a batch fits (maxbatch), how many "
                "genetic generations pay off (tune), the plan for one batch (plan), and eager memory (profile). "
@@ -125,7 +125,7 @@ def _model(name: str, args: argparse.Namespace) -> ModelSpec:
     model also runs its forward once), so that a model that cannot be built, or cannot take the inputs made for it,
     fails now, in one line."""
     if name.startswith("hf:"):
-        from .models.hf import hf_model
+        from sublinear.models.hf import hf_model
 
         spec = hf_model(name[len("hf:"):], layers=args.layers, hidden=args.hidden, attn=args.attn or "eager")
     else:
@@ -266,8 +266,8 @@ def _measuring_config(args: argparse.Namespace) -> SublinearMemoryConfig:
 
 
 def _cmd_maxbatch(args: argparse.Namespace) -> int:
-    from .maxbatch import compare
-    from .report import machine, maxbatch_markdown, maxbatch_text
+    from sublinear.tools.maxbatch import compare
+    from sublinear.tools.report import machine, maxbatch_markdown, maxbatch_text
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available to this torch")
@@ -293,8 +293,8 @@ def _cmd_maxbatch(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from .maxbatch import tune
-    from .report import plot_convergence, tuning_markdown
+    from sublinear.tools.maxbatch import tune
+    from sublinear.tools.report import plot_convergence, tuning_markdown
 
     if args.plot:
         _require_matplotlib("--plot")
@@ -312,8 +312,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .api import compile as sublinear_compile
-    from .planners import BudgetError
+    from sublinear.api import compile as sublinear_compile
+    from sublinear.planners import BudgetError
 
     if args.plot:
         _require_matplotlib("--plot")
@@ -335,7 +335,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"{spec.name} batch {args.batch}{f' seq {seq}' if seq else ''}:")
     print(plan.describe())
     if args.plot:
-        from .report import plot_step_memory
+        from sublinear.tools.report import plot_step_memory
 
         profile = compiled.sublinear_profile
         if profile is None:
@@ -348,8 +348,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from .capture import capture
-    from .profiler import profile
+    from sublinear.capture.dynamo import capture
+    from sublinear.profiling.graph import profile
 
     for spec in [_model(name, args) for name in args.model.split(",")]:
         seq = _seq(args, spec)
@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .capture import CaptureError
+    from sublinear.capture.dynamo import CaptureError
 
     parser = build_parser()
     try:

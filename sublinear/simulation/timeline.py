@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .core.analysis import PlanAnalysis, analyse
-from .core.objective import Simulation
-from .core.plan import Plan
-from .core.profile import GraphProfile, ShardedParameters
+from sublinear.core.analysis import PlanAnalysis, analyse
+from sublinear.core.objective import Simulation
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile, ShardedParameters
 
 __all__ = ["Simulation", "StepTerms", "forward_release", "simulate", "step_terms", "timeline"]
 

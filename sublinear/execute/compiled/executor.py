@@ -1,6 +1,7 @@
 """Run a plan compiled: the plan as AOTAutograd's partition, forward and backward compiled by inductor.
 
-The partitioner splits the joint graph (:mod:`sublinear.compiled.joint`) into a forward graph, which returns what
+The partitioner splits the joint graph (:mod:`sublinear.execute.compiled.joint`) into a forward graph, which returns
+what
 backward reads (the saved values), and a backward graph, which recomputes every other forward value it reads.
 Inductor compiles both, so recompute fuses into the backward's kernels. The plan enters as the partitioner's
 recompute tags (``CheckpointPolicy`` in ``node.meta["recompute"]``), set on every forward node of the joint graph by
@@ -15,7 +16,8 @@ a :class:`~torch._inductor.custom_graph_pass.CustomPartitionerFn` that then runs
   is exactly what backward reads.
 
 With every node tagged the partition is the plan's, and the simulator's reading of it
-(:mod:`sublinear.compiled.profile`) is what runs. Random numbers recompute as drawn in forward: inductor draws them
+(:mod:`sublinear.execute.compiled.profile`) is what runs. Random numbers recompute as drawn in forward: inductor draws
+them
 from seeds that forward saves (where it falls back to aten's generators, the partitioner saves and restores the
 generator state around each recomputed random op). BatchNorm updates its running statistics once: AOTAutograd traces
 the update as a write after the forward, which a recompute does not repeat.
@@ -36,18 +38,18 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..capture import CapturedGraph
-from ..core.analysis import PlanAnalysis, StorageState, analyse
-from ..core.plan import Plan
-from ..shapes import Binding, describe_binding, guards_hold
-from .joint import JointGraph, is_view, labelled_copy, normalise
-from .profile import CompiledProfile
-from .wrapper import tensor_bytes, walk_wrapper
+from sublinear.capture.dynamo import CapturedGraph
+from sublinear.core.analysis import PlanAnalysis, StorageState, analyse
+from sublinear.core.plan import Plan
+from sublinear.capture.shapes import Binding, describe_binding, guards_hold
+from sublinear.execute.compiled.joint import JointGraph, is_view, labelled_copy, normalise
+from sublinear.execute.compiled.profile import CompiledProfile
+from sublinear.execute.compiled.wrapper import tensor_bytes, walk_wrapper
 
 __all__ = ["CompiledGraph", "PlanPartitioner", "compile_plan", "inductor_unavailable", "recompute_tags",
            "resolve_compiler"]
 
-log = logging.getLogger("sublinear.compiled")
+log = logging.getLogger("sublinear.execute.compiled")
 
 
 def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[str, bool]:

@@ -4,10 +4,12 @@ backward node, what the simulator and the rewriter need (:class:`sublinear.core.
 The step runs on fake tensors made from the graph's own input values (parameters included) in a fresh
 ``FakeTensorMode``, on the values' own devices: device constants, ``.to(device)`` and tensors created in forward
 behave as in the real step, and no memory is used. Every storage an aten op returns is tracked until it dies
-(:class:`sublinear.tracking.StorageTracker`), so views and in-place results alias their base and a storage saved
+(:class:`sublinear.profiling.tracking.StorageTracker`), so views and in-place results alias their base and a storage
+saved
 for backward and also kept for another reason counts once.
 
-Each node's time comes from :mod:`sublinear.costs`: measured on the device (real CPU/CUDA values), or estimated
+Each node's time comes from :mod:`sublinear.profiling.costs`: measured on the device (real CPU/CUDA values), or
+estimated
 from FLOPs and bytes moved (meta). Measuring also reads the allocator's peak per node, so kernel workspace that no
 storage tracker sees (scratch inside ``convolution_backward``) is part of the simulation.
 """
@@ -26,17 +28,19 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .capture import BUFFER, INPUT, PARAMETER, CapturedGraph, FakeTwin, describe_node
-from .core.profile import AutocastState, GraphProfile, NodeFacts, OpProfile
-from .costs import REFERENCE_GPU, DeviceRates, aten_work, device_rates, estimate_seconds, measure_node_costs, spec_tree
-from .interpret import NodeProgram
-from .tensors import autocast_context, autocast_state, device_of, storage_key
-from .tracking import StorageTracker
-from .training import DROPPED, GRADIENT, KEPT, gradient_receivers, step_backward
+from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph, FakeTwin, describe_node
+from sublinear.core.profile import AutocastState, GraphProfile, NodeFacts, OpProfile
+from sublinear.profiling.costs import (
+    REFERENCE_GPU, DeviceRates, aten_work, device_rates, estimate_seconds, measure_node_costs, spec_tree,
+)
+from sublinear.execute.program import NodeProgram
+from sublinear.tensors import autocast_context, autocast_state, device_of, storage_key
+from sublinear.profiling.tracking import StorageTracker
+from sublinear.training import DROPPED, GRADIENT, KEPT, gradient_receivers, step_backward
 
 __all__ = ["ProfileError", "profile"]
 
-log = logging.getLogger("sublinear.profiler")
+log = logging.getLogger("sublinear.profiling.graph")
 
 _COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "c10d", "c10d_functional", "_dtensor"})
 # Batch-norm kernels update running_mean/var (args 3 and 4) when training (arg 5) without declaring the write in

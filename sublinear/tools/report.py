@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .core.plan import Plan
-from .core.profile import GraphProfile
-from .core.units import format_bytes
-from .maxbatch import StrategyResult, Tuning
-from .simulator import timeline
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile
+from sublinear.core.units import format_bytes
+from sublinear.tools.maxbatch import StrategyResult, Tuning
+from sublinear.simulation.timeline import timeline
 
 __all__ = ["ParetoSeries", "machine", "maxbatch_markdown", "maxbatch_text", "plot_convergence", "plot_pareto",
            "plot_step_memory", "tuning_markdown"]
@@ -154,7 +154,7 @@ def plot_pareto(series: Sequence[ParetoSeries], path: str) -> None:
 
 
 def plot_step_memory(profile: GraphProfile, plan: Plan, path: str, title: str = "") -> None:
-    """Predicted live memory at every slot of one training step (:func:`sublinear.simulator.timeline`), eager
+    """Predicted live memory at every slot of one training step (:func:`sublinear.simulation.timeline.timeline`), eager
     against ``plan``, written to ``path``: forward slots are the graph's ops, so the plan's block ends are marked at
     their ops; backward slots where the plan recomputes are shaded."""
     plt = _pyplot()

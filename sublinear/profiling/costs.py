@@ -30,12 +30,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from .cache import cache_dir, write_json
+from sublinear.cache import cache_dir, write_json
 
 __all__ = ["DeviceRates", "NodeCosts", "StepCost", "TensorSpec", "aten_work", "device_rates", "estimate_seconds",
            "measure_node_costs"]
 
-log = logging.getLogger("sublinear.costs")
+log = logging.getLogger("sublinear.profiling.costs")
 
 
 @dataclass(frozen=True)

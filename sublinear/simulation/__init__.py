@@ -1,0 +1,7 @@
+"""Simulate: the peak memory and step time of one training step under any plan, torch-free.
+
+- :mod:`.timeline`: :func:`~sublinear.simulation.timeline.simulate` walks the step's memory slots (forward,
+  recompute, backward, FSDP's gather and reduce-scatter, the other graphs of the call) from the profile and the
+  plan's analysis; :func:`~sublinear.simulation.timeline.step_terms` holds the plan-independent terms that the
+  optimal planner's bounds use too.
+"""
