@@ -15,7 +15,8 @@ import sublinear.planners.optimal as optimal
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core import Plan, ShardedParameters, StepContext
 from sublinear.planners import PLANNERS, BudgetError, make_plan
-from sublinear.planners.optimal import FlatModel, OptimalPlanner, kept_sets, solve
+from sublinear.planners.optimal import OptimalPlanner, kept_sets, solve
+from sublinear.simulation.flat import FlatModel
 from sublinear.simulation.timeline import simulate
 
 from conftest import Chain, RandomDAG, problem_for, profile_of
