@@ -22,7 +22,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -72,6 +72,16 @@ def _written_tensors(func, args, kwargs) -> list[torch.Tensor]:
 # Tracing the eager step
 
 
+class StorageEvent(NamedTuple):
+    """One allocation or free during the profiled step, and where it happened."""
+
+    backward: bool  # during backward
+    context: int  # the forward node running, or the backward autograd node's sequence number (-1: none)
+    kind: str  # "alloc" or "free"
+    serial: int  # the storage's number in allocation order (-1: a storage allocated before tracking began)
+    nbytes: int
+
+
 class _StepRecorder(StorageTracker):
     """Storage tracker that attributes every allocation and free to a forward node or a backward autograd node,
     with FLOPs and bytes moved per forward node and per backward autograd node."""
@@ -80,7 +90,7 @@ class _StepRecorder(StorageTracker):
         super().__init__(listener=self._on_event)
         self.node: int | None = None  # forward node being executed
         self.backward = False
-        self.events: list[tuple[bool, int, str, int, int]] = []  # (backward?, context, kind, serial, nbytes)
+        self.events: list[StorageEvent] = []
         self.serial: dict[int, int] = {}
         self.serial_bytes: list[int] = []
         self.random_nodes: set[int] = set()
@@ -110,7 +120,7 @@ class _StepRecorder(StorageTracker):
             serial = self.serial[key]
         else:
             serial = self.serial.pop(key, -1)
-        self.events.append((self.backward, self._context(), kind, serial, nbytes))
+        self.events.append(StorageEvent(self.backward, self._context(), kind, serial, nbytes))
 
     def on_op(self, func, args, kwargs, out) -> None:
         flops, moved = aten_work(func, args, kwargs, out)
