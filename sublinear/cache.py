@@ -1,6 +1,7 @@
-"""On-disk plan cache: the search result for one graph, call signature and config, reused across processes.
+"""Plan lookups: the search result for one graph, call signature and config, found again in this session's memory
+(a dry run's plans serve the real calls) or on disk, across processes (:class:`PlanCache`).
 
-Entries are JSON files named by a SHA-256 key of the captured graph's code, the shapes, strides, dtypes and
+Disk entries are JSON files named by a SHA-256 key of the captured graph's code, the shapes, strides, dtypes and
 devices of every graph input (parameters and buffers included: Dynamo lifts them to inputs), the autocast state,
 the FSDP layout, the planning config and the library versions. Each entry holds the plan, its search history and
 the op costs measured on the device, so a hit skips the search and the timing runs. Writes are atomic (a temporary
@@ -16,11 +17,13 @@ import logging
 import os
 import tempfile
 import warnings
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 from sublinear.core.plan import Plan, PlanError
 
-__all__ = ["PlanCache", "cache_dir", "write_json"]
+__all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
 _FORMAT = 5  # 5: plans in normal form (no kept op in the last block)
@@ -37,9 +40,48 @@ def cache_dir(configured: str | os.PathLike | None) -> Path | None:
     return Path(base) / "sublinear"
 
 
+class Recent:
+    """A small store that forgets its least recently used entry beyond ``size`` entries."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.entries: OrderedDict[tuple, Any] = OrderedDict()
+        self.size = size
+
+    def get(self, key: tuple) -> Any:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple, value: Any) -> None:
+        self.entries[key] = value
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
 class PlanCache:
-    def __init__(self, folder: Path | None) -> None:
-        self.folder = folder
+    """Where a session finds plans made before: :meth:`recall` and :meth:`remember` this session's (in memory, keyed
+    by graph, signature, context and config), :meth:`load`, :meth:`check` and :meth:`store` every process's (on disk,
+    in the folder ``configured`` names, read at each use as :func:`cache_dir` resolves it)."""
+
+    def __init__(self, configured: str | os.PathLike | None, size: int = 64) -> None:
+        self.configured = configured
+        self.recent = Recent(size)
+
+    @property
+    def folder(self) -> Path | None:
+        return cache_dir(self.configured)
+
+    def recall(self, key: tuple) -> Any:
+        """What this session planned for ``key``, or None."""
+        return self.recent.get(key)
+
+    def remember(self, key: tuple, entry: Any) -> None:
+        self.recent.put(key, entry)
+
+    def graph_codes(self) -> set[str]:
+        """The graphs this session remembers plans for."""
+        return {key[0] for key in self.recent.entries}
 
     @staticmethod
     def key(**parts: object) -> str:
@@ -55,9 +97,10 @@ class PlanCache:
     def load(self, key: str) -> dict | None:
         """The stored entry as a JSON object, or None (missing, disabled, or unreadable: then a warning says
         why). :meth:`check` it against the graph before use."""
-        if self.folder is None:
+        folder = self.folder
+        if folder is None:
             return None
-        path = self.folder / f"{key}.json"
+        path = folder / f"{key}.json"
         if not path.exists():
             return None
         try:
@@ -90,12 +133,13 @@ class PlanCache:
                       "be replaced", stacklevel=4)
 
     def store(self, key: str, entry: dict) -> None:
-        if self.folder is None:
+        folder = self.folder
+        if folder is None:
             return
         try:
-            write_json(self.folder / f"{key}.json", {**entry, "format": _FORMAT, "key": key})
+            write_json(folder / f"{key}.json", {**entry, "format": _FORMAT, "key": key})
         except OSError as exc:
-            warnings.warn(f"sublinear: could not write the plan cache in {self.folder}: {exc}", stacklevel=3)
+            warnings.warn(f"sublinear: could not write the plan cache in {folder}: {exc}", stacklevel=3)
 
 
 def write_json(path: Path, value: object) -> None:

@@ -12,7 +12,6 @@ import functools
 import gc
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from sublinear.cache import PlanCache, cache_dir
+from sublinear.cache import PlanCache, Recent
 from sublinear.execute.compiled import (
     CompiledGraph, JointGraph, JointTraceError, profile_joint, resolve_compiler, trace_joint,
 )
@@ -31,7 +30,7 @@ from sublinear.core.objective import Candidate, Objective, Simulation
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, ShardedParameters, StepContext
 from sublinear.core.units import format_bytes
-from sublinear.planners import BudgetError, PlanningResult, make_plan, objective_for
+from sublinear.planners import BudgetError, make_plan, objective_for
 from sublinear.planners.driver import step_floor
 from sublinear.profiling.graph import profile
 from sublinear.training import DROPPED, GRADIENT, KEPT
@@ -83,25 +82,6 @@ def _any_requires_grad(values: Sequence[Any]) -> bool:
     return False
 
 
-class _PlanStore:
-    """A small least-recently-used store of what one session planned (a dry run's plans serve the real calls)."""
-
-    def __init__(self, size: int = 64) -> None:
-        self.entries: OrderedDict[tuple, tuple[GraphProfile, Plan, PlanningResult | None]] = OrderedDict()
-        self.size = size
-
-    def get(self, key: tuple):
-        entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
-        return entry
-
-    def put(self, key: tuple, value) -> None:
-        self.entries[key] = value
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
-
-
 _UNSEEN = object()  # finish_call without the call's result (a bare torch.compile backend never sees it)
 _USE_ORDER = (GRADIENT, KEPT, DROPPED)  # most demanding first
 
@@ -127,8 +107,8 @@ class SublinearBackend:
         self.previous: list[_GraphRun] = []  # the graphs the last finished call ran, in order
         self.uses: dict[str, tuple[str, ...]] = {}  # graph code -> what calls do with each output
         self.explicit_calls = False  # whether begin_call/finish_call mark calls (else: the first graph starts one)
-        self.store = _PlanStore()  # plans by graph, signature, context and config
-        self.profiles = _PlanStore()  # profiles by graph, signature and cost model
+        self.plans = PlanCache(config.cache_dir)  # this session's plans, then the disk's
+        self.profiles = Recent()  # profiles by graph, signature and cost model
         self.overrides: dict[str, Plan] = {}  # graph code -> plan chosen by the user (use())
         self._shared: dict[int, _GraphRuntime] = {}
         self._warned_breaks = False
@@ -141,7 +121,7 @@ class SublinearBackend:
         self.progress = PlanningProgress("the model")
         self.uncapturable: dict[InputSignature, str] = {}  # call signatures TorchDynamo cannot capture -> why
         self.prior_plans: dict[str, Plan] = {}  # graph code -> the plan of its variant forgotten last
-        self.joints = _PlanStore(8)  # joint graphs by graph, signature and bound (inductor)
+        self.joints = Recent(8)  # joint graphs by graph, signature and bound (inductor)
         self.compiled_graphs: dict[tuple, CompiledGraph] = {}  # by graph, signature, bound and partition
         self.ran_graph = False
 
@@ -266,7 +246,7 @@ class SublinearBackend:
         if isinstance(point, ParetoPoint):
             plan, code = point.plan, point.graph_code
         elif isinstance(point, Plan):
-            codes = {key[0] for key in self.store.entries} | {r.graph.code for r in self.graphs}
+            codes = self.plans.graph_codes() | {r.graph.code for r in self.graphs}
             if len(codes) != 1:
                 raise ValueError(f"use(plan) applies a bare Plan to the only graph, and {len(codes)} graphs were "
                                  "captured; pass a ParetoPoint from sublinear.pareto for the graph you mean")
@@ -324,9 +304,8 @@ class SublinearBackend:
         profile_key = (graph.code, key, config.cost_model, uses, compiler, tuple(sorted(bound.items())))
         cut = self.budget_cuts.get(graph.code, 0)
         store_key = (*profile_key, context, repr(sorted(config.planning_key().items())), cut)
-        cached = self.store.get(store_key)
+        cached = self.plans.recall(store_key)
         override = self.overrides.get(graph.code)
-        disk = PlanCache(cache_dir(config.cache_dir))
         disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key(),
                                  context=repr(context), uses=uses, compiler=compiler, cut=cut,
                                  bound=sorted(bound.items()))
@@ -335,16 +314,16 @@ class SublinearBackend:
             profile_, node_names, plan, result = cached
         else:
             profiled = self.profiles.get(profile_key)  # a graph planned again in a new context is not profiled again
-            entry = disk.load(disk_key) if override is None else None
+            entry = self.plans.load(disk_key) if override is None else None
             if compiler == "inductor":
                 if profiled is None:
                     compiled = profile_joint(self._joint(graph, values, key, bound), graph, uses)
                     profiled = compiled.profile, compiled.node_names
                 if entry is not None:
-                    entry = disk.check(entry, disk_key, profiled[0].num_ops)
+                    entry = self.plans.check(entry, disk_key, profiled[0].num_ops)
             elif entry is not None:
                 estimated = profiled or (profile(graph, at_bound, cost_model="estimate", uses=uses), None)
-                entry = disk.check(entry, disk_key, estimated[0].num_ops)
+                entry = self.plans.check(entry, disk_key, estimated[0].num_ops)
                 if entry is not None and profiled is None:
                     profiled = estimated[0].with_costs(entry["costs"]), None
             if entry is not None:
@@ -384,7 +363,7 @@ class SublinearBackend:
                          "again for it", runtime.index)
             else:
                 plan, origin = result.plan, result.origin
-                disk.store(disk_key, {"num_ops": profile_.num_ops, **plan.as_dict(), "costs": profile_.costs(),
+                self.plans.store(disk_key, {"num_ops": profile_.num_ops, **plan.as_dict(), "costs": profile_.costs(),
                                       "history": [[c.simulation.peak_bytes, c.simulation.time_ratio]
                                                   for c in result.history]})
         elif result is not None:
@@ -392,7 +371,7 @@ class SublinearBackend:
         if result is not None:
             history = tuple((c.simulation.peak_bytes, c.simulation.time_ratio) for c in result.history)
         if not settling:
-            self.store.put(store_key, (profile_, node_names, plan, result))
+            self.plans.remember(store_key, (profile_, node_names, plan, result))
         sim = simulate(profile_, plan)
         rewritten = (self._compiled(graph, key, bound, analyse(profile_, plan), node_names) if node_names is not None
                      else rewrite(graph, profile_, plan))
