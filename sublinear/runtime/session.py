@@ -363,9 +363,9 @@ class SublinearBackend:
                          "again for it", runtime.index)
             else:
                 plan, origin = result.plan, result.origin
+                searched_history = [[c.simulation.peak_bytes, c.simulation.time_ratio] for c in result.history]
                 self.plans.store(disk_key, {"num_ops": profile_.num_ops, **plan.as_dict(), "costs": profile_.costs(),
-                                      "history": [[c.simulation.peak_bytes, c.simulation.time_ratio]
-                                                  for c in result.history]})
+                                            "history": searched_history})
         elif result is not None:
             origin = result.origin
         if result is not None:
