@@ -277,23 +277,56 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     if measure and device.type not in ("cpu", "cuda"):
         raise ValueError(f"cost_model='measure' needs CPU or CUDA tensors; these are on {device}")
     trace = _trace_step(graph, values, keep_inputs=measure, uses=uses)
-    program, rec = trace.program, trace.recorder
-    operators = program.operators
     granule = CUDA_ALLOCATION_GRANULARITY if device.type == "cuda" else 1
     if granule > 1:
-        rec.serial_bytes = [-(-b // granule) * granule for b in rec.serial_bytes]
+        trace.recorder.serial_bytes = [-(-b // granule) * granule for b in trace.recorder.serial_bytes]
+    grouping = _group(trace)
+    lifetimes = _lifetimes(trace, grouping)
+    costs = _costs(trace, grouping, device, measure, rates, granule)
+    return _assemble(trace, grouping, lifetimes, costs, granule)
 
+
+@dataclass(frozen=True)
+class _Grouping:
+    """Operator nodes grouped into ops: in-place runs merge with the node that made what they write."""
+
+    facts: dict[int, NodeFacts]  # per operator node
+    groups: list[list[int]]  # per op: its nodes
+    op_of_node: dict[int, int]
+    rank_of_node: dict[int, int]  # operator node -> its position among operator nodes (its backward rank)
+    producer_node: dict[int, int]  # storage serial -> the forward node that allocated it
+
+
+def _group(trace: _Trace) -> _Grouping:
+    program, rec = trace.program, trace.recorder
     producer_node: dict[int, int] = {}
     for backward, ctx, kind, serial, _ in rec.events:
         if kind == "alloc" and not backward and ctx >= 0:
             producer_node[serial] = ctx
-
-    facts = {i: _node_facts(i, trace) for i in operators}
+    facts = {i: _node_facts(i, trace) for i in program.operators}
     _pin_readers_of_updated_state(facts, trace)
-    groups = _merge_in_place_runs(operators, trace, producer_node)
-    op_of_node = {node: o for o, group in enumerate(groups) for node in group}
+    groups = _merge_in_place_runs(program.operators, trace, producer_node)
+    return _Grouping(facts=facts, groups=groups,
+                     op_of_node={node: o for o, group in enumerate(groups) for node in group},
+                     rank_of_node={node: r for r, node in enumerate(program.operators)}, producer_node=producer_node)
 
-    # Value reads, storage lifetimes and saves, at op granularity.
+
+@dataclass(frozen=True)
+class _Lifetimes:
+    """Value reads, storage lifetimes and saves, at op granularity, and the storages that can outlive their op."""
+
+    op_inputs: list[list[tuple[int, tuple[int, ...]]]]  # per op: (producer op, serials) of each value it reads
+    last_use: dict[int, int]  # serial -> the last op that reads it (the op count: a graph output)
+    saved_by: dict[int, set[int]]  # serial -> ops whose autograd saves it
+    saved_at: dict[int, set[int]]  # serial -> operator ranks that save it
+    reaches: list[bool]  # per node: whether its values flow into the graph's outputs
+    storages: list[int]  # the serials that can outlive the op that produced them, in serial order
+    sid: dict[int, int]  # serial -> its index among ``storages``
+
+
+def _lifetimes(trace: _Trace, grouping: _Grouping) -> _Lifetimes:
+    program, rec = trace.program, trace.recorder
+    groups, op_of_node, producer_node = grouping.groups, grouping.op_of_node, grouping.producer_node
     value_serials = {i: _distinct(s for s in trace.node_out.get(i, []) if s >= 0) for i in range(len(program.nodes))}
     last_use: dict[int, int] = {}
     op_inputs: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in groups]
@@ -307,39 +340,60 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
                 if p is not None and p != o and j not in seen:
                     seen.add(j)
                     op_inputs[o].append((p, tuple(value_serials[j])))
-    n_ops = len(groups)
     for s in trace.output_serials:
-        last_use[s] = n_ops
+        last_use[s] = len(groups)
     saved_by: dict[int, set[int]] = defaultdict(set)
-    saved_at: dict[int, set[int]] = defaultdict(set)  # serial -> operator ranks (positions) that save it
-    rank_of_node = {node: r for r, node in enumerate(operators)}
+    saved_at: dict[int, set[int]] = defaultdict(set)
     for i, serials in trace.node_saved.items():
         for s in serials:
             saved_by[s].add(op_of_node[i])
-            saved_at[s].add(rank_of_node[i])
-
+            saved_at[s].add(grouping.rank_of_node[i])
     # An op whose values never flow into the outputs has its autograd nodes freed in forward, with its outputs.
     reaches = [False] * len(program.nodes)
     for i in range(len(program.nodes) - 1, -1, -1):
         reaches[i] = any(u == program.output or reaches[u] for u in program.users[i])
-    windows = _forward_windows(rec.events, op_of_node, n_ops)
-    extra = _forward_extra(rec.events, windows, n_ops, rec.serial_bytes)
+    storages = sorted(s for s, node in producer_node.items()
+                      if node in op_of_node and s not in trace.state_serials
+                      and (last_use.get(s, -1) > op_of_node[node] or s in saved_by or s in rec.autocast_cached))
+    return _Lifetimes(op_inputs=op_inputs, last_use=last_use, saved_by=saved_by, saved_at=saved_at, reaches=reaches,
+                      storages=storages, sid={s: k for k, s in enumerate(storages)})
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """Per op the bytes its forward holds beyond its outputs, per rank the gradient-side bytes of its backward
+    (measured workspace included), and per node the seconds of its forward and backward."""
+
+    forward_extra: list[int]
+    grad_start: list[int]
+    grad_peak: list[int]
+    grad_after: list[int]
+    times: _NodeTimes
+
+
+def _costs(trace: _Trace, grouping: _Grouping, device: torch.device, measure: bool, rates: DeviceRates | None,
+           granule: int) -> _Costs:
+    rec, op_of_node, rank_of_node = trace.recorder, grouping.op_of_node, grouping.rank_of_node
+    windows = _forward_windows(rec.events, op_of_node, len(grouping.groups))
+    extra = _forward_extra(rec.events, windows, len(grouping.groups), rec.serial_bytes)
     grad_start, grad_peak, grad_after = _backward_gradient_profile(rec.events, trace.node_seq, rank_of_node,
-                                                                   len(operators), rec.serial_bytes)
+                                                                   len(trace.program.operators), rec.serial_bytes)
     times = _node_times(trace, rank_of_node, device, measure, rates, granule)
-    forward_seconds, backward_seconds, source = times.forward_seconds, times.backward_seconds, times.source
     for i, peak in times.forward_peak_bytes.items():  # measured workspace raises the tracked extra bytes
         extra[op_of_node[i]] = max(extra[op_of_node[i]], peak)
     for i, peak in times.backward_peak_bytes.items():
         r = rank_of_node[i]
         grad_peak[r] = max(grad_peak[r], grad_start[r] + peak)
+    return _Costs(forward_extra=extra, grad_start=grad_start, grad_peak=grad_peak, grad_after=grad_after, times=times)
 
-    # Storages that can outlive the op that produced them.
-    storages = sorted(s for s, node in producer_node.items()
-                      if node in op_of_node and s not in trace.state_serials
-                      and (last_use.get(s, -1) > op_of_node[node] or s in saved_by or s in rec.autocast_cached))
-    sid = {s: k for k, s in enumerate(storages)}
 
+def _assemble(trace: _Trace, grouping: _Grouping, lifetimes: _Lifetimes, costs: _Costs, granule: int) -> GraphProfile:
+    """The torch-free profile from the stages' results."""
+    program, rec = trace.program, trace.recorder
+    operators, groups, facts = program.operators, grouping.groups, grouping.facts
+    op_of_node, producer_node = grouping.op_of_node, grouping.producer_node
+    storages, sid, last_use = lifetimes.storages, lifetimes.sid, lifetimes.last_use
+    forward_seconds, backward_seconds = costs.times.forward_seconds, costs.times.backward_seconds
     ops = []
     for o, group in enumerate(groups):
         node_facts = [facts[i] for i in group]
@@ -348,7 +402,7 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
         ops.append(OpProfile(
             index=o, nodes=tuple(group), name=_op_name(program, group),
             flops=sum(rec.flops.get(i, 0) for i in group),
-            forward_extra_bytes=extra[o],
+            forward_extra_bytes=costs.forward_extra[o],
             snapshot_bytes=snapshot,
             random=any(f.random for f in node_facts),
             mutates_state=any(f.state_args for f in node_facts),
@@ -365,8 +419,8 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
         storage_producer=np.array([op_of_node[producer_node[s]] for s in storages], dtype=np.int64),
         storage_last_use=np.array([max(last_use.get(s, -1), op_of_node[producer_node[s]]) for s in storages],
                                   dtype=np.int64),
-        storage_saved_by=[tuple(sorted(saved_by.get(s, ()))) for s in storages],
-        op_inputs=[tuple((p, tuple(sid[s] for s in ss if s in sid)) for p, ss in ins) for ins in op_inputs],
+        storage_saved_by=[tuple(sorted(lifetimes.saved_by.get(s, ()))) for s in storages],
+        op_inputs=[tuple((p, tuple(sid[s] for s in ss if s in sid)) for p, ss in ins) for ins in lifetimes.op_inputs],
         baseline_bytes=kind_bytes(PARAMETER) + kind_bytes(BUFFER) + kind_bytes(INPUT),
         parameter_bytes=kind_bytes(PARAMETER),
         buffer_bytes=kind_bytes(BUFFER),
@@ -377,17 +431,17 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
         node_facts=facts,
         op_of_node=op_of_node,
         node_storages={i: tuple(sid.get(s, -1) for s in trace.node_out.get(i, [])) for i in operators},
-        reaches_output=np.array([any(reaches[i] for i in group) for group in groups], dtype=bool),
+        reaches_output=np.array([any(lifetimes.reaches[i] for i in group) for group in groups], dtype=bool),
         op_storages=[tuple(sorted({sid[s] for i in group for s in trace.node_out.get(i, []) if s in sid}))
                      for group in groups],
         held_through_forward=np.array([s in rec.autocast_cached for s in storages], dtype=bool),
-        storage_saved_at=[tuple(sorted(saved_at.get(s, ()))) for s in storages],
+        storage_saved_at=[tuple(sorted(lifetimes.saved_at.get(s, ()))) for s in storages],
         node_op=np.array([op_of_node[i] for i in operators], dtype=np.int64),
-        grad_start=np.array(grad_start, dtype=np.int64),
-        grad_peak=np.array(grad_peak, dtype=np.int64),
-        grad_after_release=np.array(grad_after, dtype=np.int64),
+        grad_start=np.array(costs.grad_start, dtype=np.int64),
+        grad_peak=np.array(costs.grad_peak, dtype=np.int64),
+        grad_after_release=np.array(costs.grad_after, dtype=np.int64),
         backward_seconds=np.array([backward_seconds.get(i, 0.0) for i in operators], dtype=float),
-        cost_source=source,
+        cost_source=costs.times.source,
         output_uses=trace.output_uses,
     )
 
