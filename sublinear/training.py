@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DROPPED", "GRADIENT", "KEPT", "default_loss", "gradient_receivers", "step_backward", "training_step"]
+__all__ = ["DROPPED", "GRADIENT", "HELD", "default_loss", "gradient_receivers", "step_backward", "training_step"]
 
-GRADIENT, KEPT, DROPPED = "gradient", "kept", "dropped"  # what a call does with a graph output (see profile())
+GRADIENT, HELD, DROPPED = "gradient", "held", "dropped"  # what a call does with a graph output (see profile())
 
 
 def _differentiable(outputs: Any) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ import numpy as np
 
 from sublinear.core import GraphProfile, OpProfile, Plan, StorageState, analyse
 
-KEPT, REBUILT, TRANSIENT = StorageState.KEPT, StorageState.REBUILT, StorageState.TRANSIENT
+RETAINED, REBUILT, TRANSIENT = StorageState.RETAINED, StorageState.REBUILT, StorageState.TRANSIENT
 
 
 def hand_profile(num_ops: int, storages: list[tuple[int, int, tuple[int, ...]]],
@@ -49,7 +49,7 @@ def test_flat_blocks_keep_their_boundaries_and_rebuild_the_inside():
     a = analyse(chain(6), Plan.of([2], 6))
     assert list(a.block_of) == [0, 0, 0, 1, 1, 1]
     # Storage 2 crosses into the next block: kept. 0 and 1 are saved inside block 0: rebuilt; the last block's own.
-    assert list(a.state) == [REBUILT, REBUILT, KEPT, KEPT, KEPT, KEPT]
+    assert list(a.state) == [REBUILT, REBUILT, RETAINED, RETAINED, RETAINED, RETAINED]
     assert a.closure == [[0, 1], []]  # block 0 re-runs what made its rebuilt storages, from the frame's inputs
     assert a.trigger[0] == 2 and a.trigger[1] == -1  # op 2's backward is the first to need a rebuilt storage
 
@@ -57,8 +57,8 @@ def test_flat_blocks_keep_their_boundaries_and_rebuild_the_inside():
 def test_soft_groups_rebuild_across_their_inner_boundary_from_the_groups_inputs():
     a = analyse(chain(6), Plan.of([1, 3], 6, soft=[1]))  # blocks [0,1] [2,3] [4,5]; the first two are one group
     assert list(a.group_of) == [0, 0, 1] and list(a.group_end) == [3, 3, 5]
-    assert a.state[1] == REBUILT  # crosses the soft boundary: not kept
-    assert a.state[3] == KEPT  # crosses into the next group
+    assert a.state[1] == REBUILT  # crosses the soft boundary: not retained
+    assert a.state[3] == RETAINED  # crosses into the next group
     assert a.closure[1] == [0, 1, 2]  # reaches back into block 0 to rebuild what crossed the soft point
     assert a.frame_end[0] == a.frame_end[1]  # one frame for the group, released after its first rebuild
 
@@ -68,9 +68,9 @@ def test_a_view_read_by_a_later_block_keeps_its_base():
     storages = [(0, 2, (2,))]
     profile = hand_profile(3, storages, {1: [(0, (0,))], 2: [(1, (0,))]}, outputs={1: (0,)})
     a = analyse(profile, Plan.of([1], 3))
-    assert a.state[0] == KEPT and a.closure == [[], []]
+    assert a.state[0] == RETAINED and a.closure == [[], []]
     kept_view = analyse(profile, Plan.of([0, 1], 3, kept=[1]))  # a kept op's value keeps the storage it views
-    assert kept_view.state[0] == KEPT
+    assert kept_view.state[0] == RETAINED
 
 
 def test_a_saver_whose_values_never_reach_the_outputs_rebuilds_nothing():
@@ -78,7 +78,7 @@ def test_a_saver_whose_values_never_reach_the_outputs_rebuilds_nothing():
     storages = [(0, 2, (1,)), (1, 1, ()), (2, 3, ())]
     profile = hand_profile(3, storages, {1: [(0, (0,))], 2: [(0, (0,))]}, reaching={0, 2})
     a = analyse(profile, Plan.of([0, 1], 3))
-    assert a.state[0] == KEPT  # read by a later block
+    assert a.state[0] == RETAINED  # read by a later block
     dead = analyse(hand_profile(3, [(0, 1, (1,)), (1, 1, ()), (2, 3, ())], {1: [(0, (0,))]}, reaching={0, 2}),
                    Plan.of([1], 3))
     assert dead.state[0] == TRANSIENT and dead.closure == [[], []]
@@ -89,5 +89,5 @@ def test_pinned_and_kept_ops_are_never_recomputed():
                              {1: [(0, (0,))], 2: [(1, (1,))], 3: [(2, (2,))]}, pinned={1}),
                 Plan.of([2], 4, kept=[0]))
     assert list(a.recomputed) == [False, False, True, False]
-    assert a.state[0] == KEPT and a.state[1] == KEPT  # made by ops that are never re-run
+    assert a.state[0] == RETAINED and a.state[1] == RETAINED  # made by ops that are never re-run
     assert a.closure[0] == []  # storage 2 crosses into block 1: nothing of block 0 is rebuilt

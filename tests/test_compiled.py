@@ -88,7 +88,7 @@ def test_compiled_rng_stream_and_dropout_masks_match_torch_compile(residual_trai
 
 
 def test_forward_saves_exactly_what_the_plan_keeps(monkeypatch):
-    """The partition's saved values are the storages the plan keeps for backward or for a recompute."""
+    """The partition's saved values are the storages the plan retains for backward or for a recompute."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64), nn.Tanh(),
                           nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).train()
@@ -112,7 +112,7 @@ def test_forward_saves_exactly_what_the_plan_keeps(monkeypatch):
     a = analyse(profile, plan)
     names = list(graph.partitioner.tags)
     read_by_recompute = {s for o in a.recompute_pairs[1] for _, storages in profile.op_inputs[o] for s in storages}
-    expected = {s for s in range(len(profile.storage_bytes)) if a.state[s] == StorageState.KEPT
+    expected = {s for s in range(len(profile.storage_bytes)) if a.state[s] == StorageState.RETAINED
                 and (profile.saved_reaching[s] or s in read_by_recompute)}
     got = {s for i, name in enumerate(names) if name in saved["names"] for s in profile.node_storages[i] if s >= 0}
     assert expected and got == expected

@@ -10,9 +10,12 @@ Glossary (each word in one sense across the stages):
 - *storage*: one allocation; views and in-place results share their base's storage.
 - *block*: the ops between two split points; a *recomputed* block is re-run in backward. *Soft* split points join
   blocks into a *group* whose crossing values are rebuilt, not held.
-- *kept op* (``Plan.kept``): an op inside a recomputed block that is never re-run. A *retained* storage is one
-  forward holds for backward; in :class:`StorageState` it is ``KEPT``, against ``REBUILT`` and ``TRANSIENT``.
-- *held*: what the caller holds between graphs or after the step (outputs, inputs), never a plan's choice.
+- *kept op* (``Plan.kept``, MegEngine's word): an op inside a recomputed block that is never re-run; "kept" means
+  nothing else.
+- *retained* storage: one forward holds for backward or later blocks (:class:`StorageState` ``RETAINED``, against
+  ``REBUILT`` and ``TRANSIENT``); a block's *retained bytes* are its retained storages.
+- *held*: what the caller holds between graphs or after the step (inputs; an output used ``HELD``, to the step's
+  end without a gradient, against ``GRADIENT`` and ``DROPPED``), never a plan's choice.
 """
 
 from sublinear.core.analysis import PlanAnalysis, StorageState, analyse

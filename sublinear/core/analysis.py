@@ -3,12 +3,12 @@ and the reports share.
 
 A storage's :class:`StorageState` under a plan:
 
-- ``KEPT``: it stays in memory from its producer until its last holder lets go (forward readers, autograd, a
+- ``RETAINED``: it stays in memory from its producer until its last holder lets go (forward readers, autograd, a
   block's frame, the caller). Storages produced by ops that are never recomputed (the last block, pinned ops,
-  ``kept`` ops), and storages read by a later group or returned, are kept.
+  ``kept`` ops), and storages read by a later group or returned, are retained.
 - ``REBUILT``: autograd saves it, but it is dropped in forward and rebuilt in backward by the recompute closure of
   every block that saves it (``rebuilt_by``).
-- ``TRANSIENT``: neither kept nor saved: it dies in forward after its last reader.
+- ``TRANSIENT``: neither retained nor saved: it dies in forward after its last reader.
 
 The enum leaves room for further states (such as offloaded to host memory) without changing its readers.
 """
@@ -30,7 +30,7 @@ __all__ = ["PlanAnalysis", "StorageState", "analyse"]
 
 class StorageState(IntEnum):
     TRANSIENT = 0
-    KEPT = 1
+    RETAINED = 1
     REBUILT = 2
 
 
@@ -49,7 +49,7 @@ class PlanAnalysis:
 
     @cached_property
     def retained(self) -> np.ndarray:
-        return self.state == StorageState.KEPT
+        return self.state == StorageState.RETAINED
 
     @cached_property
     def dropped(self) -> np.ndarray:
@@ -129,7 +129,7 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
     retained[storages_out[~recomputed[outputs_of]]] = True  # a kept op's values stay, and so do the storages they view
     dropped = profile.saved_reaching & ~retained
     state = np.full(len(producer), StorageState.TRANSIENT, dtype=np.int8)
-    state[retained] = StorageState.KEPT
+    state[retained] = StorageState.RETAINED
     state[dropped] = StorageState.REBUILT
 
     # Each block that saves a dropped storage (from a node that reaches the outputs) rebuilds its own copy.

@@ -174,7 +174,7 @@ class GraphProfile:
     cost_source: str = "none"  # how op times were obtained: "measured on <device>" or "estimated: <rates>"
     sharding: ShardedParameters | None = None  # FSDP2's per-rank layout; None: full parameters and gradients
     step_context: StepContext | None = None  # the other graphs of the call; None: this graph is the whole step
-    output_uses: tuple[str, ...] = ()  # per tensor output: "gradient", "kept" (to the step's end) or "dropped"
+    output_uses: tuple[str, ...] = ()  # per tensor output: "gradient", "held" (to the step's end) or "dropped"
     # Per storage, for a compiled step (empty: every storage is memory whenever it is live): whether it takes memory
     # while only forward readers hold it (a compiler that fuses its producer into its readers makes no buffer), and
     # whether a copy a recompute rebuilds takes memory (or is fused into the backward kernels that read it).

@@ -1,9 +1,9 @@
-"""Rewrite: run a captured graph so that only kept values survive forward and each block is rebuilt in backward.
+"""Rewrite: run a captured graph so that only retained values survive forward and each block is rebuilt in backward.
 
 The rewriter reads the plan's :class:`~sublinear.core.analysis.PlanAnalysis` (which ops each block's recompute
-re-runs, which storages are kept, which node values a recompute reads from its frame) and never plans or re-derives
+re-runs, which storages are retained, which node values a recompute reads from its frame) and never plans or re-derives
 it. Mechanism (non-reentrant, so ``torch.autograd.grad``, DDP and retain_graph work): while an op of a block other
-than the last runs, a saved-tensor hook stores every tensor autograd saves whose storage is kept, and replaces any
+than the last runs, a saved-tensor hook stores every tensor autograd saves whose storage is retained, and replaces any
 other by a handle:
 
 - a *view handle* names the node whose output owns the storage and the view's size/stride/offset;
@@ -79,16 +79,16 @@ class _Schedule:
         self.facts: dict[int, NodeFacts] = profile.node_facts
         # Ops whose values never reach the outputs: autograd frees what they save in forward; store it as is.
         self.stores_all = [o < 0 or not profile.reaches_output[o] for o in self.op_of_node]
-        self.leaf_kept: dict[int, tuple[bool | None, ...]] = {
-            i: tuple(bool(analysis.state[s] == StorageState.KEPT) if s >= 0 else None for s in storages)
+        self.leaf_retained: dict[int, tuple[bool | None, ...]] = {
+            i: tuple(bool(analysis.state[s] == StorageState.RETAINED) if s >= 0 else None for s in storages)
             for i, storages in profile.node_storages.items()}
         # Nodes whose outputs' storages some node saves (or that the profile could not follow): only their
         # storages need an owner when the forward runs, to tell a saved tensor's producer.
         self.owns_saved = [any(st < 0 or profile.storage_saved_by[st] for st in profile.node_storages.get(i, (-1,)))
                            for i in range(n_nodes)]
         self.node_retained = [True] * n_nodes
-        for i, kept in analysis.node_retained.items():
-            self.node_retained[i] = kept
+        for i, retained in analysis.node_retained.items():
+            self.node_retained[i] = retained
         # Per block: the nodes its recompute re-runs (in order) and the values it reads from the frame.
         self.closure_nodes: list[list[int]] = []
         self.closure_inputs: list[set[int]] = []
@@ -263,7 +263,7 @@ def _unpack(saved: _Saved) -> torch.Tensor:
 
 
 class _Group:
-    """Blocks of one forward call joined by soft split points: the kept inputs, RNG states and state snapshots
+    """Blocks of one forward call joined by soft split points: the retained inputs, RNG states and state snapshots
     that recomputing any of them needs."""
 
     def __init__(self) -> None:
@@ -428,12 +428,12 @@ def _view_of(value: Any, leaf: int, view: SavedView, program: NodeProgram, node:
 
 
 class _ForwardCall:
-    """State of one training forward: value ownership, kept storages, open frames."""
+    """State of one training forward: value ownership, retained storages, open frames."""
 
     def __init__(self, schedule: _Schedule) -> None:
         self.schedule = schedule
         self.owner: dict[int, tuple[int, int, weakref.ref]] = {}  # storage key -> (node, leaf, storage ref)
-        self.kept: set[int] = set()
+        self.retained: set[int] = set()
         self.frames: dict[int, _Frame] = {}
         self.groups: dict[int, _Group] = {}
         self.node = -1
@@ -441,8 +441,8 @@ class _ForwardCall:
         self.pending: list[tuple[_Saved, torch.Tensor, int]] = []
 
     def _own(self, tensors: Iterable[Any], node: int) -> None:
-        """Register the storages of a node's output (node -1: inputs and constants) and whether they are kept."""
-        known_leaves = self.schedule.leaf_kept.get(node, ())
+        """Register the storages of a node's output (node -1: inputs and constants) and whether they are retained."""
+        known_leaves = self.schedule.leaf_retained.get(node, ())
         for leaf, t in enumerate(_tensor_leaves(tensors)):
             if storage_key(t) is None:
                 continue  # a batched value inside a vmap region: its op is never split, it is never a handle
@@ -451,10 +451,10 @@ class _ForwardCall:
             entry = self.owner.get(key)
             if entry is None or entry[2]() is not st:
                 self.owner[key] = (node, leaf, weakref.ref(st))
-                self.kept.discard(key)  # the address may have belonged to a storage that is gone
+                self.retained.discard(key)  # the address may have belonged to a storage that is gone
             known = known_leaves[leaf] if leaf < len(known_leaves) else None
             if node < 0 or (known if known is not None else self.schedule.node_retained[node]):
-                self.kept.add(key)
+                self.retained.add(key)
 
     def run(self, values: list[Any]) -> Any:
         self._own(values, -1)
@@ -536,7 +536,7 @@ class _ForwardCall:
             st = t.untyped_storage()
             entry = self.owner.get(st._cdata)
             owned = entry is not None and entry[2]() is st
-            if (owned and st._cdata in self.kept) or (not owned and not s.recomputable[i]):
+            if (owned and st._cdata in self.retained) or (not owned and not s.recomputable[i]):
                 saved.keep(t)
             elif owned:
                 self._handle(saved, t, frame, entry[0], leaf=entry[1])
@@ -551,6 +551,6 @@ def _warn_unplanned(schedule: _Schedule, block: int, node: int) -> None:
     key = (id(schedule), node)
     if key not in _warned:
         _warned.add(key)
-        log.warning("sublinear: %s saved a tensor in block %d that the plan does not rebuild there; it is kept "
-                    "instead (correct gradients, more memory than predicted). The profiled step and this call "
+        log.warning("sublinear: %s saved a tensor in block %d that the plan does not rebuild there; it is "
+                    "stored instead (correct gradients, more memory than predicted). The profiled step and this call "
                     "differ.", schedule.program.describe(node), block)

@@ -36,7 +36,7 @@ from sublinear.profiling.costs import (
 from sublinear.execute.program import NodeProgram
 from sublinear.tensors import autocast_context, autocast_state, device_of, storage_key
 from sublinear.profiling.tracking import StorageTracker
-from sublinear.training import DROPPED, GRADIENT, KEPT, gradient_receivers, step_backward
+from sublinear.training import DROPPED, GRADIENT, HELD, gradient_receivers, step_backward
 
 __all__ = ["ProfileError", "profile"]
 
@@ -229,7 +229,7 @@ def _trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool,
         node_seq.append((torch._C._autograd._get_sequence_nr(), -1))
         outputs = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
         if uses is None:
-            uses = tuple(GRADIENT if r else KEPT for r in gradient_receivers(outputs))
+            uses = tuple(GRADIENT if r else HELD for r in gradient_receivers(outputs))
         outputs = [t for t, use in zip(outputs, uses) if use != DROPPED]  # the caller lets the others go now
         receives = [use == GRADIENT for use in uses if use != DROPPED]
         output_serials = {recorder.serial_of(t) for t in outputs if t.untyped_storage()._cdata in recorder.serial}
@@ -263,8 +263,8 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     reference GPU whatever the device (plans for a GPU's budget made on fake CPU tensors), "auto" estimates: the
     same plan in every process, where measured times vary from run to run.
     ``uses``: per tensor output, what the call did with it: :data:`GRADIENT` (a later graph or the loss read it,
-    so backward hands it a gradient), :data:`KEPT` (held to the end of the step without a gradient, as a KV
-    cache) or :data:`DROPPED` (let go as soon as the graph returned). By default every output is kept and
+    so backward hands it a gradient), :data:`HELD` (held to the end of the step without a gradient, as a KV
+    cache) or :data:`DROPPED` (let go as soon as the graph returned). By default every output is held and
     :func:`step_backward` decides which get gradients.
     """
     values = graph.example_values if values is None else list(values)

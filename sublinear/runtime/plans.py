@@ -38,18 +38,18 @@ class BlockSummary:
     last_op: str
     recomputed_ops: tuple[str, ...]  # re-run in backward
     kept_ops: tuple[str, ...]  # inside the block but never recomputed (chosen or pinned)
-    kept_bytes: int  # storages the block keeps for backward or later blocks
+    retained_bytes: int  # storages the block retains for backward or later blocks
     recompute_seconds: float
-    soft_end: bool  # the boundary is rebuilt, not kept (nested blocks)
+    soft_end: bool  # the boundary is rebuilt, not retained (nested blocks)
 
     def __str__(self) -> str:
-        parts = [f"block {self.index}: {self.first_op} .. {self.last_op}; keeps {format_bytes(self.kept_bytes)}"]
+        parts = [f"block {self.index}: {self.first_op} .. {self.last_op}; retains {format_bytes(self.retained_bytes)}"]
         if self.recomputed_ops:
             parts.append(f"recomputes {len(self.recomputed_ops)} ops ({self.recompute_seconds * 1e3:.2f} ms)")
         if self.kept_ops:
             parts.append("kept ops: " + ", ".join(self.kept_ops[:4]) + (" ..." if len(self.kept_ops) > 4 else ""))
         if self.soft_end:
-            parts.append("soft end: what crosses it is rebuilt, not kept")
+            parts.append("soft end: what crosses it is rebuilt, not retained")
         return "; ".join(parts)
 
 
@@ -182,7 +182,7 @@ def _summarise(index: int, values: Sequence[Any], graph: CapturedGraph, profile_
         mask = a.retained & (a.block_of[profile_.storage_producer] == b) if len(profile_.storage_producer) else []
         blocks.append(BlockSummary(index=b, first_op=profile_.ops[ops[0]].name, last_op=profile_.ops[ops[-1]].name,
                                    recomputed_ops=recomputed, kept_ops=kept,
-                                   kept_bytes=int(profile_.storage_bytes[mask].sum()) if len(mask) else 0,
+                                   retained_bytes=int(profile_.storage_bytes[mask].sum()) if len(mask) else 0,
                                    recompute_seconds=float(profile_.op_seconds[a.closure[b]].sum()),
                                    soft_end=ops[-1] in plan.soft))
     inputs = [v for k, v in zip(graph.kinds, values) if k == "input"]

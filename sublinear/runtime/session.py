@@ -33,7 +33,7 @@ from sublinear.core.units import format_bytes
 from sublinear.planners import BudgetError, make_plan, objective_for
 from sublinear.planners.driver import step_floor
 from sublinear.profiling.graph import profile
-from sublinear.training import DROPPED, GRADIENT, KEPT
+from sublinear.training import DROPPED, GRADIENT, HELD
 from sublinear.execute.eager import rewrite
 from sublinear.progress import PlanningProgress
 from sublinear.capture.shapes import Binding, SymbolicSizes, argument_dims, bucket, covers, describe_binding, join
@@ -83,7 +83,7 @@ def _any_requires_grad(values: Sequence[Any]) -> bool:
 
 
 _UNSEEN = object()  # finish_call without the call's result (a bare torch.compile backend never sees it)
-_USE_ORDER = (GRADIENT, KEPT, DROPPED)  # most demanding first
+_USE_ORDER = (GRADIENT, HELD, DROPPED)  # most demanding first
 
 
 class SublinearBackend:

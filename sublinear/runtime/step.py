@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, GraphOutputs
 from sublinear.core.plan import Plan
 from sublinear.core.profile import StepContext
-from sublinear.training import DROPPED, GRADIENT, KEPT
+from sublinear.training import DROPPED, GRADIENT, HELD
 from sublinear.simulation.timeline import simulate
 from sublinear.runtime.variant import _Variant
 
@@ -129,7 +129,7 @@ def output_uses(runs: Sequence[_GraphRun], returned: Any) -> list[tuple[str, ...
     """Per run of one call that returned ``returned``, per tensor output: what the step did with it (see
     :func:`sublinear.profiling.graph.profile`). A later run reads it, or it is the loss: the scalars among what the call
     returned when there are any (a loss computed in forward), else every floating tensor it returned; those get a
-    gradient. Of the others, what is still alive after the call was kept (a KV cache, a module attribute) and the
+    gradient. Of the others, what is still alive after the call was held (a KV cache, a module attribute) and the
     rest was dropped when the graph returned."""
     returned = [t for t in tree_leaves(returned)
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
@@ -137,7 +137,7 @@ def output_uses(runs: Sequence[_GraphRun], returned: Any) -> list[tuple[str, ...
     uses = []
     for i, run in enumerate(runs):
         read_later = set().union(*(later.inputs for later in runs[i + 1:]))
-        uses.append(tuple(GRADIENT if s in read_later or s in losses else KEPT if alive else DROPPED
+        uses.append(tuple(GRADIENT if s in read_later or s in losses else HELD if alive else DROPPED
                           for s, alive in zip(run.returned.storages, run.returned.alive())))
     return uses
 

@@ -7,7 +7,7 @@ Inductor compiles both, so recompute fuses into the backward's kernels. The plan
 recompute tags (``CheckpointPolicy`` in ``node.meta["recompute"]``), set on every forward node of the joint graph by
 a :class:`~torch._inductor.custom_graph_pass.CustomPartitionerFn` that then runs inductor's own min-cut partitioner:
 
-- a node of an op the plan recomputes is ``MUST_RECOMPUTE`` unless every storage of its value is kept (a block
+- a node of an op the plan recomputes is ``MUST_RECOMPUTE`` unless every storage of its value is retained (a block
   boundary, or a value a later block reads): backward rebuilds it from the nearest saved values, as the block's
   recompute closure does;
 - every other node is ``MUST_SAVE``: the forward saves it when backward, or a recompute, reads it;
@@ -56,12 +56,12 @@ def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[st
     """Per forward node of the joint graph (by name): True when backward must recompute it, False when forward must
     save it if anything in backward reads it."""
     profile = analysis.profile
-    kept = analysis.state == StorageState.KEPT
+    retained = analysis.state == StorageState.RETAINED
     tags = {}
     for i, name in enumerate(node_names):
         op = profile.op_of_node[i]
         storages = [s for s in profile.node_storages.get(i, ()) if s >= 0]
-        recomputed = bool(analysis.recomputed[op]) and not (storages and all(kept[s] for s in storages))
+        recomputed = bool(analysis.recomputed[op]) and not (storages and all(retained[s] for s in storages))
         tags[name] = recomputed
     return tags
 

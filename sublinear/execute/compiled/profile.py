@@ -35,7 +35,7 @@ from torch.utils.flop_counter import flop_registry
 from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph, module_path
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates, device_rates, estimate_seconds
-from sublinear.training import DROPPED, GRADIENT, KEPT, gradient_receivers
+from sublinear.training import DROPPED, GRADIENT, HELD, gradient_receivers
 from sublinear.execute.compiled.joint import JointGraph, is_view, origin
 from sublinear.execute.compiled.wrapper import hint
 
@@ -145,9 +145,9 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
                   rates: DeviceRates | None = None) -> CompiledProfile:
     """The profile of ``graph``'s training step as inductor compiles it from ``joint``.
 
-    ``uses``: per tensor output of the graph, what the call does with it (gradient, kept, dropped; see
+    ``uses``: per tensor output of the graph, what the call does with it (gradient, held, dropped; see
     :func:`sublinear.profiling.graph.profile`); None: as :func:`sublinear.training.step_backward` by default (the scalar
-    outputs get a gradient when there are any, else every floating output), the others are kept.
+    outputs get a gradient when there are any, else every floating output), the others are held.
     """
     kinds = _Kinds()
     fw, bw = joint.forward, joint.backward
@@ -252,13 +252,13 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
                 if isinstance(t, fx.Node) and isinstance(t.meta.get("example_value"), torch.Tensor)]
     user_outputs = tensor_outputs[-len(returned):] if returned else []
     if uses is None:  # as the eager profile's step: the scalars get a gradient when there are any, else every output
-        uses = [GRADIENT if r else KEPT for r in gradient_receivers(returned)]
+        uses = [GRADIENT if r else HELD for r in gradient_receivers(returned)]
     output_use: dict[int, str] = {}
     for k, node in enumerate(user_outputs):
         use = uses[k] if k < len(uses) else GRADIENT
         for key in keys_of(node):
             if key in produced_by:
-                output_use[key] = min(output_use.get(key, DROPPED), use, key=(GRADIENT, KEPT, DROPPED).index)
+                output_use[key] = min(output_use.get(key, DROPPED), use, key=(GRADIENT, HELD, DROPPED).index)
 
     # Backward: ranks, what it reads of the forward (saved), and its own buffers.
     rank_of_bw: list[int] = []
