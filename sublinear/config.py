@@ -1,14 +1,15 @@
-"""``SublinearMemoryConfig``: the planner's knobs, named as in MegEngine."""
+"""``SublinearMemoryConfig``: the planner's knobs, named as in MegEngine, each MegEngine name with a clear alias."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-__all__ = ["SublinearMemoryConfig", "parse_size"]
+__all__ = ["CLEAR_NAMES", "SublinearMemoryConfig", "parse_size"]
 
 
 MAX_THRESH_NR_TRY = 1000
@@ -22,11 +23,15 @@ COMPILERS = ("auto", "inductor", "eager")
 class SublinearMemoryConfig:
     """Planner settings. Sizes are bytes (``lb_memory`` and ``memory_budget`` also take ``"11GiB"``-style text).
 
-    thresh_nr_try: grid points per phase of the threshold grid search (0..1000).
-    genetic_nr_iter: generations of the genetic refinement; 0 turns it off (0..10000).
-    genetic_pool_size: survivors per generation (1..1000; >= 2 when the genetic search runs).
-    lb_memory: floor; a plan below it keeps expensive ops until it reaches the floor (>= 0).
-    num_worker: processes that score genetic candidates; None means max(1, cpu_count // 2).
+    The MegEngine names below each have a clear alias (:data:`CLEAR_NAMES`), accepted by the constructor and readable
+    as a property: ``SublinearMemoryConfig(genetic_generations=20).genetic_nr_iter == 20``. ``dataclasses.replace``
+    takes the MegEngine names.
+
+    thresh_nr_try (``grid_tries``): grid points per phase of the threshold grid search (0..1000).
+    genetic_nr_iter (``genetic_generations``): generations of the genetic refinement; 0 turns it off (0..10000).
+    genetic_pool_size (``genetic_population``): survivors per generation (1..1000; >= 2 when the genetic search runs).
+    lb_memory (``memory_floor``): floor; a plan below it keeps expensive ops until it reaches the floor (>= 0).
+    num_worker (``scoring_processes``): processes that score genetic candidates; None means max(1, cpu_count // 2).
     memory_budget: the plan is the least predicted step time whose predicted peak fits this many bytes.
         "auto" (default): the device's free memory at planning time less ``memory_headroom`` on CUDA, and no
         budget on CPU and meta. None: no budget; the plan is then the lowest peak within ``max_time_ratio``.
@@ -107,6 +112,12 @@ class SublinearMemoryConfig:
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise ValueError(f"cache_dir must be a path, '' (no cache) or None; got {type(self.cache_dir).__name__}")
 
+    grid_tries = property(lambda self: self.thresh_nr_try, doc="``thresh_nr_try``, by its clear name.")
+    genetic_generations = property(lambda self: self.genetic_nr_iter, doc="``genetic_nr_iter``, by its clear name.")
+    genetic_population = property(lambda self: self.genetic_pool_size, doc="``genetic_pool_size``, by its clear name.")
+    memory_floor = property(lambda self: self.lb_memory, doc="``lb_memory``, by its clear name.")
+    scoring_processes = property(lambda self: self.num_worker, doc="``num_worker``, by its clear name.")
+
     @property
     def workers(self) -> int:
         """Scoring processes actually used."""
@@ -115,6 +126,40 @@ class SublinearMemoryConfig:
     def planning_key(self) -> dict:
         """Fields that change the plan (for cache keys): everything but where the cache lives and worker count."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("cache_dir", "num_worker")}
+
+
+CLEAR_NAMES = {"grid_tries": "thresh_nr_try", "genetic_generations": "genetic_nr_iter",
+               "genetic_population": "genetic_pool_size", "memory_floor": "lb_memory",
+               "scoring_processes": "num_worker"}  # clear alias -> MegEngine's name
+
+
+def _accepting_clear_names(init):
+    """The dataclass constructor, taking each MegEngine-named field by its clear alias too; errors name a value
+    by the name it was given."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        given = {}
+        for clear, megengine in CLEAR_NAMES.items():
+            if clear in kwargs:
+                if megengine in kwargs:
+                    raise TypeError(f"SublinearMemoryConfig got {clear} and {megengine}, two names for one setting; "
+                                    "give one")
+                kwargs[megengine] = kwargs.pop(clear)
+                given[megengine] = clear
+        try:
+            init(self, *args, **kwargs)
+        except ValueError as exc:
+            message = str(exc)
+            for megengine, clear in given.items():
+                if message.startswith(megengine):
+                    raise ValueError(f"{clear} ({megengine}){message[len(megengine):]}") from None
+            raise
+
+    return __init__
+
+
+SublinearMemoryConfig.__init__ = _accepting_clear_names(SublinearMemoryConfig.__init__)
 
 
 def _max_sizes(value: object) -> tuple[tuple[str, tuple[int | None, ...]], ...]:

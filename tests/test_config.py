@@ -80,3 +80,17 @@ def test_sizes_below_one_byte(text):
 def test_a_bad_budget_in_the_config_names_the_field_and_the_accepted_forms():
     with pytest.raises(ValueError, match=r"memory_budget: not a size: '11G'; accepted: .*powers of 1024.*\"auto\""):
         SublinearMemoryConfig(memory_budget="11G")
+
+
+@pytest.mark.parametrize("clear, megengine, value", [
+    ("grid_tries", "thresh_nr_try", 3), ("genetic_generations", "genetic_nr_iter", 7),
+    ("genetic_population", "genetic_pool_size", 5), ("memory_floor", "lb_memory", 1024),
+    ("scoring_processes", "num_worker", 2)])
+def test_each_megengine_name_has_a_clear_alias(clear, megengine, value):
+    by_clear = SublinearMemoryConfig(**{clear: value})
+    assert by_clear == SublinearMemoryConfig(**{megengine: value})
+    assert getattr(by_clear, megengine) == getattr(by_clear, clear) == value
+    with pytest.raises(TypeError, match=f"{clear} and {megengine}"):
+        SublinearMemoryConfig(**{clear: value, megengine: value})
+    with pytest.raises(ValueError, match=rf"^{clear} \({megengine}\) must be"):
+        SublinearMemoryConfig(**{clear: -1})
