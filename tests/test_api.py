@@ -594,6 +594,18 @@ def test_a_model_on_meta_planned_ahead_is_not_planned_again_at_its_first_step(mo
     compiled(x).sum().backward()
     assert len(searches) == 1 and compiled.sublinear_plan.graphs[0].plan == planned.plan
 
+def test_a_meta_model_is_planned_for_the_eager_executor_at_the_reference_gpu_rates(monkeypatch):
+    # Captured on fake CPU tensors, a meta model is still planned as one: for the eager executor (nothing runs on
+    # meta), its op times estimated for the reference GPU, not at this CPU's rates.
+    monkeypatch.delenv("SUBLINEAR_COMPILER", raising=False)
+    with torch.device("meta"):
+        model = ResidualNet()
+        x = torch.randn(4, 3, 8, 8)
+    compiled = sublinear.compile(model, (x,), config=PLAIN)
+    assert "reference GPU" in compiled.sublinear_profile.cost_source
+    assert compiled.sublinear_plan.graphs[0].signature == "(4, 3, 8, 8):float32@meta"
+
+
 def test_pareto_point_applies_in_one_call():
     torch.manual_seed(0)
     model = Chain(20, 32)

@@ -464,7 +464,9 @@ class _GraphRuntime:
         :func:`sublinear.execute.compiled.resolve_compiler`); a graph inductor cannot trace runs eagerly."""
         if self.graph.code in self.backend.eager_only:
             return "eager"
-        compiler = resolve_compiler(self.backend.config.compiler, device_of(values).type)
+        # a model on the meta device is captured with fake CPU values; it is planned for the meta device
+        device_type = torch.device(self.graph.model_device).type if self.graph.model_device else device_of(values).type
+        compiler = resolve_compiler(self.backend.config.compiler, device_type)
         if compiler == "inductor" and self.backend.sharding() is not None:
             _say_fsdp_runs_eagerly()
             return "eager"
