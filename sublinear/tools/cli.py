@@ -454,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the convergence plot to this PNG (needs matplotlib)")
     p.set_defaults(run=_cmd_tune)
 
-    p = command("plan", "the plan for one model and batch: blocks, kept bytes, predicted peak against eager")
+    p = command("plan", "the plan for one model and batch: blocks, retained bytes, predicted peak against eager")
     _model_options(p, "resnet50")
     p.add_argument("--batch", type=_int_at_least(1), default=32, metavar="N", help="batch size (default %(default)s)")
     p.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
