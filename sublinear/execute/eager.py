@@ -467,10 +467,9 @@ class _ForwardCall:
         if i in s.group_end:
             self.groups.pop(s.group_of_node[i]).close()
 
-    def _frame_for(self, i: int) -> _Frame | None:
+    def _frame_for(self, i: int) -> _Frame:
+        """The frame of node ``i``'s block (a node of a framed block), opened at the block's first node."""
         s = self.schedule
-        if not s.in_frame_block[i]:
-            return None
         b = s.block_of_node[i]
         frame = self.frames.get(b)
         if frame is None:
@@ -504,7 +503,7 @@ class _ForwardCall:
     def pack(self, t: torch.Tensor) -> _Saved:
         saved = _Saved()
         i = self.node
-        if i < 0 or not self.schedule.in_frame_block[i] or self.schedule.stores_all[i]:
+        if i < 0 or self.schedule.stores_all[i]:  # the forward names the running node only in framed blocks
             return saved.keep(t)
         order, self.packs = self.packs, self.packs + 1
         self.pending.append((saved, t, order))  # decided when the node returns and its outputs are known

@@ -57,8 +57,8 @@ class _GraphRun:
     @staticmethod
     def of(runtime: _GraphRuntime, variant: _Variant | None, values: Sequence[Any]) -> _GraphRun:
         kinds = runtime.graph.kinds
-        state = _storages([v for k, v in zip(kinds, values) if k == PARAMETER or k == BUFFER])
-        parameters = state if BUFFER not in kinds else _storages([v for k, v in zip(kinds, values) if k == PARAMETER])
+        parameters = _storages([v for k, v in zip(kinds, values) if k == PARAMETER])
+        state = {**parameters, **_storages([v for k, v in zip(kinds, values) if k == BUFFER])}
         inputs = _storages([v for k, v in zip(kinds, values) if k == INPUT])
         return _GraphRun(runtime, variant, state, parameters, inputs)
 
