@@ -1,7 +1,6 @@
 """The local search planner: its neighbours, its climbs and its place in the planner pipeline."""
 
 import random
-import time
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ import torch
 import sublinear.planners.local as local
 from sublinear.core import Plan
 from sublinear.planners import make_plan
-from sublinear.planners.local import LocalSearchPlanner, climb, neighbours
+from sublinear.planners.local import LocalSearchPlanner, WorkLeft, climb, neighbours
 
 from conftest import Chain, RandomDAG, budget_between, problem_for, profile_of
 
@@ -65,7 +64,7 @@ def test_climb_ends_at_a_local_optimum_and_improves_a_start_that_is_not(chain_pr
     objective = problem.objective
     start = problem.candidate(Plan.no_split(p.num_ops), "eager")
     assert not objective.accepts(start)
-    end = climb(problem, objective, start, random.Random(0), iter([True] * 100_000))
+    end = climb(problem, objective, start, random.Random(0), WorkLeft(100_000, 10**12))
     assert objective.accepts(end)
     assert all(objective(problem.candidate(q, "")) >= objective(end) for q in neighbours(problem, end.plan))
 
@@ -82,20 +81,22 @@ def test_local_search_never_ranks_below_its_starts_and_is_deterministic(dag_prof
     assert results[0] == results[1]
 
 
-def test_local_search_spends_at_most_its_evaluations(chain_profile, monkeypatch):
-    monkeypatch.setattr(local, "EVALUATIONS", 7)
+@pytest.mark.parametrize("limit", ["EVALUATIONS", "SIMULATED_OPS"])
+def test_local_search_spends_at_most_its_simulations(chain_profile, monkeypatch, limit):
+    monkeypatch.setattr(local, limit, 7 * (chain_profile.num_ops if limit == "SIMULATED_OPS" else 1))
     problem = problem_for(chain_profile, memory_budget=budget_between(chain_profile, 0.2))
     start = problem.candidate(Plan.no_split(chain_profile.num_ops), "eager")
     before = len(problem.simulations)
     LocalSearchPlanner().propose(problem, [start])
-    assert len(problem.simulations) - before <= 7
+    assert len(problem.simulations) - before == 7
 
 
-def test_local_search_stops_at_its_time_limit(chain_profile, monkeypatch):
-    monkeypatch.setattr(local, "TIME_LIMIT_SECONDS", 0.0)
+def test_local_search_builds_no_neighbours_past_its_entries(chain_profile, monkeypatch):
+    """The first neighbourhood spends the entries: its neighbours are tried, and no second one is built."""
+    monkeypatch.setattr(local, "NEIGHBOUR_ENTRIES", 1)
+    built = []
+    monkeypatch.setattr(local, "neighbours", lambda problem, plan: built.append(plan) or neighbours(problem, plan))
     problem = problem_for(chain_profile, memory_budget=budget_between(chain_profile, 0.2))
     start = problem.candidate(Plan.no_split(chain_profile.num_ops), "eager")
-    before = len(problem.simulations)
-    started = time.perf_counter()
-    assert LocalSearchPlanner().propose(problem, [start]) == []
-    assert len(problem.simulations) == before and time.perf_counter() - started < 1.0
+    found = LocalSearchPlanner().propose(problem, [start])
+    assert built == [start.plan] and len(found) <= 1

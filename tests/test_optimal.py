@@ -5,7 +5,6 @@ import dataclasses
 import math
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -92,10 +91,6 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-12 + 1e-9 * abs(b)
 
 
-def deadline() -> float:
-    return time.perf_counter() + 60
-
-
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(depth=st.integers(2, 6), width=st.sampled_from([2, 8]), fraction=st.floats(0, 1), keep_flops=st.booleans())
 def test_on_chains_the_plan_is_the_cheapest_flat_plan_that_fits(depth, width, fraction, keep_flops):
@@ -105,7 +100,7 @@ def test_on_chains_the_plan_is_the_cheapest_flat_plan_that_fits(depth, width, fr
     model = model_of(("chain", depth, width), p, kept)
     budget = budget_between(rows, fraction)
     best = least_seconds(rows, budget)
-    solution = solve(model, budget, deadline())
+    solution = solve(model, budget)
     assert solution.proven
     if math.isinf(best):
         assert solution.plan is None
@@ -127,7 +122,7 @@ def test_on_dags_the_plan_fits_and_is_the_cheapest_whose_model_peak_fits(seed, f
     budget = budget_between(rows, fraction)
     best_under_model = min((s.recompute_seconds for (_, s), peak in zip(rows, model_peaks) if peak <= budget),
                            default=math.inf)
-    solution = solve(model, budget, deadline())
+    solution = solve(model, budget)
     assert solution.proven
     if math.isinf(best_under_model):
         assert solution.plan is None
@@ -151,7 +146,7 @@ def test_over_every_second_boundary_the_plan_is_the_cheapest_of_those():
     model = FlatModel(p)
     for fraction in (0.2, 0.5, 0.8):
         budget = budget_between(rows, fraction)
-        solution = solve(model, budget, deadline(), stride=2)
+        solution = solve(model, budget, stride=2)
         assert all((point + 1) % 2 == 0 for point in solution.plan.split_points)
         assert close(solution.seconds, least_seconds(rows, budget))
 
@@ -161,16 +156,20 @@ def test_a_time_cap_excludes_slower_plans():
     rows = table(("chain", 5, 8), p, frozenset())
     budget = budget_between(rows, 0.3)
     fastest = least_seconds(rows, budget)
-    assert solve(FlatModel(p), budget, deadline(), time_cap=fastest * 0.99).plan is None
-    assert close(solve(FlatModel(p), budget, deadline(), time_cap=fastest).seconds, fastest)
+    assert solve(FlatModel(p), budget, time_cap=fastest * 0.99).plan is None
+    assert close(solve(FlatModel(p), budget, time_cap=fastest).seconds, fastest)
 
 
-def test_out_of_time_it_reports_a_lower_bound_not_a_proof():
+def test_out_of_work_it_reports_a_lower_bound_not_a_proof_and_the_same_plan_every_time():
     p = chain(6, 8)
     rows = table(("chain", 6, 8), p, frozenset())
     budget = budget_between(rows, 0.3)
-    cut = solve(FlatModel(p), budget, deadline=0.0)
-    assert not cut.proven and cut.bound <= least_seconds(rows, budget)
+    full = solve(FlatModel(p), budget)
+    assert full.proven and full.work > 0
+    for work in (0, full.work // 2):
+        cut = solve(FlatModel(p), budget, work=work)
+        assert not cut.proven and cut.bound <= least_seconds(rows, budget)
+        assert cut == solve(FlatModel(p), budget, work=work)  # a fresh model: the same search, the same work
 
 
 @pytest.mark.parametrize("reshard_after_forward", [False, True])

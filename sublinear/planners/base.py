@@ -2,7 +2,10 @@
 returns new candidates, all scored by the one simulator under the problem's objective.
 
 A planner plugs in with :func:`register_planner`; :data:`PLANNERS` is the registry the driver walks in the order of
-``SublinearMemoryConfig.planners``.
+``SublinearMemoryConfig.planners``. What a planner proposes depends only on the problem (profile, objective,
+config, seed included) and the candidates it is given: a planner that bounds its search counts work (simulations,
+plans built, steps of a search), never time, so that the same seed gives the same plan in every process however
+busy the machine. The clock is read for log lines and reports alone (:attr:`PlanningProblem.seconds`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class PlanningProblem:
 
     @property
     def seconds(self) -> float:
+        """Seconds since the problem was made, for log lines and reports; no planner decides by them."""
         return time.perf_counter() - self.started
 
 

@@ -3,7 +3,8 @@
 Every planner sees the candidates found before it (the genetic search is seeded with them all), and every
 candidate is scored by the one simulator under the config's objective (:class:`sublinear.core.objective.Objective`).
 Afterwards ``lb_memory`` hands memory back: when the chosen plan's peak is below this floor, recomputed ops are
-kept again, most recompute time first, while the peak stays within the floor.
+kept again, most recompute time first, while the peak stays within the floor. The plan depends only on the profile,
+the config (its seed included) and the pool: every planner bounds its search by counted work, never by the clock.
 """
 
 from __future__ import annotations
@@ -160,9 +161,10 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
 
 @contextlib.contextmanager
 def _no_cycle_collection() -> Iterator[None]:
-    """Planners stop at wall-clock limits, and a full collection of a long-running process's heap (its time grows
-    with the heap) landing inside one cuts its search short and changes its plan. Inside, memory is freed by
-    reference counting; reference cycles wait until the planner returns."""
+    """Planners allocate many short-lived objects, and a full collection of a long-running process's heap (0.2-0.4 s
+    after a few compiles, growing with the heap) landing inside one would add its time to planning; the plan does
+    not depend on it, as planners count work, not time. Inside, memory is freed by reference counting; reference
+    cycles wait until the planner returns."""
     enabled = gc.isenabled()
     gc.disable()
     try:

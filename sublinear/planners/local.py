@@ -4,21 +4,23 @@ The genetic search edits plans at random and keeps a population, so its best pla
 plan one edit away is often better still. This planner starts from the
 :data:`START_PLANS` best distinct plans the problem has simulated (every planner's candidates and the genetic
 population) and from each moves to the first neighbour the objective ranks lower, until no neighbour is (a local
-optimum), within :data:`EVALUATIONS` new simulations (:data:`EVALUATIONS_PER_OP` per op on small graphs) and
-:data:`TIME_LIMIT_SECONDS`.
+optimum) or its work budget is spent. The budget counts work, never time: at most :data:`EVALUATIONS` new
+simulations, :data:`EVALUATIONS_PER_OP` per op of the graph and :data:`SIMULATED_OPS` ops simulated (a simulation's
+time grows with the ops); and a neighbourhood is built only while the neighbour plans built so far hold fewer than
+:data:`NEIGHBOUR_ENTRIES` entries (split points, kept ops, soft points), as its time grows with its plans' size.
 
 The neighbours of a plan, each valid: a split point moved by one or two ops, a split point removed (two blocks
 merged) or made soft or hard, a split point added after any op, a kept op recomputed again, and an op that a
-recompute closure re-runs kept. They are visited in an order drawn from ``config.seed``, so the result is
-deterministic when the time limit is not reached.
+recompute closure re-runs kept. They are visited in an order drawn from ``config.seed``, so the plans proposed
+depend only on the profile, the config and the seed.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core.analysis import analyse
@@ -26,12 +28,13 @@ from sublinear.core.objective import Candidate, Objective
 from sublinear.core.plan import Plan
 from sublinear.planners.base import PlanningProblem, register_planner
 
-__all__ = ["LocalSearchPlanner", "neighbours"]
+__all__ = ["LocalSearchPlanner", "WorkLeft", "climb", "neighbours"]
 
 START_PLANS = 4
 EVALUATIONS = 3000  # new simulations per propose at most ...
-EVALUATIONS_PER_OP = 10  # ... and at most this many per op of the graph
-TIME_LIMIT_SECONDS = 3.0  # per propose, for graphs whose simulation is slow
+EVALUATIONS_PER_OP = 10  # ... at most this many per op of the graph ...
+SIMULATED_OPS = 1_200_000  # ... and at most this many ops simulated (3000 simulations of 400 ops)
+NEIGHBOUR_ENTRIES = 8_000_000  # entries of neighbour plans per propose, 0.3-0.5 µs each on a 2-core x86_64 CPU
 BOUNDARY_STEPS = (-2, -1, 1, 2)
 
 
@@ -58,31 +61,40 @@ def neighbours(problem: PlanningProblem, plan: Plan) -> list[Plan]:
     return [p for p in dict.fromkeys(found) if p != plan]
 
 
+@dataclass
+class WorkLeft:
+    """What a propose may still spend: new simulations and entries of neighbour plans built."""
+
+    simulations: int
+    entries: int
+
+
 def climb(problem: PlanningProblem, objective: Objective, start: Candidate, rng: random.Random,
-          budget: Iterator[bool]) -> Candidate:
+          work: WorkLeft) -> Candidate:
     """From ``start``, move to the first neighbour (in ``rng``'s order) that ``objective`` ranks lower, until
-    none is or ``budget`` (one item per plan not simulated before) runs out."""
+    none is or ``work`` runs out: a neighbourhood is built while entries are left, and a plan not simulated before
+    is simulated while simulations are left."""
     current = start
-    while True:
+    while work.entries > 0:
         order = neighbours(problem, current.plan)
+        work.entries -= len(order) * _entries(current.plan)
         rng.shuffle(order)
         for plan in order:
-            if plan not in problem.simulations and not next(budget, False):
-                return current
+            if plan not in problem.simulations:
+                if work.simulations <= 0:
+                    return current
+                work.simulations -= 1
             candidate = problem.candidate(plan, "local search")
             if objective(candidate) < objective(current):
                 current = candidate
                 break
         else:
             return current
+    return current
 
 
-def _budget(evaluations: int, deadline: float) -> Iterator[bool]:
-    """True for each of ``evaluations`` simulations, while ``deadline`` has not passed."""
-    for _ in range(evaluations):
-        if time.perf_counter() > deadline:
-            return
-        yield True
+def _entries(plan: Plan) -> int:
+    return len(plan.split_points) + len(plan.kept) + len(plan.soft)
 
 
 class LocalSearchPlanner:
@@ -98,11 +110,11 @@ class LocalSearchPlanner:
             return []
         objective = problem.objective
         ranked = sorted((Candidate(plan, sim) for plan, sim in problem.simulations.items()), key=objective)
-        evaluations = min(EVALUATIONS, EVALUATIONS_PER_OP * problem.profile.num_ops)
-        budget = _budget(evaluations, time.perf_counter() + TIME_LIMIT_SECONDS)
+        n = problem.profile.num_ops
+        work = WorkLeft(min(EVALUATIONS, EVALUATIONS_PER_OP * n, SIMULATED_OPS // n), NEIGHBOUR_ENTRIES)
         rng = random.Random(problem.config.seed)
         starts = ranked[:START_PLANS]
-        ends = [climb(problem, objective, start, rng, budget) for start in starts]
+        ends = [climb(problem, objective, start, rng, work) for start in starts]
         return [end for start, end in zip(starts, ends) if end.plan != start.plan]
 
 

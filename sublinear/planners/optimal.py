@@ -8,25 +8,33 @@ simulator's, its peak an upper bound on the simulator's that is exact on chains.
 processed in order: a label extends by block ``[i..j]`` when ``P + L([i..j]) <= budget`` (``L``: the flat model's
 local peak) and finishes with the last block ``[i..n-1]`` when ``P + L_last(i) <= budget``; block ends are
 scanned while a lower bound on ``L``, non-decreasing in ``j``, leaves room, and labels no faster than the best
-finish are dropped. When the search
-completes, its plan has the least recompute time among plans whose model peak fits the budget. The local peaks of
-all block ends of one start are computed together, as arrays of block ends by backward ranks and by recomputed
-ops.
+finish are dropped. When the search completes, its plan has the least recompute time among plans whose model peak
+fits the budget. The local peaks of all block ends of one start are computed together, as arrays of block ends by
+backward ranks and by recomputed ops.
 
-**Planner** (:class:`OptimalPlanner`). Kept sets searched (:func:`kept_sets`): none (the flat optimum), every op with
-FLOPs, and the half of the ops with the most forward time per output byte. Under a budget, each kept set's
-least-time plan is proposed; on graphs of more than :data:`EXACT_OPS` ops the search runs first over every
-stride-th boundary (:data:`COARSE_BOUNDARIES` boundaries), then over all boundaries for a faster plan until
-:data:`TIME_LIMIT_SECONDS`. Without a budget (lowest peak within ``max_time_ratio``), budgets are bisected to
-:data:`PEAK_TOLERANCE` of the eager peak, each solved with plans over the time cap excluded (over every
-stride-th boundary on large graphs). Each candidate's origin says what was proven: the optimum under the model, or
-the best plan found with a lower bound on the time any flat plan needs.
+**Work** (no clock is read). A search counts units of work, roughly proportional to its running time (0.03-0.07 µs
+a unit on a 2-core x86_64 CPU): one per label extended; one per cell of the local-peak arrays, i.e. block ends
+evaluated for the first time times the backward ranks and ops of the longest of them; :data:`START_WORK_PER_OP`
+per op of the graph for a block start's arrays, with its first block ends; and :data:`VISIT_WORK` per op whose
+labels are extended. Before each op with labels, a search that has spent the work it was given stops, with the best
+plan found and a lower bound on the time any plan that fits needs. Its plan therefore depends only on the profile,
+the config and the work given, never on how busy the machine is.
+
+**Planner** (:class:`OptimalPlanner`). Kept sets searched (:func:`kept_sets`): none (the flat optimum), every op
+with FLOPs, and the half of the ops with the most forward time per output byte. Each propose may spend
+:data:`WORK_PER_PROPOSE` units; the kept sets' first searches take turns, each with half the work left (the last
+with all of it). Under a budget, each kept set's least-time plan is proposed; on graphs of more than
+:data:`EXACT_OPS` ops the search runs first over every stride-th boundary (:data:`COARSE_BOUNDARIES` boundaries),
+then over all boundaries for a faster plan with the work left. Without a budget (lowest peak within
+``max_time_ratio``), budgets are bisected to :data:`PEAK_TOLERANCE` of the eager peak, each solved with plans over
+the time cap excluded (over every stride-th boundary on large graphs). Each candidate's origin says what was proven:
+the optimum under the model, or the best plan found before the work budget ran out with a lower bound on the time
+any flat plan needs.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,7 +50,10 @@ from sublinear.planners.base import PlanningProblem, register_planner
 
 __all__ = ["OptimalPlanner", "Solution", "kept_sets", "solve"]
 
-TIME_LIMIT_SECONDS = 3.0  # per propose; searches stop there and report the best plan found and a bound
+WORK_PER_PROPOSE = 64_000_000  # units of work (module docstring) per propose: 3-4 s on a 2-core x86_64 CPU;
+# ResNet-50 and BERT-base need at most 51M, 29M of it in the first kept set's search (given half)
+VISIT_WORK = 8_000  # per op whose labels a search extends: the fixed cost of one step
+START_WORK_PER_OP = 80  # per op of the graph, for the arrays of one block start
 EXACT_OPS = 300  # larger graphs are first solved over every stride-th boundary
 COARSE_BOUNDARIES = 300  # boundaries the first search over a larger graph may use
 PEAK_TOLERANCE = 1e-3  # without a budget: the lowest peak is bracketed to this fraction of the eager peak
@@ -51,9 +62,10 @@ RELAXED_RETRIES = 2  # where the model over-counts a plan, re-solve with the bud
 
 @dataclass(frozen=True)
 class Solution:
-    """One search's outcome: its plan (None: no plan fits the model's budget, or none was found in time), the
-    plan's recompute seconds and model peak, and a lower bound on the least recompute seconds of a plan that fits
-    (the plan's own when ``proven``). ``stride`` > 1: split points were restricted to every stride-th op."""
+    """One search's outcome: its plan (None: no plan fits the model's budget, or none was found with the work
+    given), the plan's recompute seconds and model peak, and a lower bound on the least recompute seconds of a plan
+    that fits (the plan's own when ``proven``). ``stride`` > 1: split points were restricted to every stride-th op.
+    ``work``: the units of work the search spent."""
 
     plan: Plan | None
     seconds: float
@@ -61,13 +73,15 @@ class Solution:
     bound: float
     proven: bool
     stride: int = 1
+    work: int = 0
 
 
-def solve(model: FlatModel, budget: int, deadline: float, time_cap: float = math.inf, stride: int = 1,
+def solve(model: FlatModel, budget: int, *, work: float = math.inf, time_cap: float = math.inf, stride: int = 1,
           faster_than: float = math.inf) -> Solution:
     """The plan of least recompute time whose model peak fits ``budget``, among those whose split points are
     every ``stride``-th op and whose recompute time is at most ``time_cap`` and below ``faster_than`` (see the
-    module docstring), searched until ``time.perf_counter()`` passes ``deadline``."""
+    module docstring), searched until it has spent ``work`` units. Local peaks that ``model`` keeps from earlier
+    searches are not counted again, so on one model the same sequence of searches spends the same work."""
     n = model.n
     if model.floor > budget:
         return Solution(None, math.inf, 0, math.inf, True, stride)
@@ -79,14 +93,18 @@ def solve(model: FlatModel, budget: int, deadline: float, time_cap: float = math
     fronts: list[tuple[np.ndarray, ...] | None] = [None] * n
     best, best_seconds = None, faster_than
     below_cap = math.nextafter(time_cap, math.inf)
+    spent = 0
     for i in range(n):
-        if time.perf_counter() > deadline:
+        if not pending[i]:
+            continue
+        if spent >= work:
             waiting = [float(part[1].min()) for entries in pending[i:] for part in entries]
-            return _found(model, fronts, best, best_seconds, min(waiting + [best_seconds]), False, stride)
+            return _found(model, fronts, best, best_seconds, min(waiting + [best_seconds]), False, stride, spent)
         front = _pareto(pending[i], min(best_seconds, below_cap))
         pending[i] = []
         if front is None:
             continue
+        spent += VISIT_WORK
         fronts[i] = front
         carried, seconds = front[0], front[1]  # carried ascending, seconds descending
         fits = int(np.searchsorted(carried, budget - model.last_block(i), side="right"))
@@ -103,10 +121,12 @@ def solve(model: FlatModel, budget: int, deadline: float, time_cap: float = math
         ends = ends[(ends + 1) % stride == 0]
         if not len(ends):
             continue
+        spent += _evaluation_work(model, i, ends)
         start.evaluate(ends)
         fit = np.searchsorted(carried, budget - start.local[ends - i], side="right")
         counts = np.maximum(fit - alive, 0)
         total = int(counts.sum())
+        spent += total
         if not total:
             continue
         block = np.repeat(ends - i, counts)
@@ -117,7 +137,18 @@ def solve(model: FlatModel, budget: int, deadline: float, time_cap: float = math
         for k in np.flatnonzero(counts).tolist():
             a, b = bounds[k] - int(counts[k]), bounds[k]
             pending[int(ends[k]) + 1].append((new_carried[a:b], new_seconds[a:b], i, label[a:b]))
-    return _found(model, fronts, best, best_seconds, best_seconds, True, stride)
+    return _found(model, fronts, best, best_seconds, best_seconds, True, stride, spent)
+
+
+def _evaluation_work(model: FlatModel, i: int, ends: np.ndarray) -> int:
+    """The units of work of evaluating the local peaks of blocks ``[i..j]``, ``j`` in ``ends``: the blocks not
+    evaluated before times the backward ranks and ops of the longest, and the start's arrays with its first blocks."""
+    start = model.start(i)
+    new = ends[~start.done[ends - i]]
+    if not len(new):
+        return 0
+    cells = len(new) * (int(model.rank_hi[new[-1]]) - int(model.rank_lo[i]) + 2 + int(new[-1]) - i + 2)
+    return cells + (0 if start.done.any() else START_WORK_PER_OP * model.n)
 
 
 def _pareto(entries: list[tuple[np.ndarray, ...]], below: float) -> tuple[np.ndarray, ...] | None:
@@ -137,15 +168,15 @@ def _pareto(entries: list[tuple[np.ndarray, ...]], below: float) -> tuple[np.nda
 
 
 def _found(model: FlatModel, fronts: list, best: tuple[int, int] | None, seconds: float, bound: float,
-           proven: bool, stride: int) -> Solution:
+           proven: bool, stride: int, work: int) -> Solution:
     if best is None:
-        return Solution(None, math.inf, 0, bound, proven, stride)
+        return Solution(None, math.inf, 0, bound, proven, stride, work)
     points, (i, label) = [model.n - 1], best
     while fronts[i][2][label] >= 0:
         points.append(i - 1)
         i, label = int(fronts[i][2][label]), int(fronts[i][3][label])
     plan = model.plan(points)
-    return Solution(plan, seconds, model.peak(plan), bound, proven, stride)
+    return Solution(plan, seconds, model.peak(plan), bound, proven, stride, work)
 
 
 def kept_sets(profile: GraphProfile) -> list[tuple[str, frozenset[int]]]:
@@ -161,7 +192,7 @@ def kept_sets(profile: GraphProfile) -> list[tuple[str, frozenset[int]]]:
 
 class OptimalPlanner:
     """Plans optimal under the memory model for each kept set of :func:`kept_sets` (see the module docstring),
-    re-scored by the simulator; within :data:`TIME_LIMIT_SECONDS` per propose."""
+    re-scored by the simulator; within :data:`WORK_PER_PROPOSE` units of work per propose."""
 
     name = "optimal"
 
@@ -172,36 +203,50 @@ class OptimalPlanner:
         profile = problem.profile
         if profile.num_ops == 0:
             return []
-        deadline = time.perf_counter() + TIME_LIMIT_SECONDS
+        work = _WorkLeft(WORK_PER_PROPOSE)
         stride = 1 if profile.num_ops <= EXACT_OPS else math.ceil(profile.num_ops / COARSE_BOUNDARIES)
         models = [(f"optimal (flat{', ' + name if name else ''}: ", FlatModel(profile, kept))
                   for name, kept in kept_sets(profile)]
         if problem.objective.memory_budget is None:
-            return _lowest_peak(problem, models, stride, deadline)
-        return _least_time(problem, models, problem.objective.memory_budget, stride, deadline)
+            return _lowest_peak(problem, models, stride, work)
+        return _least_time(problem, models, problem.objective.memory_budget, stride, work)
 
 
-def _share(deadline: float, parts: int) -> float:
-    """The deadline of the next of ``parts`` searches that share the time left equally."""
-    now = time.perf_counter()
-    return now + max(0.0, deadline - now) / parts
+@dataclass
+class _WorkLeft:
+    """The units of work a propose has left; every search it runs spends from them."""
+
+    units: int
+
+    def share(self, parts: int) -> int:
+        """The work of the next of ``parts`` searches: half of what is left, all of it for the last (the first
+        kept set, with none kept, keeps the most labels and needs the most)."""
+        return max(0, self.units) // min(parts, 2)
+
+    def spend(self, solution: Solution) -> Solution:
+        self.units -= solution.work
+        return solution
+
+
+def _out_of_work(stride_text: str) -> str:
+    return f"best found before the work budget ({WORK_PER_PROPOSE:,} units) ran out{stride_text}"
 
 
 def _least_time(problem: PlanningProblem, models: list[tuple[str, FlatModel]], budget: int, stride: int,
-                deadline: float) -> list[Candidate]:
+                work: _WorkLeft) -> list[Candidate]:
     """Per kept set, the least-time plan under the budget: over every stride-th boundary first, then, best kept set
-    first, over all boundaries for a faster plan in the time left. Where the model counts more than the simulator
+    first, over all boundaries for a faster plan with the work left. Where the model counts more than the simulator
     for a plan, the least-time plans under the budget raised by that excess are proposed too (they may fit). When
     no plan fits the model, the lowest-peak plans (:func:`_lowest_peak`), so that the driver names the least peak
     found."""
-    solutions = [solve(model, budget, _share(deadline, len(models) - k), stride=stride)
+    solutions = [work.spend(solve(model, budget, work=work.share(len(models) - k), stride=stride))
                  for k, (_, model) in enumerate(models)]
     if all(s.plan is None and s.proven for s in solutions):
-        return _lowest_peak(problem, models, stride, deadline)
+        return _lowest_peak(problem, models, stride, work)
     bounds = [s.bound if stride == 1 else 0.0 for s in solutions]  # on the time of any plan that fits
     if stride > 1:
         for k in sorted(range(len(models)), key=lambda k: solutions[k].seconds):
-            full = solve(models[k][1], budget, deadline, faster_than=solutions[k].seconds)
+            full = work.spend(solve(models[k][1], budget, work=work.units, faster_than=solutions[k].seconds))
             bounds[k] = full.bound
             if full.plan is not None or full.proven:
                 solutions[k] = full if full.plan is not None else Solution(
@@ -216,8 +261,7 @@ def _least_time(problem: PlanningProblem, models: list[tuple[str, FlatModel]], b
             if solution.proven and solution.stride == 1:
                 what = "least recompute under the memory model"
             else:
-                over = f", optimal over every {solution.stride}th boundary" if solution.proven else ""
-                what = f"best found in {TIME_LIMIT_SECONDS:g} s{over}"
+                what = _out_of_work(f", optimal over every {solution.stride}th boundary" if solution.proven else "")
                 if eager > 0:
                     what += f"; a flat plan needs time >= x{1 + bound / eager:.3f}"
             raise_text = f", model budget +{format_bytes(raised)}" if raised else ""
@@ -227,12 +271,12 @@ def _least_time(problem: PlanningProblem, models: list[tuple[str, FlatModel]], b
             if excess <= 0:
                 break
             raised += excess
-            solution = solve(model, budget + raised, deadline, stride=stride)
+            solution = work.spend(solve(model, budget + raised, work=work.units, stride=stride))
     return found
 
 
 def _lowest_peak(problem: PlanningProblem, models: list[tuple[str, FlatModel]], stride: int,
-                 deadline: float) -> list[Candidate]:
+                 work: _WorkLeft) -> list[Candidate]:
     """Per kept set, bisect budgets for the lowest model peak of a plan within the time cap, below the lowest
     simulated peak found so far; every plan found is a candidate."""
     profile = problem.profile
@@ -241,7 +285,7 @@ def _lowest_peak(problem: PlanningProblem, models: list[tuple[str, FlatModel]], 
     over = f" over every {stride}th boundary" if stride > 1 else ""
     found: list[Candidate] = []
     for k, (label, model) in enumerate(models):
-        share = _share(deadline, len(models) - k)
+        share = work.share(len(models) - k)
         below = min((c.simulation.peak_bytes for c in found if problem.objective.within_time(c)), default=NEVER)
         high = model.peak(model.plan([profile.num_ops - 1]))  # eager fits its own peak
         low = model.floor - 1  # no plan's model peak is below the floor
@@ -249,18 +293,18 @@ def _lowest_peak(problem: PlanningProblem, models: list[tuple[str, FlatModel]], 
         proven, plans = True, []
         probe = min(below - 1, (low + high) // 2)
         while high - low > tolerance:
-            solution = solve(model, probe, share, time_cap=cap, stride=stride)
+            solution = work.spend(solve(model, probe, work=share, time_cap=cap, stride=stride))
+            share -= solution.work
             proven &= solution.proven
             if solution.plan is not None:
                 high = solution.model_peak
                 plans.append(solution.plan)
             elif solution.proven and probe < below - 1:
                 low = probe
-            else:  # out of time, or nothing below the peak found already
+            else:  # out of work, or nothing below the peak found already
                 break
             probe = (low + high) // 2
-        what = f"lowest model peak{cap_text}{over}, to {PEAK_TOLERANCE:.1%} of eager" if proven else \
-            f"best found in {TIME_LIMIT_SECONDS:g} s{over}"
+        what = f"lowest model peak{cap_text}{over}, to {PEAK_TOLERANCE:.1%} of eager" if proven else _out_of_work(over)
         found += problem.candidates(plans, f"{label}{what})")
     return found
 
