@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import sublinear
-import sublinear.runtime.session as runtime
+import sublinear.runtime.pipeline as runtime
 from sublinear.execute.compiled import CompiledGraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

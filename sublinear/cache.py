@@ -26,7 +26,7 @@ from sublinear.core.plan import Plan, PlanError
 __all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 5  # 5: plans in normal form (no kept op in the last block)
+_FORMAT = 6  # 6: costs hold the gradient side after release (a compile check's lessons)
 
 
 def cache_dir(configured: str | os.PathLike | None) -> Path | None:
@@ -121,7 +121,7 @@ class PlanCache:
             if not isinstance(entry.get("history"), list) or not isinstance(entry.get("costs"), dict):
                 raise ValueError("entry lacks its history or costs")
             costs = entry["costs"]
-            if len(costs["forward_seconds"]) != num_ops:
+            if len(costs["forward_seconds"]) != num_ops or len(costs["grad_peak"]) != len(costs["grad_after_release"]):
                 raise ValueError("entry's costs belong to another graph")
         except (ValueError, KeyError, TypeError, AttributeError, PlanError) as exc:
             self._ignore(key, exc)

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from sublinear.core.profile import AutocastState
 
-__all__ = ["autocast_context", "autocast_state", "device_of", "stand_in_for_grad", "storage_key"]
+__all__ = ["autocast_context", "autocast_state", "device_of", "size_hint", "stand_in_for_grad", "storage_key"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -20,6 +20,11 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 def device_of(values: Sequence[Any]) -> torch.device:
     """The device of the first tensor among ``values`` (nested), CPU when there is none."""
     return next((t.device for t in tree_leaves(list(values)) if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
+def size_hint(size: int | torch.SymInt) -> int:
+    """An integer size; a symbolic size (traced for every size at once) at the size it was traced at."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
 
 
 def stand_in_for_grad(empty: torch.Tensor, requires_grad: bool, is_leaf: bool) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 import sublinear
 from sublinear.capture.dynamo import capture
 from sublinear.config import SublinearMemoryConfig
+from sublinear.core import GraphProfile, OpProfile
 from sublinear.profiling.graph import profile
 from sublinear.training import default_loss
 
@@ -245,3 +247,40 @@ def meta_resnet50():
         model = spec.build().train()
     args, _ = spec.example_inputs(32, device="meta")
     return model, args, profile_of(model, *args)
+
+
+# --- Hand-built profiles ---------------------------------------------------------------------------------
+
+def hand_profile(num_ops: int, storages: list[tuple[int, int, tuple[int, ...]]],
+                 reads: dict[int, list[tuple[int, tuple[int, ...]]]], outputs: dict[int, tuple[int, ...]] | None = None,
+                 reaching: set[int] | None = None, pinned: set[int] = frozenset()) -> GraphProfile:
+    """A profile of ``num_ops`` one-node ops. ``storages``: (producer op, last forward reader, ops saving it), 100
+    bytes each; ``reads[o]``: (producer op, storages) per value op ``o`` reads; ``outputs[o]``: the storages op
+    ``o``'s value lies on (default: the storages it produces; a view lists its base's); ``reaching``: the ops whose
+    values reach the graph's outputs (default: all)."""
+    outputs = outputs or {}
+    produced = {o: tuple(s for s, (p, _, _) in enumerate(storages) if p == o) for o in range(num_ops)}
+    op_storages = [outputs.get(o, produced[o]) for o in range(num_ops)]
+    saved_at = [tuple(savers) for _, _, savers in storages]
+    ops = [OpProfile(index=o, nodes=(o,), name=f"op{o}", flops=1, forward_extra_bytes=0, snapshot_bytes=0,
+                     random=False, mutates_state=False, pin_reason="pinned" if o in pinned else "",
+                     forward_seconds=1.0) for o in range(num_ops)]
+    return GraphProfile(
+        ops=ops, storage_bytes=np.full(len(storages), 100, dtype=np.int64),
+        storage_producer=np.array([p for p, _, _ in storages], dtype=np.int64),
+        storage_last_use=np.array([u for _, u, _ in storages], dtype=np.int64),
+        storage_saved_by=saved_at, op_inputs=[tuple(reads.get(o, ())) for o in range(num_ops)],
+        baseline_bytes=0, parameter_bytes=0, buffer_bytes=0, input_bytes=0, gradient_bytes=0,
+        measured_peak_bytes=0, backward_flops=0, op_of_node={o: o for o in range(num_ops)},
+        node_storages={o: op_storages[o] for o in range(num_ops)},
+        reaches_output=np.array([reaching is None or o in reaching for o in range(num_ops)], dtype=bool),
+        op_storages=op_storages, held_through_forward=np.zeros(len(storages), dtype=bool),
+        storage_saved_at=saved_at, node_op=np.arange(num_ops, dtype=np.int64),
+        grad_start=np.zeros(num_ops, dtype=np.int64), grad_peak=np.zeros(num_ops, dtype=np.int64),
+        grad_after_release=np.zeros(num_ops, dtype=np.int64), backward_seconds=np.zeros(num_ops))
+
+
+def chain(num_ops: int) -> GraphProfile:
+    """Op ``i`` makes storage ``i``; op ``i + 1`` reads it and saves it for backward; the last op's is returned."""
+    storages = [(i, i + 1 if i + 1 < num_ops else num_ops, (i + 1,) if i + 1 < num_ops else ()) for i in range(num_ops)]
+    return hand_profile(num_ops, storages, {i + 1: [(i, (i,))] for i in range(num_ops - 1)})

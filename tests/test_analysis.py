@@ -3,46 +3,11 @@ transient, which ops each block's recompute re-runs, and where groups of soft bl
 
 from __future__ import annotations
 
-import numpy as np
+from sublinear.core import Plan, StorageState, analyse
 
-from sublinear.core import GraphProfile, OpProfile, Plan, StorageState, analyse
+from conftest import chain, hand_profile
 
 RETAINED, REBUILT, TRANSIENT = StorageState.RETAINED, StorageState.REBUILT, StorageState.TRANSIENT
-
-
-def hand_profile(num_ops: int, storages: list[tuple[int, int, tuple[int, ...]]],
-                 reads: dict[int, list[tuple[int, tuple[int, ...]]]], outputs: dict[int, tuple[int, ...]] | None = None,
-                 reaching: set[int] | None = None, pinned: set[int] = frozenset()) -> GraphProfile:
-    """A profile of ``num_ops`` one-node ops. ``storages``: (producer op, last forward reader, ops saving it), 100
-    bytes each; ``reads[o]``: (producer op, storages) per value op ``o`` reads; ``outputs[o]``: the storages op
-    ``o``'s value lies on (default: the storages it produces; a view lists its base's); ``reaching``: the ops whose
-    values reach the graph's outputs (default: all)."""
-    outputs = outputs or {}
-    produced = {o: tuple(s for s, (p, _, _) in enumerate(storages) if p == o) for o in range(num_ops)}
-    op_storages = [outputs.get(o, produced[o]) for o in range(num_ops)]
-    saved_at = [tuple(savers) for _, _, savers in storages]
-    ops = [OpProfile(index=o, nodes=(o,), name=f"op{o}", flops=1, forward_extra_bytes=0, snapshot_bytes=0,
-                     random=False, mutates_state=False, pin_reason="pinned" if o in pinned else "",
-                     forward_seconds=1.0) for o in range(num_ops)]
-    return GraphProfile(
-        ops=ops, storage_bytes=np.full(len(storages), 100, dtype=np.int64),
-        storage_producer=np.array([p for p, _, _ in storages], dtype=np.int64),
-        storage_last_use=np.array([u for _, u, _ in storages], dtype=np.int64),
-        storage_saved_by=saved_at, op_inputs=[tuple(reads.get(o, ())) for o in range(num_ops)],
-        baseline_bytes=0, parameter_bytes=0, buffer_bytes=0, input_bytes=0, gradient_bytes=0,
-        measured_peak_bytes=0, backward_flops=0, op_of_node={o: o for o in range(num_ops)},
-        node_storages={o: op_storages[o] for o in range(num_ops)},
-        reaches_output=np.array([reaching is None or o in reaching for o in range(num_ops)], dtype=bool),
-        op_storages=op_storages, held_through_forward=np.zeros(len(storages), dtype=bool),
-        storage_saved_at=saved_at, node_op=np.arange(num_ops, dtype=np.int64),
-        grad_start=np.zeros(num_ops, dtype=np.int64), grad_peak=np.zeros(num_ops, dtype=np.int64),
-        grad_after_release=np.zeros(num_ops, dtype=np.int64), backward_seconds=np.zeros(num_ops))
-
-
-def chain(num_ops: int) -> GraphProfile:
-    """Op ``i`` makes storage ``i``; op ``i + 1`` reads it and saves it for backward; the last op's is returned."""
-    storages = [(i, i + 1 if i + 1 < num_ops else num_ops, (i + 1,) if i + 1 < num_ops else ()) for i in range(num_ops)]
-    return hand_profile(num_ops, storages, {i + 1: [(i, (i,))] for i in range(num_ops - 1)})
 
 
 def test_flat_blocks_keep_their_boundaries_and_rebuild_the_inside():

@@ -561,12 +561,12 @@ def test_replans_when_the_signature_changes():
 def test_planning_collects_only_its_own_garbage_and_leaves_a_frozen_heap_frozen(monkeypatch):
     # A full collection over a long-running process's heap would land inside the planning's wall time.
     frozen_while_searching = []
-    real_make_plan = sublinear.runtime.session.make_plan
+    real_make_plan = sublinear.runtime.pipeline.make_plan
 
     def searching(*args, **kwargs):
         frozen_while_searching.append(gc.get_freeze_count())
         return real_make_plan(*args, **kwargs)
-    monkeypatch.setattr(sublinear.runtime.session, "make_plan", searching)
+    monkeypatch.setattr(sublinear.runtime.pipeline, "make_plan", searching)
     x = torch.randn(2, 3, 8, 8)
     sublinear.compile(ResidualNet(), (x,), config=PLAIN)
     assert frozen_while_searching[-1] > 0 and gc.get_freeze_count() == 0
@@ -582,8 +582,8 @@ def test_planning_collects_only_its_own_garbage_and_leaves_a_frozen_heap_frozen(
 def test_a_model_on_meta_planned_ahead_is_not_planned_again_at_its_first_step(monkeypatch):
     # Planning ahead captures a meta model on fake CPU tensors; the step's meta tensors must find that plan.
     searches = []
-    real_make_plan = sublinear.runtime.session.make_plan
-    monkeypatch.setattr(sublinear.runtime.session, "make_plan",
+    real_make_plan = sublinear.runtime.pipeline.make_plan
+    monkeypatch.setattr(sublinear.runtime.pipeline, "make_plan",
                         lambda *a, **k: searches.append(1) or real_make_plan(*a, **k))
     with torch.device("meta"):
         model = ResidualNet()

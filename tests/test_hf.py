@@ -229,7 +229,7 @@ def test_twenty_steps_over_ten_lengths_plan_twice_and_new_lengths_add_no_time(ca
 
     import torch._inductor.compile_fx as inductor
 
-    import sublinear.runtime.session as runtime
+    import sublinear.runtime.pipeline as runtime
 
     work = []
     for module, name in ((runtime, "trace_joint"), (runtime, "profile_joint"), (inductor, "compile_fx")):

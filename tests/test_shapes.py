@@ -126,7 +126,7 @@ def test_a_dynamic_graph_knows_its_symbols_and_one_key_serves_the_family():
     sizes = graph.sizes
     assert isinstance(sizes, SymbolicSizes) and len(sizes.symbols) == 2
     assert sorted(sizes.binding(values_a).values()) == [3, 24] and sorted(sizes.binding(values_b).values()) == [4, 9]
-    from sublinear.runtime.session import _value_key
+    from sublinear.runtime.graph import value_key as _value_key
 
     assert _value_key(values_a, None, sizes) == _value_key(values_b, None, sizes)
     assert _value_key(values_a) != _value_key(values_b)

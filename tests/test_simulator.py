@@ -103,8 +103,13 @@ def test_random_dags_random_plans_exact_and_predicted(seed, plan_seed, batch):
     assert_same_training(train_steps(reference, (x,), steps=1), train_steps(compiled, (x,), steps=1))
     model.zero_grad(set_to_none=True)
     predicted = simulate(p, plan).peak_bytes
-    measured = sublinear.measure(training_step, compiled, x).peak_bytes
-    assert _close(predicted, measured), (plan, predicted, measured)
+    tracked = sublinear.measure(training_step, compiled, x).peak_bytes
+    model.zero_grad(set_to_none=True)
+    allocated = sublinear.measure_cpu_allocator(training_step, compiled, x).peak_bytes
+    # Every storage is predicted; so is the workspace each node's kernels allocate beyond them, which storage
+    # tracking cannot see and the allocator counts (with a few KiB of its own on these tiny graphs).
+    assert predicted >= tracked * (1 - TOLERANCE), (plan, predicted, tracked)
+    assert abs(predicted - allocated) <= max(TOLERANCE * allocated, 8192), (plan, predicted, allocated)
 
 
 @pytest.mark.parametrize("reshard_after_forward", [False, True])

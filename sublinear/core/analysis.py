@@ -86,6 +86,30 @@ class PlanAnalysis:
         keep = np.sort(order[first])
         return blocks[keep], ops[keep]
 
+    @cached_property
+    def recompute_ranks(self) -> np.ndarray:
+        """Per pair of :attr:`recompute_pairs`: the rank before whose backward the op is re-run. Where recomputes
+        are shared (a compiled backward, which recomputes each value just before the first kernel that needs it)
+        it is the highest rank that needs one of the op's values: its backward reads a rebuilt storage the op
+        makes, or a re-run op reading a value of it that is not retained runs before it. Otherwise it is the
+        trigger of the pair's block (a block's recompute runs whole)."""
+        blocks, ops = self.recompute_pairs
+        if not self.profile.recompute_shared or not len(ops):
+            return self.trigger[blocks]
+        p = self.profile
+        need = np.full(p.num_ops, -1, dtype=np.int64)
+        saved, ranks = p.saved_pairs
+        rebuilt = self.dropped[saved] & p.reaches_output[p.node_op[ranks]]
+        np.maximum.at(need, p.storage_producer[saved[rebuilt]], ranks[rebuilt])
+        rerun = np.zeros(p.num_ops, dtype=bool)
+        rerun[ops] = True
+        retained = self.retained.tolist()
+        for c in sorted(set(ops.tolist()), reverse=True):  # consumers come after their producers
+            for producer, storage in p.inputs_by_reader[c]:
+                if rerun[producer] and not retained[storage]:
+                    need[producer] = max(need[producer], need[c])
+        return need[ops]
+
     @property
     def num_blocks(self) -> int:
         return len(self.plan.split_points)

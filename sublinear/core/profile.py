@@ -321,12 +321,15 @@ class GraphProfile:
         return self.forward_seconds + float(np.sum(self.backward_seconds))
 
     def costs(self) -> dict:
-        """The device-dependent part of the profile, as JSON-ready lists (for the plan cache)."""
+        """The device-dependent part of the profile, as JSON-ready lists (for the plan cache): op times, the bytes
+        an op's forward and a rank's backward hold beside the storages (measured scratch, a compile check's
+        lessons)."""
         return {"cost_source": self.cost_source,
                 "forward_seconds": [op.forward_seconds for op in self.ops],
                 "forward_extra_bytes": [op.forward_extra_bytes for op in self.ops],
                 "backward_seconds": [float(v) for v in self.backward_seconds],
-                "grad_peak": [int(v) for v in self.grad_peak]}
+                "grad_peak": [int(v) for v in self.grad_peak],
+                "grad_after_release": [int(v) for v in self.grad_after_release]}
 
     def with_costs(self, costs: dict) -> GraphProfile:
         """This profile with the costs of :meth:`costs` (taken earlier for the same graph and signature)."""
@@ -335,7 +338,9 @@ class GraphProfile:
         ops = [replace(op, forward_seconds=float(t), forward_extra_bytes=int(b))
                for op, t, b in zip(self.ops, costs["forward_seconds"], costs["forward_extra_bytes"])]
         return replace(self, ops=ops, backward_seconds=np.asarray(costs["backward_seconds"], dtype=float),
-                       grad_peak=np.asarray(costs["grad_peak"], dtype=np.int64), cost_source=costs["cost_source"])
+                       grad_peak=np.asarray(costs["grad_peak"], dtype=np.int64),
+                       grad_after_release=np.asarray(costs["grad_after_release"], dtype=np.int64),
+                       cost_source=costs["cost_source"])
 
     def summary(self, top: int = 5) -> str:
         order = np.argsort(-self.storage_bytes)[:top]

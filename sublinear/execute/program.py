@@ -59,6 +59,13 @@ class NodeProgram:
         path = module_path(node) or (str(node.target) if node.op == "call_module" else "")
         return f"{path} ({node.name})" if path else node.name
 
+    def operation(self, i: int) -> str:
+        """What node ``i`` calls (its kind and target), the same in every process."""
+        node = self.nodes[i]
+        target = node.target if isinstance(node.target, str) else \
+            f"{getattr(node.target, '__module__', '')}.{getattr(node.target, '__qualname__', node.target)}"
+        return f"{node.op}:{target}"
+
     def run_node(self, i: int, env: list[Any]) -> Any:
         """Execute node ``i`` reading its inputs from ``env``."""
         return self._steps[i](env)

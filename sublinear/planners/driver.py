@@ -68,20 +68,22 @@ def step_floor(profile: GraphProfile) -> StepFloor:
 
 class BudgetError(ValueError):
     """No plan found meets the memory budget within the time cap. ``floor``: what the step holds whatever the plan
-    (:func:`step_floor`), when known; a budget below it is out of every plan's reach, and the message says so."""
+    (:func:`step_floor`), when known; a budget below it is out of every plan's reach, and the message says so.
+    ``compiled``: the smallest peak is a compiled step's (read back from the compiled code), not a prediction."""
 
     def __init__(self, objective: Objective, smallest: Candidate, fastest_fitting: Candidate | None, *,
-                 floor: StepFloor | None = None) -> None:
+                 floor: StepFloor | None = None, compiled: bool = False) -> None:
         budget = objective.memory_budget or 0
         peak = smallest.simulation.peak_bytes
+        what = "lowest peak of the plans compiled" if compiled else "smallest predicted peak found"
         found = f"{peak:,} bytes ({format_bytes(peak)}, time x{smallest.simulation.time_ratio:.2f})"
         if floor is not None and budget < floor.total:
             text = (f"no plan fits memory_budget: the budget ({format_bytes(budget)}) is below what the step holds "
-                    f"whatever the plan: {floor} (optimizer state, if any, comes on top). The smallest predicted "
-                    f"peak found is {found}: raise the budget to at least that, or lower the batch size.")
+                    f"whatever the plan: {floor} (optimizer state, if any, comes on top). The {what} is "
+                    f"{found}: raise the budget to at least that, or lower the batch size.")
         else:
             text = (f"no plan fits memory_budget={format_bytes(budget)} within max_time_ratio="
-                    f"{objective.max_time_ratio:g}: the smallest predicted peak found is {found}")
+                    f"{objective.max_time_ratio:g}: the {what} is {found}")
             if fastest_fitting is not None and not objective.within_time(fastest_fitting):
                 text += (f"; the fastest plan that fits needs time x{fastest_fitting.simulation.time_ratio:.2f}: "
                          f"raise max_time_ratio to allow it")

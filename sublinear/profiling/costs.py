@@ -32,8 +32,8 @@ from torch.utils.flop_counter import flop_registry
 
 from sublinear.cache import cache_dir, write_json
 
-__all__ = ["DeviceRates", "NodeCosts", "StepCost", "TensorSpec", "aten_work", "device_rates", "estimate_seconds",
-           "measure_node_costs"]
+__all__ = ["DeviceRates", "NodeCosts", "StepCost", "TensorSpec", "aten_work", "device_model", "device_rates",
+           "estimate_seconds", "measure_node_costs", "measure_node_memory"]
 
 log = logging.getLogger("sublinear.profiling.costs")
 
@@ -124,7 +124,7 @@ def device_rates(device: str) -> DeviceRates:
     if kind not in ("cpu", "cuda"):
         return REFERENCE_GPU
     dev = torch.device(device)
-    key = f"{_device_model(dev)}|threads {torch.get_num_threads()}|torch {torch.__version__}"
+    key = f"{device_model(dev)}|threads {torch.get_num_threads()}|torch {torch.__version__}"
     folder = cache_dir(None)
     path = folder / "device-rates.json" if folder is not None else None
     known = _read_rates(path)
@@ -152,7 +152,8 @@ def _measure_rates(dev: torch.device) -> DeviceRates:
     return DeviceRates(str(dev), 2 * n**3 / matmul, 2 * big.nbytes / copy, call)
 
 
-def _device_model(dev: torch.device) -> str:
+def device_model(dev: torch.device) -> str:
+    """The device's model name (the GPU's, or the CPU's from /proc/cpuinfo)."""
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     try:
@@ -247,6 +248,26 @@ class NodeCosts:
     backward_seconds: dict[int, float]
     forward_peak_bytes: dict[int, int]
     backward_peak_bytes: dict[int, int]
+
+
+def measure_node_memory(nodes: Sequence[int], call: Callable[[int, tuple, dict], Any],
+                        inputs: dict[int, tuple[Any, Any]], device: torch.device,
+                        signatures: dict[int, str]) -> tuple[dict[int, int], dict[int, int]]:
+    """The allocator's peak per node in its forward and in its backward (as :func:`measure_node_costs` measures
+    them), each node run once; nodes whose signature (what they call, on which argument layouts, in which modes)
+    was measured before on this machine are looked up (:mod:`sublinear.profiling.kernels`' store)."""
+    from sublinear.profiling.kernels import Measured, kernel_memory  # noqa: PLC0415
+
+    store = kernel_memory(str(device))
+    known = {i: (store.get(signatures[i] + "|forward"), store.get(signatures[i] + "|backward")) for i in nodes}
+    todo = [i for i in nodes if None in known[i]]
+    if todo:
+        peaks = _cpu_peaks if device.type == "cpu" else _cuda_peaks
+        forward, backward = peaks(todo, call, inputs, device)
+        store.remember({**{signatures[i] + "|forward": Measured(forward.get(i, 0), ()) for i in todo},
+                        **{signatures[i] + "|backward": Measured(backward.get(i, 0), ()) for i in todo}})
+        known.update({i: (Measured(forward.get(i, 0), ()), Measured(backward.get(i, 0), ())) for i in todo})
+    return ({i: known[i][0].inside_peak for i in nodes}, {i: known[i][1].inside_peak for i in nodes})
 
 
 def measure_node_costs(nodes: Sequence[int], call: Callable[[int, tuple, dict], Any],

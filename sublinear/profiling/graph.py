@@ -24,17 +24,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
 from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph, FakeTwin, describe_node
 from sublinear.core.profile import AutocastState, GraphProfile, NodeFacts, OpProfile
 from sublinear.profiling.costs import (
-    REFERENCE_GPU, DeviceRates, aten_work, device_rates, estimate_seconds, measure_node_costs, spec_tree,
+    REFERENCE_GPU, DeviceRates, aten_work, device_rates, estimate_seconds, measure_node_costs, measure_node_memory,
+    spec_tree,
 )
 from sublinear.execute.program import NodeProgram
 from sublinear.tensors import autocast_context, autocast_state, device_of, storage_key
+from sublinear.profiling.record import StepRecord, assemble
 from sublinear.profiling.tracking import StorageTracker
 from sublinear.training import DROPPED, GRADIENT, HELD, gradient_receivers, step_backward
 
@@ -276,14 +277,14 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
         rates = REFERENCE_GPU
     if measure and device.type not in ("cpu", "cuda"):
         raise ValueError(f"cost_model='measure' needs CPU or CUDA tensors; these are on {device}")
-    trace = _trace_step(graph, values, keep_inputs=measure, uses=uses)
+    trace = _trace_step(graph, values, keep_inputs=device.type in ("cpu", "cuda"), uses=uses)
     granule = CUDA_ALLOCATION_GRANULARITY if device.type == "cuda" else 1
     if granule > 1:
         trace.recorder.serial_bytes = [-(-b // granule) * granule for b in trace.recorder.serial_bytes]
     grouping = _group(trace)
     lifetimes = _lifetimes(trace, grouping)
     costs = _costs(trace, grouping, device, measure, rates, granule)
-    return _assemble(trace, grouping, lifetimes, costs, granule)
+    return assemble(_record(trace, grouping, lifetimes, costs, granule, _rng_state_bytes(device)))
 
 
 @dataclass(frozen=True)
@@ -376,29 +377,37 @@ def _costs(trace: _Trace, grouping: _Grouping, device: torch.device, measure: bo
     rec, op_of_node, rank_of_node = trace.recorder, grouping.op_of_node, grouping.rank_of_node
     windows = _forward_windows(rec.events, op_of_node, len(grouping.groups))
     extra = _forward_extra(rec.events, windows, len(grouping.groups), rec.serial_bytes)
-    grad_start, grad_peak, grad_after = _backward_gradient_profile(rec.events, trace.node_seq, rank_of_node,
+    grad_start, grad_peak, grad_after, ran = _backward_gradient_profile(rec.events, trace.node_seq, rank_of_node,
                                                                    len(trace.program.operators), rec.serial_bytes)
     times = _node_times(trace, rank_of_node, device, measure, rates, granule)
     for i, peak in times.forward_peak_bytes.items():  # measured workspace raises the tracked extra bytes
         extra[op_of_node[i]] = max(extra[op_of_node[i]], peak)
-    for i, peak in times.backward_peak_bytes.items():
+    for i, peak in times.backward_peak_bytes.items():  # a node whose outputs get no gradient runs no backward
         r = rank_of_node[i]
-        grad_peak[r] = max(grad_peak[r], grad_start[r] + peak)
+        if ran[r]:
+            grad_peak[r] = max(grad_peak[r], grad_start[r] + peak)
     return _Costs(forward_extra=extra, grad_start=grad_start, grad_peak=grad_peak, grad_after=grad_after, times=times)
 
 
-def _assemble(trace: _Trace, grouping: _Grouping, lifetimes: _Lifetimes, costs: _Costs, granule: int) -> GraphProfile:
-    """The torch-free profile from the stages' results."""
+def _rng_state_bytes(device: torch.device) -> int:
+    """Bytes of the generator state the eager executor saves on ``device`` for each random node it may replay
+    (the CPU's Mersenne Twister state; a CUDA Philox seed and offset)."""
+    return 16 if device.type == "cuda" else int(torch.get_rng_state().numel()) if device.type == "cpu" else 0
+
+
+def _record(trace: _Trace, grouping: _Grouping, lifetimes: _Lifetimes, costs: _Costs, granule: int,
+            rng_state_bytes: int) -> StepRecord:
+    """What the traced step says, as the one profiling stage reads it (storages named by their serials)."""
     program, rec = trace.program, trace.recorder
     operators, groups, facts = program.operators, grouping.groups, grouping.facts
     op_of_node, producer_node = grouping.op_of_node, grouping.producer_node
-    storages, sid, last_use = lifetimes.storages, lifetimes.sid, lifetimes.last_use
+    storages = lifetimes.storages
     forward_seconds, backward_seconds = costs.times.forward_seconds, costs.times.backward_seconds
     ops = []
     for o, group in enumerate(groups):
         node_facts = [facts[i] for i in group]
         snapshot = sum(rec.serial_bytes[s] for i in group for s in set(rec.writes.get(i, []))
-                       if s in trace.state_serials)
+                       if s in trace.state_serials) + rng_state_bytes * sum(f.random for f in node_facts)
         ops.append(OpProfile(
             index=o, nodes=tuple(group), name=_op_name(program, group),
             flops=sum(rec.flops.get(i, 0) for i in group),
@@ -413,36 +422,22 @@ def _assemble(trace: _Trace, grouping: _Grouping, lifetimes: _Lifetimes, costs: 
     def kind_bytes(kind: str) -> int:
         return sum(rec.serial_bytes[s] for s, k in trace.state_serials.items() if k == kind)
 
-    return GraphProfile(
-        ops=ops,
-        storage_bytes=np.array([rec.serial_bytes[s] for s in storages], dtype=np.int64),
-        storage_producer=np.array([op_of_node[producer_node[s]] for s in storages], dtype=np.int64),
-        storage_last_use=np.array([max(last_use.get(s, -1), op_of_node[producer_node[s]]) for s in storages],
-                                  dtype=np.int64),
-        storage_saved_by=[tuple(sorted(lifetimes.saved_by.get(s, ()))) for s in storages],
-        op_inputs=[tuple((p, tuple(sid[s] for s in ss if s in sid)) for p, ss in ins) for ins in lifetimes.op_inputs],
-        baseline_bytes=kind_bytes(PARAMETER) + kind_bytes(BUFFER) + kind_bytes(INPUT),
-        parameter_bytes=kind_bytes(PARAMETER),
-        buffer_bytes=kind_bytes(BUFFER),
-        input_bytes=kind_bytes(INPUT),
+    return StepRecord(
+        ops=ops, node_facts=facts, op_of_node=op_of_node,
+        node_keys={i: tuple(trace.node_out.get(i, [])) for i in operators},
+        storage_bytes={s: rec.serial_bytes[s] for s in storages},
+        producer={s: op_of_node[producer_node[s]] for s in storages},
+        last_use=lifetimes.last_use, saved_by=lifetimes.saved_by, saved_at=lifetimes.saved_at,
+        op_inputs=lifetimes.op_inputs, tracked=storages,
+        reaches_output=[any(lifetimes.reaches[i] for i in group) for group in groups],
+        node_op=[op_of_node[i] for i in operators],
+        grad_start=costs.grad_start, grad_peak=costs.grad_peak, grad_after=costs.grad_after,
+        backward_seconds=[backward_seconds.get(i, 0.0) for i in operators],
+        parameter_bytes=kind_bytes(PARAMETER), buffer_bytes=kind_bytes(BUFFER), input_bytes=kind_bytes(INPUT),
         gradient_bytes=sum(-(-b // granule) * granule for b in trace.gradient_sizes),
+        backward_flops=rec.backward_flops, cost_source=costs.times.source, output_uses=trace.output_uses,
         measured_peak_bytes=_peak(rec.events, rec.serial_bytes, sum(rec.serial_bytes[s] for s in trace.state_serials)),
-        backward_flops=rec.backward_flops,
-        node_facts=facts,
-        op_of_node=op_of_node,
-        node_storages={i: tuple(sid.get(s, -1) for s in trace.node_out.get(i, [])) for i in operators},
-        reaches_output=np.array([any(lifetimes.reaches[i] for i in group) for group in groups], dtype=bool),
-        op_storages=[tuple(sorted({sid[s] for i in group for s in trace.node_out.get(i, []) if s in sid}))
-                     for group in groups],
-        held_through_forward=np.array([s in rec.autocast_cached for s in storages], dtype=bool),
-        storage_saved_at=[tuple(sorted(lifetimes.saved_at.get(s, ()))) for s in storages],
-        node_op=np.array([op_of_node[i] for i in operators], dtype=np.int64),
-        grad_start=np.array(costs.grad_start, dtype=np.int64),
-        grad_peak=np.array(costs.grad_peak, dtype=np.int64),
-        grad_after_release=np.array(costs.grad_after, dtype=np.int64),
-        backward_seconds=np.array([backward_seconds.get(i, 0.0) for i in operators], dtype=float),
-        cost_source=costs.times.source,
-        output_uses=trace.output_uses,
+        held_through_forward={s for s in storages if s in rec.autocast_cached},
     )
 
 
@@ -471,20 +466,21 @@ class _NodeTimes:
 
 def _node_times(trace: _Trace, rank_of_node: dict[int, int], device: torch.device, measure: bool,
                 rates: DeviceRates | None, granule: int) -> _NodeTimes:
-    """Each operator node's time, measured on ``device`` or estimated from its FLOPs and bytes over ``rates``."""
+    """Each operator node's time, measured on ``device`` or estimated from its FLOPs and bytes over ``rates``; and on
+    a CPU or CUDA device, whatever times the ops, the allocator's peak while it runs (kernel workspace)."""
     program, rec = trace.program, trace.recorder
     operators = program.operators
+    nodes = [i for i in operators if i in trace.node_inputs and i not in _state_nodes(trace)]
+    grad_mode = {i: trace.node_modes[i] for i in nodes}
+
+    def call(i: int, args: tuple, kwargs: dict) -> Any:
+        enabled, autocast = grad_mode[i]
+        with torch.set_grad_enabled(enabled), autocast_context(autocast):
+            return program.call(i, args, kwargs)
+
+    round_up = (lambda b: -(-b // granule) * granule) if granule > 1 else (lambda b: b)
     if measure:
-        nodes = [i for i in operators if i in trace.node_inputs]
-        grad_mode = {i: trace.node_modes[i] for i in nodes}
-
-        def call(i: int, args: tuple, kwargs: dict) -> Any:
-            enabled, autocast = grad_mode[i]
-            with torch.set_grad_enabled(enabled), autocast_context(autocast):
-                return program.call(i, args, kwargs)
-
         costs = measure_node_costs(nodes, call, trace.node_inputs, device)
-        round_up = (lambda b: -(-b // granule) * granule) if granule > 1 else (lambda b: b)
         return _NodeTimes(costs.forward_seconds, costs.backward_seconds, f"measured on {device}",
                           {i: round_up(costs.forward_peak_bytes.get(i, 0)) for i in nodes},
                           {i: round_up(costs.backward_peak_bytes.get(i, 0)) for i in nodes})
@@ -498,7 +494,30 @@ def _node_times(trace: _Trace, rank_of_node: dict[int, int], device: torch.devic
         k = bisect.bisect_right(starts, seq) - 1
         if 0 <= k and seq < 2**62 and owners[k] in rank_of_node:
             backward[owners[k]] += estimate_seconds(flops, moved, 1, rates)
-    return _NodeTimes(forward, dict(backward), f"estimated for {rates.describe()}")
+    if not nodes:
+        return _NodeTimes(forward, dict(backward), f"estimated for {rates.describe()}")
+    signatures = {i: f"{program.operation(i)}|{trace.node_inputs[i]}|{grad_mode[i]}" for i in nodes}
+    peaks = measure_node_memory(nodes, call, trace.node_inputs, device, signatures)
+    return _NodeTimes(forward, dict(backward), f"estimated for {rates.describe()}",
+                      {i: round_up(b) for i, b in peaks[0].items()}, {i: round_up(b) for i, b in peaks[1].items()})
+
+
+def _state_nodes(trace: _Trace) -> set[int]:
+    """Operator nodes that cannot run alone: a ``torch.vmap`` region's (its values only exist between functorch's
+    nesting increment and decrement, which change global state) and calls into torch's private C functions that
+    set modes (grad mode, autocast) rather than compute."""
+    found: set[int] = set()
+    depth = 0
+    for i in trace.program.operators:
+        target = trace.program.nodes[i].target
+        name = getattr(target, "__name__", "")
+        if name == "_vmap_increment_nesting":
+            depth += 1
+        if depth or (name.startswith("_") and getattr(target, "__module__", "") in ("torch._C", "torch._C._functorch")):
+            found.add(i)
+        if name == "_vmap_decrement_nesting":
+            depth = max(0, depth - 1)
+    return found
 
 
 def _node_facts(i: int, trace: _Trace) -> NodeFacts:
@@ -626,7 +645,8 @@ def _backward_gradient_profile(events, node_seq, rank_of_node, n_ranks, sizes: l
     Autograd runs its nodes in decreasing sequence number, so each fx node's backward is one contiguous window;
     the last free of a forward storage inside it marks the release of what it saved (an fx node may own several
     autograd nodes, as cross_entropy owns NllLossBackward and LogSoftmaxBackward, and what the later ones saved
-    stays until they have run). A node with no backward work sees the gradient side as the previous window left it.
+    stays until they have run). A node with no backward work sees the gradient side as the previous window left it;
+    the last list says which nodes had backward work.
     """
     starts = [s for s, _ in node_seq]
     nodes = [n for _, n in node_seq]
@@ -674,13 +694,14 @@ def _backward_gradient_profile(events, node_seq, rank_of_node, n_ranks, sizes: l
             after[o] = grad_live
         if last_release.get(o) == k:
             released.add(o)
+    ran = [v is not None for v in start]
     carried = 0
     for o in range(n_ranks - 1, -1, -1):
         if start[o] is None:
             start[o] = before[o] = after[o] = carried
         else:
             carried = left[o]
-    return [int(v) for v in start], [int(v) for v in before], [int(v) for v in after]
+    return [int(v) for v in start], [int(v) for v in before], [int(v) for v in after], ran
 
 
 def _op_name(program: NodeProgram, group: list[int]) -> str:

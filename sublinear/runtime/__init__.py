@@ -1,7 +1,12 @@
 """The runtime: what runs each captured graph under its plan, and what it reports.
 
-- :mod:`.session`: :class:`SublinearBackend`, the ``torch.compile`` backend, one session per compiled model: it
-  profiles, plans and rewrites each graph per call signature and keeps the plans.
+- :mod:`.session`: :class:`SublinearBackend`, the ``torch.compile`` backend, one session per compiled model: its
+  graphs, its calls and its plan pipeline.
+- :mod:`.graph`: what TorchDynamo calls in place of one captured graph (its variants by call signature).
+- :mod:`.calls`: the training calls the session saw: each graph's step context and what the call did with its
+  outputs.
+- :mod:`.pipeline`: profile → plan → executor per graph and signature, the caches, and the compile check that
+  teaches a profile what inductor's code held.
 - :mod:`.variant`: a graph planned for one call signature.
 - :mod:`.step`: a training call's graph runs and what they tell each graph (step contexts, output uses).
 - :mod:`.modules`: a module's forward run through the backend (:func:`compile_module`), and planning ahead on a

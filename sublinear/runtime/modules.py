@@ -21,7 +21,7 @@ from sublinear.planners import BudgetError
 from sublinear.planners.driver import step_floor
 from sublinear.sharding import refuse_nested_fsdp
 from sublinear.tensors import device_of
-from sublinear.runtime.session import SublinearBackend, _GraphRuntime, collecting_new_objects_only
+from sublinear.runtime.session import SublinearBackend, collecting_new_objects_only
 from sublinear.runtime.step import _GraphRun
 
 log = logging.getLogger("sublinear")
@@ -56,8 +56,7 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
         refuse_nested_fsdp(owner)
         if any_torch_dispatch_mode_on_stack():
             # TorchDynamo refuses to compile under such a mode and then skips the forward's code for good.
-            if not session._warned_mode:
-                session._warned_mode = True
+            if session.first_time("dispatch mode"):
                 log.warning("sublinear: %s ran under a TorchDispatchMode (such as FlopCounterMode or MemTracker) "
                             "that TorchDynamo cannot compile under: this call runs the original forward, unplanned",
                             name)
@@ -66,7 +65,7 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
             return module(*args, **kwargs)
         mark_max_sizes(session.config, session.positional_names, args, kwargs)
         session.ran_graph = False
-        session.explicit_calls = True
+        session.calls.explicit = True
         if not session.graphs:  # the first call captures and plans: its progress counts from here
             session.progress.begin()
             if not session.latest and _has_budget(session.config, args, kwargs):
@@ -100,8 +99,7 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
             session.say_breaks(name)
         finally:
             session.progress.end(lambda: session.sublinear_plan.headline if session.sublinear_plan else "no graph")
-        if not session.ran_graph and not session._warned_unplanned:
-            session._warned_unplanned = True
+        if not session.ran_graph and session.first_time("unplanned"):
             log.warning("sublinear: this training call of %s ran no captured graph (TorchDynamo captured nothing, "
                         "or reached its recompile limit and ran the forward eagerly): it was not planned", name)
         return out
@@ -166,18 +164,14 @@ def _plan_captured(module: nn.Module, backend_: SublinearBackend, args: Sequence
         log.warning("sublinear: cannot plan %s ahead, so .sublinear_plan stays None until the first training call "
                     "plans it: %s", type(module).__name__, exc)
         return
-    runtimes = []
-    for graph in captured.graphs:
-        runtime = _GraphRuntime(graph, backend_, len(backend_.graphs))
-        backend_.graphs.append(runtime)
-        runtimes.append(runtime)
+    runtimes = [backend_.add_graph(graph) for graph in captured.graphs]
     for _round in range(PLAN_AHEAD_ROUNDS):
         backend_.begin_call()
         for runtime in runtimes:
             run = _GraphRun.of(runtime, runtime.variant_for(runtime.graph.example_values, dry_run=True),
                                runtime.graph.example_values)
             run.record(runtime.graph.example_outputs)
-            backend_.call.append(run)
+            backend_.calls.record(run)
         if not backend_.finish_call(captured.returned):
             break
     backend_.note_breaks(captured.breaks)
@@ -187,4 +181,4 @@ def _plan_captured(module: nn.Module, backend_: SublinearBackend, args: Sequence
         worst = max(unfit, key=lambda v: v.simulation.peak_bytes)
         raise BudgetError(worst.objective, Candidate(worst.plan, worst.simulation), None,
                           floor=step_floor(worst.profile))
-    backend_.graphs.clear()  # the real calls capture their own graphs; the plans wait in the store
+    backend_.forget_graphs()  # the real calls capture their own graphs; the plans wait in the store

@@ -76,6 +76,7 @@ class GraphPlan:
     search_seconds: float  # the search alone; 0 for a cache hit
     from_cache: bool
     compiled_peak_bytes: int | None = None  # the graph alone, as its compiled forward and backward hold memory
+    predicted_before_compile_bytes: int | None = None  # the predicted peak before its code was compiled and read
 
     @property
     def num_blocks(self) -> int:

@@ -19,7 +19,7 @@ from sublinear.simulation.timeline import simulate
 from sublinear.runtime.variant import _Variant
 
 if TYPE_CHECKING:
-    from sublinear.runtime.session import _GraphRuntime
+    from sublinear.runtime.graph import GraphRuntime
 
 
 def _storages(values: list[Any]) -> dict[int, int]:
@@ -36,7 +36,7 @@ def _storages(values: list[Any]) -> dict[int, int]:
 class _GraphRun:
     """One graph's run in a training call: its variant and the storages it read and produced."""
 
-    runtime: _GraphRuntime
+    runtime: GraphRuntime
     variant: _Variant | None  # None: the run of a graph about to be planned
     state: dict[int, int]  # parameter and buffer storages -> bytes
     parameters: dict[int, int]  # parameter storages (backward gives each a gradient of its size)
@@ -55,7 +55,7 @@ class _GraphRun:
         return self.variant.eager_held if self.variant is not None else 0
 
     @staticmethod
-    def of(runtime: _GraphRuntime, variant: _Variant | None, values: Sequence[Any]) -> _GraphRun:
+    def of(runtime: GraphRuntime, variant: _Variant | None, values: Sequence[Any]) -> _GraphRun:
         kinds = runtime.graph.kinds
         parameters = _storages([v for k, v in zip(kinds, values) if k == PARAMETER])
         state = {**parameters, **_storages([v for k, v in zip(kinds, values) if k == BUFFER])}

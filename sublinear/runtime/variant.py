@@ -5,21 +5,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
-
-from sublinear.execute.compiled import CompiledGraph
+from sublinear.capture.shapes import Binding
 from sublinear.core.objective import Candidate, Objective, Simulation
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, StepContext
+from sublinear.execute.compiled import CompiledGraph
 from sublinear.execute.eager import RewrittenGraph
-from sublinear.capture.shapes import Binding
-from sublinear.simulation.timeline import simulate
 from sublinear.runtime.plans import GraphPlan
+from sublinear.simulation.timeline import simulate
 
 
 @dataclass
 class _Variant:
-    """A graph planned for one call signature; ``profile`` carries the step context it is simulated in."""
+    """A graph planned for one call signature; ``profile`` carries the step context it is simulated in. Once its
+    compiled code is read back (``checked``), ``profile`` is the profile taught what it held, so ``simulation``
+    is the compiled step's; ``simulation_before_compile`` keeps the prediction made before compiling."""
 
     profile: GraphProfile
     plan: Plan
@@ -30,16 +32,20 @@ class _Variant:
     objective: Objective
     planned_in: StepContext | None  # the context the plan was searched in
     uses: tuple[str, ...]  # what the profiled step did with each output
-    budget: int | None  # the memory budget the step must fit (the search may have aimed lower)
+    budget: int | None  # the memory budget the step must fit
     settling: bool = False  # the lowest peak taken while earlier graphs of the call were not planned for this one
-    compiled_excess: int = 0  # what the compiled graphs hold beyond the simulation, once compiled
     bound: Binding = field(default_factory=dict)  # a dynamic graph's sizes its plan was made for (and serves below)
-    checked: bool = False  # compiled, and what the compiled graphs hold read
+    checked: bool = False  # compiled, and what the compiled code holds read back
+    lesson: Any = None  # what the compile check needs to teach the profile (the pipeline's record)
+    simulation_before_compile: int = 0
+
+    def __post_init__(self) -> None:
+        self.simulation_before_compile = self.simulation.peak_bytes
 
     @property
     def peak_bytes(self) -> int:
-        """The predicted peak: simulated, and once compiled, as the compiled forward and backward hold memory."""
-        return self.simulation.peak_bytes + self.compiled_excess
+        """The predicted peak: simulated, and once compiled, as the compiled code holds memory."""
+        return self.simulation.peak_bytes
 
     def set_context(self, context: StepContext | None, eager_context: StepContext | None) -> None:
         """Simulate the plan beside the call's other graphs as ``context`` says, and (for the report) eager beside
@@ -57,12 +63,14 @@ class _Variant:
         alone = dataclasses.replace(self.profile, step_context=None)
         return simulate(alone, Plan.no_split(alone.num_ops)).held_after_forward_bytes
 
-    def note_compiled(self, peak_alone: int) -> None:
-        """The compiled graphs hold ``peak_alone`` at their peak in a step of this graph alone."""
-        alone = simulate(dataclasses.replace(self.profile, step_context=None), self.plan).peak_bytes
-        self.compiled_excess = max(0, peak_alone - alone)
+    def note_compiled(self, peak_alone: int, taught: GraphProfile) -> None:
+        """The compiled code holds ``peak_alone`` at its peak in a step of this graph alone; ``taught`` is the
+        profile taught what it held (in this variant's context)."""
+        self.profile = taught
+        self.simulation = simulate(taught, self.plan)
         self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.peak_bytes,
-                                           compiled_peak_bytes=peak_alone)
+                                           compiled_peak_bytes=peak_alone,
+                                           predicted_before_compile_bytes=self.simulation_before_compile)
 
     @property
     def accepted(self) -> bool:

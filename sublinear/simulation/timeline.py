@@ -22,7 +22,8 @@ from sublinear.core.objective import Simulation
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, ShardedParameters
 
-__all__ = ["Simulation", "StepTerms", "forward_release", "simulate", "step_terms", "timeline"]
+__all__ = ["BACKWARD_SLOTS", "FORWARD_SLOT", "Simulation", "StepTerms", "forward_release", "own_slots", "simulate",
+           "step_terms", "timeline"]
 
 
 def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
@@ -60,6 +61,8 @@ _SLOT_TEXT = ("forward {}", "recompute {}", "backward {}", "backward {}, after r
 (_FORWARD, _RECOMPUTE, _BACKWARD, _RELEASED, _END, _GATHER, _REGATHER, _SCATTER_COPY, _SCATTER,
  _LATER) = range(len(_SLOT_TEXT))
 Slots = tuple[np.ndarray, np.ndarray]  # per slot: what happens, and the op
+FORWARD_SLOT = _FORWARD
+BACKWARD_SLOTS = (_RECOMPUTE, _BACKWARD, _RELEASED)  # the slots of a rank's backward (its recomputes included)
 
 
 def _describe(slots: Slots, i: int, profile: GraphProfile) -> str:
@@ -95,47 +98,154 @@ def _find(sorted_keys: np.ndarray, queries: np.ndarray) -> tuple[np.ndarray, np.
     return pos, sorted_keys[pos] == queries
 
 
-def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.ndarray, Slots, int]:
-    """The timeline with what happens at each slot, and the activation bytes still held when backward starts."""
-    n = profile.num_ops
-    node_op = profile.node_op
+@dataclass(frozen=True)
+class _Layout:
+    """Where each slot of a step is: forward slots ``0..n-1``, then backward rank by rank from the last (two slots
+    each, before and after it frees what it saved), each re-run op just before the backward of the rank that
+    first needs it (its block's trigger, or where recomputes are shared its own), in op order; the end at ``end``.
+    Per pair of :attr:`PlanAnalysis.recompute_pairs` its block, op, rank and slot."""
 
-    # Timeline: forward slots 0..n-1, then backward node by node from the last rank (two slots each: before and
-    # after it frees what it saved), with each block's recompute just before the backward of the node that first
-    # needs it (its trigger), one slot per closure op.
+    n: int
+    end: int
+    backward_slot: np.ndarray  # per rank
+    c_blocks: np.ndarray
+    c_ops: np.ndarray
+    c_ranks: np.ndarray
+    c_slot: np.ndarray
+    frame_stop: np.ndarray  # per block: the slot after which its group's frame is released (-1: none)
+
+
+def _layout(profile: GraphProfile, a: PlanAnalysis) -> _Layout:
+    n, ranks = profile.num_ops, len(profile.node_op)
     c_blocks, c_ops = a.recompute_pairs
-    trigger = a.trigger
-    lengths = np.bincount(c_blocks, minlength=len(trigger))
-    recomputes = np.zeros(len(node_op), dtype=np.int64)
-    recomputes[trigger[trigger >= 0]] = lengths[trigger >= 0]
+    c_ranks = a.recompute_ranks
+    recomputes = np.bincount(c_ranks, minlength=ranks).astype(np.int64)
     width = recomputes + 2
     group_start = n + np.cumsum(width[::-1])[::-1] - width  # the ranks after r run before it
     backward_slot = group_start + recomputes
-    end = n + int(width.sum())
-    c_slot = group_start[trigger[c_blocks]] + np.arange(len(c_ops)) - (np.cumsum(lengths) - lengths)[c_blocks]
+    order = np.lexsort((c_ops, c_blocks, -c_ranks))  # slot order: by rank, highest first; then block and op
+    first_of_rank = np.cumsum(recomputes[::-1])[::-1] - recomputes  # pairs of higher ranks come first
+    c_slot = np.empty(len(c_ops), dtype=np.int64)
+    c_slot[order] = group_start[c_ranks[order]] + np.arange(len(c_ops)) - first_of_rank[c_ranks[order]]
+    frame_stop = np.full(len(a.frame_end), -1, dtype=np.int64)
+    frame_stop[a.frame_end >= 0] = backward_slot[a.frame_end[a.frame_end >= 0]]
+    return _Layout(n, n + int(width.sum()), backward_slot, c_blocks, c_ops, c_ranks, c_slot, frame_stop)
 
+
+def _slot_terms(profile: GraphProfile, at: _Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per slot: bytes beside the storages (an op's own buffers and scratch, the gradient side), what happens, its
+    op and its rank (-1: none)."""
+    n, end, node_op = at.n, at.end, profile.node_op
     extra = np.empty(end + 1, dtype=np.int64)
     kinds = np.empty(end + 1, dtype=np.int8)
-    slot_ops = np.empty(end + 1, dtype=np.int64)
-    extra[:n], kinds[:n], slot_ops[:n] = profile.forward_extra, _FORWARD, np.arange(n)
-    extra[c_slot] = profile.forward_extra[c_ops] + profile.grad_start[trigger[c_blocks]]
-    kinds[c_slot], slot_ops[c_slot] = _RECOMPUTE, c_ops
-    extra[backward_slot], kinds[backward_slot], slot_ops[backward_slot] = profile.grad_peak, _BACKWARD, node_op
-    extra[backward_slot + 1], kinds[backward_slot + 1], slot_ops[backward_slot + 1] = \
-        profile.grad_after_release, _RELEASED, node_op
-    extra[end], kinds[end], slot_ops[end] = profile.gradient_bytes, _END, -1
-    held = np.zeros(end + 2, dtype=np.int64)
+    ops = np.empty(end + 1, dtype=np.int64)
+    ranks = np.full(end + 1, -1, dtype=np.int64)
+    extra[:n], kinds[:n], ops[:n] = profile.forward_extra, _FORWARD, np.arange(n)
+    extra[at.c_slot] = profile.forward_extra[at.c_ops] + profile.grad_start[at.c_ranks]
+    kinds[at.c_slot], ops[at.c_slot], ranks[at.c_slot] = _RECOMPUTE, at.c_ops, at.c_ranks
+    every_rank = np.arange(len(node_op))
+    for slot, kind, side in ((at.backward_slot, _BACKWARD, profile.grad_peak),
+                             (at.backward_slot + 1, _RELEASED, profile.grad_after_release)):
+        extra[slot], kinds[slot], ops[slot], ranks[slot] = side, kind, node_op, every_rank
+    extra[end], kinds[end], ops[end] = profile.gradient_bytes, _END, -1
+    return extra, kinds, ops, ranks
 
-    retained, dropped = a.retained, a.dropped
-    producer, sizes = profile.storage_producer, profile.storage_bytes
-    reaches = profile.reaches_output
-    frame_end = a.frame_end
-    frame_stop = np.full(len(frame_end), -1, dtype=np.int64)
-    frame_stop[frame_end >= 0] = backward_slot[frame_end[frame_end >= 0]]
-    # Each storage lives from its producer until the last of: its last forward reader (the end of the step for
-    # outputs), autocast's cache (the end of forward), autograd (a node that never reaches the outputs dies in
-    # forward and keeps what it saved until then; a reaching node keeps a retained storage until its backward),
-    # the forward frame of a block whose recomputable op reads it, and the frame of a block whose closure reads it.
+
+@dataclass(frozen=True)
+class _Reads:
+    """Every read of a re-run op (one per storage of each value it reads from another op): the pair reading (an
+    index into the recompute pairs), the storage, its producer, and whether the value read is re-run too (one of
+    the recomputed copies: in the same block, or, where recomputes are shared, in any block, unless retained)."""
+
+    pair: np.ndarray
+    storage: np.ndarray
+    producer: np.ndarray
+    inside: np.ndarray
+
+
+def _rerun_reads(profile: GraphProfile, a: PlanAnalysis, at: _Layout) -> _Reads:
+    pair, triple = _expand(profile.input_bounds, at.c_ops)
+    triple_storages, _, triple_producers = profile.input_triples
+    storage, producer = triple_storages[triple], triple_producers[triple]
+    if profile.recompute_shared:
+        _, inside = _find(np.unique(at.c_ops), producer)
+        inside &= ~a.retained[storage]
+    else:
+        _, inside = _find(at.c_blocks * at.n + at.c_ops, at.c_blocks[pair] * at.n + producer)
+    return _Reads(pair, storage, producer, inside)
+
+
+@dataclass(frozen=True)
+class _Copies:
+    """The recomputed copies: per copy its storage, the pair that rebuilds it, and the slots it lives over (from
+    its recompute until the last re-run op that reads it or the last backward that reads the dropped storage, in
+    the same block or, shared, in any); ``counted``: it takes memory (else it is fused into its readers)."""
+
+    storage: np.ndarray
+    pair: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    counted: np.ndarray
+
+
+def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads) -> _Copies:
+    producer, shared = profile.storage_producer, profile.recompute_shared
+    order, bounds = profile.produced_order
+    copy_at, produced_at = _expand(bounds, at.c_ops)
+    copy_storage = order[produced_at]
+    copy_start = at.c_slot[copy_at]
+    copy_stop = copy_start.copy()
+    copy_keys = copy_storage if shared else at.c_blocks[copy_at] * len(producer) + copy_storage
+    by_key = np.argsort(copy_keys)
+
+    def extend(blocks: np.ndarray, storages: np.ndarray, slots: np.ndarray) -> None:
+        pos, found = _find(copy_keys[by_key], storages if shared else blocks * len(producer) + storages)
+        np.maximum.at(copy_stop, by_key[pos[found]], slots[found])
+
+    inside = reads.inside
+    extend(at.c_blocks[reads.pair][inside], reads.storage[inside], at.c_slot[reads.pair[inside]])
+    saved, ranks = profile.saved_pairs
+    savers = profile.node_op[ranks]
+    own = a.dropped[saved] & profile.reaches_output[savers]
+    extend(a.block_of[savers[own]], saved[own], at.backward_slot[ranks[own]])
+    counted = copy_stop > copy_start
+    if len(profile.materialized_when_rebuilt):  # fused into the backward kernels that read it
+        counted &= profile.materialized_when_rebuilt[copy_storage]
+    return _Copies(copy_storage, copy_at, copy_start, copy_stop, counted)
+
+
+def _rerun_until(profile: GraphProfile, at: _Layout, reads: _Reads, copies: _Copies) -> np.ndarray:
+    """Per recompute pair: the slot until which what it reads is held. An op re-run into a buffer reads at its
+    recompute; one fused into the kernels that read its values (shared recomputes none of whose copies take
+    memory) is computed inside each of them, so what it reads is held until its values' last reader, and so on up
+    a chain of such ops."""
+    until = at.c_slot.copy()
+    if not profile.recompute_shared or not len(at.c_ops):
+        return until
+    fused = np.ones(len(at.c_ops), dtype=bool)
+    fused[copies.pair[copies.counted]] = False
+    last_read = at.c_slot.copy()
+    np.maximum.at(last_read, copies.pair, copies.stop)
+    until[fused] = last_read[fused]
+    pair_of_op = {int(o): k for k, o in enumerate(at.c_ops)}
+    for k in np.argsort(-at.c_ops, kind="stable"):  # readers after their producers: descending ops
+        for j in np.flatnonzero((reads.pair == k) & reads.inside):
+            p = pair_of_op.get(int(reads.producer[j]))
+            if p is not None and fused[p]:
+                until[p] = max(until[p], until[k])
+    return until
+
+
+def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads,
+                   until: np.ndarray) -> np.ndarray:
+    """Per storage the slot after which it is released. A storage lives from its producer until the last of: its
+    last forward reader (the end of the step for outputs), autocast's cache (the end of forward), autograd (a node
+    that never reaches the outputs dies in forward and keeps what it saved until then; a reaching node keeps a
+    retained storage until its backward), the forward frame of a block whose recomputable op reads it, and
+    whatever holds it for a re-run op: its block's frame, or, where recomputes are shared (no frames), backward
+    until the re-run (:func:`_rerun_until`)."""
+    n, end, node_op = at.n, at.end, profile.node_op
+    retained, producer, shared = a.retained, profile.storage_producer, profile.recompute_shared
     stop = np.where(profile.storage_last_use >= n, end, profile.storage_last_use).astype(np.int64)
     if len(profile.materialized_in_forward):  # fused into its forward readers: no memory until something else holds it
         stop[~profile.materialized_in_forward] = producer[~profile.materialized_in_forward]
@@ -144,65 +254,67 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     saved, ranks = profile.saved_pairs
     savers = node_op[ranks]
     if len(saved):
-        lost = ~reaches[savers]
+        lost = ~profile.reaches_output[savers]
         np.maximum.at(stop, saved[lost], forward_release(profile, end)[savers[lost]])
         held_by_autograd = ~lost & retained[saved]
-        np.maximum.at(stop, saved[held_by_autograd], backward_slot[ranks[held_by_autograd]])
+        np.maximum.at(stop, saved[held_by_autograd], at.backward_slot[ranks[held_by_autograd]])
     read, readers = profile.read_pairs
-    if len(read):
+    if len(read) and not shared:  # a forward frame holds what a recomputable op reads until its group ends
         framed = a.recomputed[readers] & retained[read]
         np.maximum.at(stop, read[framed], a.group_end[a.block_of[readers[framed]]])
-    # What closure ops read: values of the same closure are its recomputed copies; anything else its frame holds.
-    reader_at, triple = _expand(profile.input_bounds, c_ops)
-    triple_storages, _, triple_producers = profile.input_triples
-    read_storage, read_block = triple_storages[triple], c_blocks[reader_at]
-    if profile.recompute_shared:  # one recomputed copy of each op's values, whichever block rebuilt it; what is
-        _, inside = _find(np.unique(c_ops), triple_producers[triple])  # kept is read as kept
-        inside &= ~retained[read_storage]
-    else:
-        _, inside = _find(c_blocks * n + c_ops, read_block * n + triple_producers[triple])
-    np.maximum.at(stop, read_storage[~inside], frame_stop[read_block[~inside]])
-    lives = stop > producer
-    np.add.at(held, producer[lives] + 1, sizes[lives])
-    np.add.at(held, stop[lives] + 1, -sizes[lives])
+    outside = ~reads.inside
+    held_until = until[reads.pair] if shared else at.frame_stop[at.c_blocks[reads.pair]]
+    np.maximum.at(stop, reads.storage[outside], held_until[outside])
+    return stop
 
-    # Recomputed copies: live from their recompute until the last closure reader or the last dropped-save holder
-    # of the same block.
-    order, bounds = profile.produced_order
-    copy_at, produced_at = _expand(bounds, c_ops)
-    copy_storage = order[produced_at]
-    copy_start = c_slot[copy_at]
-    copy_stop = copy_start.copy()
-    shared = profile.recompute_shared
-    copy_keys = copy_storage if shared else c_blocks[copy_at] * len(producer) + copy_storage
-    by_key = np.argsort(copy_keys)
 
-    def extend(blocks: np.ndarray, storages: np.ndarray, slots: np.ndarray) -> None:
-        pos, found = _find(copy_keys[by_key], storages if shared else blocks * len(producer) + storages)
-        np.maximum.at(copy_stop, by_key[pos[found]], slots[found])
-
-    extend(read_block[inside], read_storage[inside], c_slot[reader_at[inside]])
-    own = dropped[saved] & reaches[savers]
-    extend(a.block_of[savers[own]], saved[own], backward_slot[ranks[own]])
-    copied = copy_stop > copy_start
-    if len(profile.materialized_when_rebuilt):  # fused into the backward kernels that read it
-        copied &= profile.materialized_when_rebuilt[copy_storage]
-    np.add.at(held, copy_start[copied] + 1, sizes[copy_storage[copied]])
-    np.add.at(held, copy_stop[copied] + 1, -sizes[copy_storage[copied]])
-
-    # Snapshots of state a recomputable op writes: held until its block's frame ends (or its group ends in forward).
+def _snapshots(profile: GraphProfile, a: PlanAnalysis, at: _Layout, held: np.ndarray) -> None:
+    """Add to ``held`` the snapshots of state a recomputable op writes: held until its block's frame ends (or its
+    group ends in forward)."""
     snapshot_ops, snapshot_bytes = profile.snapshots
     snapshotted = a.recomputed[snapshot_ops]
     if snapshotted.any():
         o, nbytes = snapshot_ops[snapshotted], snapshot_bytes[snapshotted]
-        in_closure = np.zeros(n, dtype=bool)
-        in_closure[c_ops] = True
+        in_closure = np.zeros(at.n, dtype=bool)
+        in_closure[at.c_ops] = True
         b = a.block_of[o]
-        until = np.maximum(np.where(in_closure[o], frame_stop[b], a.group_end[b]), o + 1)
+        until = np.maximum(np.where(in_closure[o], at.frame_stop[b], a.group_end[b]), o + 1)
         np.add.at(held, o + 1, nbytes)
         np.add.at(held, until + 1, -nbytes)
 
-    live = np.cumsum(held)[: end + 1]
+
+def own_slots(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The graph's own slots of one step under ``plan`` (forward, recomputes, backward, end): per slot the bytes
+    the graph itself holds (its storages and what its slot adds, without the baseline, other graphs or FSDP's
+    layout), what happens, its op and its rank (-1: none)."""
+    live, extra, kinds, ops, ranks, _ = _own(profile, a or analyse(profile, plan))
+    return live + extra, kinds, ops, ranks
+
+
+def _own(profile: GraphProfile, a: PlanAnalysis):
+    at = _layout(profile, a)
+    extra, kinds, ops, ranks = _slot_terms(profile, at)
+    reads = _rerun_reads(profile, a, at)
+    copies = _copies(profile, a, at, reads)
+    stop = _storage_stops(profile, a, at, reads, _rerun_until(profile, at, reads, copies))
+    producer, sizes = profile.storage_producer, profile.storage_bytes
+    held = np.zeros(at.end + 2, dtype=np.int64)
+    lives = stop > producer
+    np.add.at(held, producer[lives] + 1, sizes[lives])
+    np.add.at(held, stop[lives] + 1, -sizes[lives])
+    counted = copies.counted
+    np.add.at(held, copies.start[counted] + 1, sizes[copies.storage[counted]])
+    np.add.at(held, copies.stop[counted] + 1, -sizes[copies.storage[counted]])
+    _snapshots(profile, a, at, held)
+    live = np.cumsum(held)[: at.end + 1]
+    return live, extra, kinds, ops, ranks, at
+
+
+def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.ndarray, Slots, int]:
+    """The timeline with what happens at each slot, and the activation bytes still held when backward starts."""
+    live, extra, kinds, slot_ops, _, at = _own(profile, a)
+    n, end = at.n, at.end
     own = live + extra
     held_after_forward = int(live[n])
     terms = step_terms(profile)

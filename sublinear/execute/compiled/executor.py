@@ -1,6 +1,6 @@
 """Run a plan compiled: the plan as AOTAutograd's partition, forward and backward compiled by inductor.
 
-The partitioner splits the joint graph (:mod:`sublinear.execute.compiled.joint`) into a forward graph, which returns
+The partitioner splits the joint graph (:mod:`sublinear.capture.joint`) into a forward graph, which returns
 what
 backward reads (the saved values), and a backward graph, which recomputes every other forward value it reads.
 Inductor compiles both, so recompute fuses into the backward's kernels. The plan enters as the partitioner's
@@ -35,16 +35,18 @@ from typing import Any
 import sympy
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch._inductor.choices import InductorChoices
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, CustomSchedulerPass
 from torch.utils.checkpoint import CheckpointPolicy
 
 from sublinear.capture.dynamo import CapturedGraph
 from sublinear.core.analysis import PlanAnalysis, StorageState, analyse
 from sublinear.core.plan import Plan
 from sublinear.capture.shapes import Binding, describe_binding, guards_hold
-from sublinear.execute.compiled.joint import JointGraph, is_view, labelled_copy, normalise
-from sublinear.execute.compiled.profile import CompiledProfile
-from sublinear.execute.compiled.wrapper import tensor_bytes, walk_wrapper
+from sublinear.capture.joint import JointGraph, labelled_copy, normalise
+from sublinear.profiling.compiled import CompiledProfile
+from sublinear.execute.compiled.step_memory import CompiledStepMemory, compiled_step_memory
+from sublinear.profiling.kernels import kernel_memory
 
 __all__ = ["CompiledGraph", "PlanPartitioner", "compile_plan", "inductor_unavailable", "recompute_tags",
            "resolve_compiler"]
@@ -116,10 +118,12 @@ class CompiledGraph:
         self.graph = graph
         self.analysis = analysis
         self.partitioner = PlanPartitioner(recompute_tags(analysis, node_names))
+        self.scheduling = ResultsTakenAtOnce()
         self.bound = dict(bound or {})
         self._compiled: Callable[..., Any] | None = None
         self._guards: tuple[Any, ...] = ()  # sympy expressions over the family's symbols
         self._admitted: dict[tuple, Callable[..., Any]] = {}  # binding -> the code serving it
+        self.memory: CompiledStepMemory | None = None
         self.peak_bytes: int | None = None
 
     @property
@@ -158,7 +162,8 @@ class CompiledGraph:
         if self.partitioner.applied is False:
             log.warning("sublinear: the graph inductor traced to compile differs from the one planned; it runs with "
                         "torch.compile's own partition (exact gradients, the plan's memory not guaranteed)")
-        self.peak_bytes = _step_peak(graphs, sizes)
+        self.memory = _step_memory(graphs, sizes, _device(values), self.scheduling.origins)
+        self.peak_bytes = self.memory.peak if self.memory is not None else None
 
     def _compile(self, values: Sequence[Any], bound: Binding) -> tuple[Callable[..., Any], list, tuple, dict]:
         """Code for ``values``' shapes, or for every size when ``bound`` is given; the forward and backward graphs
@@ -179,9 +184,10 @@ class CompiledGraph:
         # AOTAutograd's cache stays off: a hit returns code without running the partitioner or inductor here, so
         # neither whether the plan was applied nor the compiled graphs' memory would be known (inductor's own
         # cache of each graph still serves).
-        with functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False):
+        with functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False), \
+                torch._inductor.virtualized.V.set_choices_handler(NearFusionChoices()):
             code = compile_fx(labelled_copy(self.graph.graph_module), inputs, inner_compile=inner,
-                              config_patches=compile_patches(self.partitioner))
+                              config_patches=compile_patches(self.partitioner, self.scheduling))
         if not bound:
             return code, graphs, (), {}
         env = torch._guards.detect_fake_mode(inputs).shape_env
@@ -192,49 +198,88 @@ class CompiledGraph:
         return code, graphs, guards, {env_name: hints[env_name] for env_name in renamed}
 
 
-def _step_peak(graphs: list[tuple[bool, fx.GraphModule, str | None]], sizes: dict[str, int]) -> int | None:
-    """The peak of one training step from the compiled forward and backward wrappers: the forward with its inputs
-    (parameters, buffers, inputs), and the backward with what forward saved, the outputs' gradients and its own
-    buffers, beside the forward's inputs. ``sizes``: the value of each size symbol the wrappers name."""
+def _step_memory(graphs: list[tuple[bool, fx.GraphModule, str | None]], sizes: dict[str, int],
+                 device: torch.device, origins) -> CompiledStepMemory | None:
+    """The memory of one training step from the compiled forward and backward (:mod:`.step_memory`), library calls
+    measured on ``device``, with its trace by node. ``sizes``: the value of each size symbol the wrappers name."""
     forward = [g for g in graphs if not g[0]]
     backward = [g for g in graphs if g[0]]
-    if len(forward) != 1 or len(backward) != 1:
+    if len(forward) != 1 or len(backward) != 1 or forward[0][2] is None or backward[0][2] is None:
         return None
-
-    def inputs(gm: fx.GraphModule, counted) -> dict[str, tuple[int, int]]:
-        return {n.name: tensor_bytes(n.meta.get("val")) for n in gm.graph.nodes
-                if n.op == "placeholder" and counted(n.name)}
-
-    (_, fw_gm, fw_code), (_, bw_gm, bw_code) = forward[0], backward[0]
-    if fw_code is None or bw_code is None:
-        return None
-    aliases = _input_aliases(fw_gm)  # saved views of parameters and inputs: their storage is counted already
-    fw_inputs = inputs(fw_gm, lambda name: True)
-    fw = walk_wrapper(fw_code, fw_inputs, held=frozenset(fw_inputs), sizes=sizes)  # inputs outlive the forward
-    bw = walk_wrapper(bw_code, inputs(bw_gm, lambda name: not name.startswith("primals") and name not in aliases),
-                      sizes=sizes)
-    if fw is None or bw is None:
-        return None
-    return max(fw.peak, fw.start + bw.peak)
+    kernels = kernel_memory(str(device)) if device.type in ("cpu", "cuda") else None
+    return compiled_step_memory(forward[0][1:], backward[0][1:], sizes, kernels, origins)
 
 
-def _input_aliases(gm: fx.GraphModule) -> set[str]:
-    """Names of the graph's outputs that view one of its inputs (a transposed weight saved for backward)."""
-    aliases = set()
-    for node in gm.graph.nodes:
-        base = node
-        while base.op == "call_function" and is_view(base) and base.args and isinstance(base.args[0], fx.Node):
-            base = base.args[0]
-        if base is not node and base.op == "placeholder":
-            aliases.add(node.name)
-    return aliases
+def _device(values: Sequence[Any]) -> torch.device:
+    return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
 
 
-def compile_patches(partitioner: CustomPartitionerFn) -> dict[str, Any]:
-    """Inductor settings for a planned graph: the plan's partition, and every buffer freed after its last use.
-    Inductor otherwise keeps a dead buffer until a later one of the same size takes its place, which in a
-    backward that recomputes holds dead activations for most of the step; the allocator reuses the memory itself."""
-    return {"custom_partitioner_fn": partitioner, "allow_buffer_reuse": False}
+class ResultsTakenAtOnce(CustomSchedulerPass):
+    """Every element of a library call's result tuple is taken out right after the call. Inductor's scheduler may
+    leave taking some out (a convolution backward's weight and bias gradients) until the end of the graph, and the
+    tuple holds every element until then, so the input gradient a convolution's backward returns stays in memory
+    through the rest of the backward after its last reader. It also records, per graph ("forward", "backward"),
+    the nodes of the partitioned graph that each buffer computes (``origins``), so that what the compiled code holds
+    can be told apart by node."""
+
+    def __init__(self) -> None:
+        self.origins: dict[str, dict[str, tuple[str, ...]]] = {}
+
+    def __call__(self, nodes: list) -> list:
+        from torch._inductor import ir  # noqa: PLC0415
+        from torch._inductor.virtualized import V  # noqa: PLC0415
+
+        taken: dict[str, list] = {}  # a buffer -> the nodes taking elements out of it
+        origins = self.origins.setdefault("backward" if V.graph.is_backward else "forward", {})
+        for node in nodes:
+            for inner in node.get_nodes():
+                names = tuple(sorted(o.name for o in (getattr(inner.node, "origins", None) or ())))
+                for buffer in inner.get_outputs():
+                    origins[buffer.get_name()] = names
+            if isinstance(getattr(node, "node", None), ir.MultiOutput) and node.node.inputs:
+                taken.setdefault(node.node.inputs[0].get_name(), []).append(node)
+        order: list = []
+        placed: set[int] = set()
+
+        def place(node) -> None:
+            if id(node) in placed:
+                return
+            placed.add(id(node))
+            order.append(node)
+            for buffer in node.get_outputs():
+                for element in taken.get(buffer.get_name(), ()):
+                    place(element)
+
+        for node in nodes:
+            place(node)
+        return order
+
+    def uuid(self) -> str:
+        return "sublinear-results-taken-at-once-1"
+
+
+class NearFusionChoices(InductorChoices):
+    """Inductor's fusion heuristics, with one more: a producer is fused into a consumer only when the two are near
+    in the graph's order, as inductor already requires of two consumers of the same values. Fused far from where
+    it was, a producer runs where the later kernel runs: a recomputed layer norm fused into its backward delays the
+    weight gradient that reads it, and the output gradient that product reads stays in memory until then."""
+
+    FAR = 64  # nodes apart in the graph's order (inductor's own limit for consumers fused together)
+
+    @staticmethod
+    def can_fuse_vertical(scheduler, node1, node2, shared_data_score) -> bool:
+        far = max(abs(node1.min_order - node2.max_order), abs(node2.min_order - node1.max_order))
+        return far <= NearFusionChoices.FAR
+
+
+def compile_patches(partitioner: CustomPartitionerFn, scheduling: ResultsTakenAtOnce) -> dict[str, Any]:
+    """Inductor settings for a planned graph: the plan's partition; every buffer freed after its last use (inductor
+    otherwise keeps a dead buffer until a later one of the same size takes its place, which in a backward that
+    recomputes holds dead activations for most of the step; the allocator reuses the memory itself); kernels in the
+    order of the partitioned graphs, which is what the plan's memory model follows (inductor's own reordering for
+    peak memory follows its estimate instead); and library calls' results taken out at once."""
+    return {"custom_partitioner_fn": partitioner, "allow_buffer_reuse": False, "reorder_for_peak_memory": False,
+            "_post_fusion_custom_pass": scheduling}
 
 
 def compile_plan(graph: CapturedGraph, compiled: CompiledProfile, plan: Plan) -> CompiledGraph:

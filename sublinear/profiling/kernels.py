@@ -1,0 +1,217 @@
+"""Library kernels' memory: what a matrix product, convolution or attention kernel allocates inside one call.
+
+Compiled code calls library kernels (oneDNN, cuBLAS, cuDNN, aten fallbacks) that allocate scratch space no
+program statement shows: a convolution's backward on CPU reorders its inputs into oneDNN's layouts, attention keeps
+per-thread buffers. Each distinct call (the call with every tensor argument's shape, stride and dtype) runs once,
+alone on the device, on random tensors of those layouts, and the allocator's peak inside it is kept: in memory and,
+per machine (device model, thread count, torch version), in the cache folder's ``kernel-memory.json``. The peak is
+the same at every run of the same call, so it is measured whatever model times the ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sublinear.cache import cache_dir, write_json
+from sublinear.profiling.costs import device_model
+
+__all__ = ["KernelMemory", "KernelRun", "Measured", "TensorLayout", "kernel_memory"]
+
+log = logging.getLogger("sublinear.profiling.kernels")
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """A tensor argument's shape, stride and dtype (a dtype name as torch spells it: "float32")."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+    def make(self, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+        """A tensor of this layout: random floating values (drawn from ``generator``, not the global stream that
+        training draws dropout from), zeros for integers (indices stay in range)."""
+        dtype = getattr(torch, self.dtype)
+        span = 1 + sum((s - 1) * abs(t) for s, t in zip(self.shape, self.stride)) if all(self.shape) else 0
+        if dtype.is_floating_point or dtype.is_complex:
+            base = torch.randn(span, dtype=dtype, device=device, generator=generator)
+        else:
+            base = torch.zeros(span, dtype=dtype, device=device)
+        return base.as_strided(self.shape, self.stride)
+
+
+@dataclass(frozen=True)
+class KernelRun:
+    """One library call to measure: ``key`` names it with its arguments' layouts (equal keys, equal memory);
+    ``run(tensors)`` calls it on tensors made from ``inputs`` (by name)."""
+
+    key: str
+    inputs: Mapping[str, TensorLayout]
+    run: Callable[[dict[str, torch.Tensor]], Any]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A call's allocator peak above what was allocated before it, and the dtypes of the tensors it returned."""
+
+    inside_peak: int
+    result_dtypes: tuple[str, ...]
+
+
+@functools.cache
+def kernel_memory(device: str) -> KernelMemory:
+    """The library calls measured on ``device`` in this process (and on this machine, from the cache folder)."""
+    return KernelMemory(torch.device(device))
+
+
+class KernelMemory:
+    """Measured library calls on one device (see the module docstring)."""
+
+    def __init__(self, device: torch.device, use_disk: bool = True) -> None:
+        self.device = torch.device(device)
+        self._known: dict[str, Measured] = {}
+        self._path = _cache_path() if use_disk else None
+        self._machine = _machine_key(self.device)
+        self._known.update(_read(self._path, self._machine))
+
+    def get(self, key: str) -> Measured | None:
+        return self._known.get(key)
+
+    def remember(self, measured: Mapping[str, Measured]) -> None:
+        """Keep peaks measured elsewhere (per key), in this process and on this machine's disk."""
+        self._known.update(measured)
+        if self._path is not None:
+            _write(self._path, self._machine, measured)
+
+    def measure(self, runs: Sequence[KernelRun]) -> None:
+        """Measure every run whose key is not known yet (each distinct key once)."""
+        todo = list({run.key: run for run in runs if run.key not in self._known}.values())
+        if not todo:
+            return
+        generator = torch.Generator(self.device).manual_seed(0)
+        measure = _cpu_peaks if self.device.type == "cpu" else _cuda_peaks
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):  # a kernel drawing random numbers leaves
+            measured = measure(todo, self.device, generator)  # the training's stream as it was
+        self._known.update(measured)
+        log.debug("measured %d library calls on %s", len(measured), self.device)
+        if self._path is not None:
+            _write(self._path, self._machine, measured)
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _results(out: Any) -> tuple[str, ...]:
+    """The dtype of each result by position ("" where an element of a result tuple is not a tensor)."""
+    if isinstance(out, torch.Tensor):
+        return (_dtype_name(out),)
+    if isinstance(out, (tuple, list)):
+        return tuple(_dtype_name(t) if isinstance(t, torch.Tensor) else "" for t in out)
+    return ()
+
+
+def _cpu_peaks(runs: Sequence[KernelRun], device: torch.device, generator: torch.Generator) -> dict[str, Measured]:
+    """Each run inside a named profiler range; its peak from the CPU allocator's memory events in the range."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    results: dict[str, tuple[str, ...]] = {}
+    ran: set[str] = set()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for k, run in enumerate(runs):
+            tensors = {name: layout.make(device, generator) for name, layout in run.inputs.items()}
+            with record_function(f"sublinear-kernel-{k}"):
+                try:
+                    out = run.run(tensors)
+                except Exception as exc:  # noqa: BLE001 - counted as allocating nothing
+                    log.debug("library call %s not measured: %s", run.key[:120], exc)
+                    continue
+            ran.add(run.key)
+            results[run.key] = _results(out)
+            del out, tensors
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events
+                    if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
+    windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+               if e.name().startswith("sublinear-kernel-")}
+    measured = {}
+    for k, run in enumerate(runs):
+        window = windows.get(f"sublinear-kernel-{k}")
+        peak = _window_peak(memory, window) if window and run.key in ran else 0
+        measured[run.key] = Measured(peak, results.get(run.key, ()))
+    return measured
+
+
+def _window_peak(memory: list[tuple[int, int]], window: tuple[int, int]) -> int:
+    live = peak = 0
+    for t, nbytes in memory:
+        if t < window[0]:
+            continue
+        if t > window[1]:
+            break
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _cuda_peaks(runs: Sequence[KernelRun], device: torch.device, generator: torch.Generator) -> dict[str, Measured]:
+    measured = {}
+    for run in runs:
+        tensors = {name: layout.make(device, generator) for name, layout in run.inputs.items()}
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            out = run.run(tensors)
+        except Exception as exc:  # noqa: BLE001 - counted as allocating nothing
+            log.debug("library call %s not measured: %s", run.key[:120], exc)
+            measured[run.key] = Measured(0, ())
+            continue
+        torch.cuda.synchronize(device)
+        measured[run.key] = Measured(torch.cuda.max_memory_allocated(device) - before, _results(out))
+        del out, tensors
+    return measured
+
+
+def _machine_key(device: torch.device) -> str:
+    return f"{device.type}|{device_model(device)}|threads {torch.get_num_threads()}|torch {torch.__version__}"
+
+
+def _cache_path() -> Path | None:
+    folder = cache_dir(None)
+    return folder / "kernel-memory.json" if folder is not None else None
+
+
+def _read(path: Path | None, machine: str) -> dict[str, Measured]:
+    if path is None or not path.exists():
+        return {}
+    try:
+        table = json.loads(path.read_text()).get(machine, {})
+        return {key: Measured(int(v[0]), tuple(v[1])) for key, v in table.items()}
+    except (OSError, ValueError, AttributeError, TypeError, IndexError):
+        return {}
+
+
+def _write(path: Path, machine: str, measured: Mapping[str, Measured]) -> None:
+    try:
+        known = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    table = known.setdefault(machine, {})
+    table.update({key: [m.inside_peak, list(m.result_dtypes)] for key, m in measured.items()})
+    try:
+        write_json(path, known)
+    except OSError as exc:
+        log.info("library call memory not cached in %s: %s", path.parent, exc)

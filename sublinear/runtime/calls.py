@@ -1,0 +1,129 @@
+"""Training calls as the backend sees them: which graphs each call ran, what the other graphs of the call hold beside
+each one (:class:`~sublinear.core.profile.StepContext`), and what the call did with each graph's outputs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from sublinear.core.profile import StepContext
+from sublinear.runtime.step import (
+    _contexts_by_graph, _GraphRun, _planned_knowing_later, _widest, output_uses, step_contexts,
+)
+from sublinear.runtime.variant import _Variant
+from sublinear.training import DROPPED, GRADIENT, HELD
+
+if TYPE_CHECKING:
+    from sublinear.runtime.graph import GraphRuntime
+
+__all__ = ["CallTracker", "UNSEEN"]
+
+log = logging.getLogger("sublinear")
+
+UNSEEN = object()  # finish() without the call's result (a bare torch.compile backend never sees it)
+_USE_ORDER = (GRADIENT, HELD, DROPPED)  # most demanding first
+
+
+class CallTracker:
+    """The graph runs of the current training call and of the last finished one. ``latest``: per graph (by code),
+    the variant the last finished call ran, in the order it ran; ``uses``: per graph, what calls do with each output.
+    ``explicit``: calls are marked by :meth:`begin` and :meth:`finish` (else the first graph of a call starts it)."""
+
+    def __init__(self) -> None:
+        self.current: list[_GraphRun] = []
+        self.previous: list[_GraphRun] = []
+        self.latest: dict[str, _Variant] = {}
+        self.uses: dict[str, tuple[str, ...]] = {}
+        self.explicit = False
+
+    def begin(self) -> None:
+        self.current = []
+
+    def record(self, run: _GraphRun) -> None:
+        """A graph of the current call ran."""
+        self.current.append(run)
+
+    def starts_again(self, code: str) -> bool:
+        """Without explicit calls: whether a run of graph ``code`` begins a new call (the call's first graph runs
+        again)."""
+        return not self.explicit and bool(self.current) and self.current[0].runtime.graph.code == code
+
+    def running(self) -> dict[str, _Variant]:
+        """Per graph, the variant the current call ran (without explicit calls no end is seen: these describe it)."""
+        return {run.runtime.graph.code: run.variant for run in self.current}
+
+    def finish(self, returned: Any = UNSEEN) -> list[GraphRuntime]:
+        """The call ended, returning ``returned``: give each graph the context of the call's other graphs and
+        return the graphs to plan again: those profiled with a backward that differs from this call's (which
+        outputs get gradients), those whose plan no longer meets the objective beside the others, and those planned
+        before the later graphs were known."""
+        runs, self.current = self.current, []
+        if not runs:
+            return []
+        self.previous = runs
+        stale = self._learn_output_uses(runs, returned)
+        contexts = _contexts_by_graph(runs, eager=False)
+        eager_contexts: dict[str, StepContext] | None = None  # made when a context changed: eager's, for the report
+        self.latest = {}
+        for run in runs:
+            code, variant = run.runtime.graph.code, run.variant
+            if code in self.latest:
+                continue
+            self.latest[code] = variant
+            context = contexts.get(code)
+            planned_in = variant.profile.step_context
+            if variant.bound and context is not None and planned_in is not None:
+                # A family's plan serves calls of every size up to its bound: what the other graphs hold at a
+                # smaller call is no reason to plan again; what they hold beyond the context planned in is.
+                context = _widest(planned_in, context)
+            if run.runtime in stale or (context == variant.profile.step_context and not variant.settling):
+                continue
+            if eager_contexts is None:
+                eager_contexts = _contexts_by_graph(runs, eager=True)
+            variant.set_context(context, eager_contexts.get(code))
+            unknown_later = variant.objective.memory_budget is not None and not _planned_knowing_later(variant, context)
+            if variant.settling or not variant.accepted or unknown_later:
+                run.runtime.forget(variant)
+                stale.append(run.runtime)
+        if stale:
+            log.info("sublinear: planning %d graph(s) again for the step as this call ran it (%s)", len(stale),
+                     "; ".join(str(self.latest[r.graph.code].profile.step_context) for r in stale))
+        return stale
+
+    def context_for(self, runtime: GraphRuntime, values: Sequence[Any]) -> tuple[StepContext | None, bool]:
+        """The context of ``runtime``'s graph about to run next in the current call: this call's earlier graphs as
+        they ran, the later ones as the previous call ran them (None when it runs alone); and whether the call is
+        settled: every earlier graph of it was planned knowing the later ones. A graph planned in an unsettled
+        call may yet fit once the earlier graphs are planned for it."""
+        position, earlier, previous = len(self.current), self.current, self.previous
+        same_place = len(previous) > position and previous[position].runtime.graph.code == runtime.graph.code
+        later = previous[position + 1:] if same_place else []
+        settled = all(r.variant is not None and r.variant.planned_in is not None
+                      and r.variant.planned_in.later_beyond_held is not None for r in earlier)
+        if not earlier and not later:
+            return None, settled
+        upcoming = _GraphRun.of(runtime, None, values)
+        if same_place:  # the later runs read its outputs as the previous call made them
+            upcoming.outputs = previous[position].outputs
+        runs = [*earlier, upcoming, *later]
+        return step_contexts(runs, first=position)[position], settled
+
+    def _learn_output_uses(self, runs: Sequence[_GraphRun], returned: Any) -> list[GraphRuntime]:
+        """Record what the call did with each graph's outputs; forget the variants profiled otherwise and return
+        their graphs. A graph that runs several times gets, per output, the most demanding use of its runs."""
+        if returned is UNSEEN:
+            return []
+        learned: dict[str, tuple[str, ...]] = {}
+        for run, uses in zip(runs, output_uses(runs, returned)):
+            code = run.runtime.graph.code
+            old = learned.get(code, uses)
+            learned[code] = tuple(min(a, b, key=_USE_ORDER.index) for a, b in zip(old, uses))
+        stale = []
+        for run in runs:
+            code = run.runtime.graph.code
+            if run.variant.uses != learned[code] and run.runtime not in stale:
+                self.uses[code] = learned[code]
+                run.runtime.forget(run.variant)
+                stale.append(run.runtime)
+        return stale

@@ -1,0 +1,76 @@
+"""Teach a compiled step's profile what its compiled code held: the simulation of a plan, slot by slot, against
+the bytes the compiled forward and backward held (:mod:`sublinear.execute.compiled.step_memory`'s trace).
+
+The trace names, at every statement of the compiled code, the nodes of the partitioned graphs it computes. Time
+runs forward through the ops and backward down the ranks, and a kernel that fuses nodes of several runs where the
+first of them is due: a forward statement belongs to the lowest op among its nodes, a backward statement to the
+highest rank among its backward nodes, never before the statement that precedes it (a statement naming none
+belongs where the one before it does). Where the compiled code held more at an op's
+forward, or around a rank's backward, than the simulation of the same plan says, the op's forward extra bytes and
+the rank's backward peak are raised by the difference. The profile then predicts that plan as compiled, and every
+plan as held at least as much there: what a compiler adds at a slot (a kernel fused far from its place, a copy
+into the layout a library call needs) is counted for every plan, never subtracted. It never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from sublinear.core.analysis import analyse
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile
+from sublinear.simulation.timeline import BACKWARD_SLOTS, FORWARD_SLOT, own_slots
+
+__all__ = ["slot_peaks", "taught", "trace_by_slot"]
+
+
+def slot_peaks(profile: GraphProfile, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """The simulation of ``plan`` on ``profile``, the graph's own bytes with its parameters, buffers and inputs (no
+    other graphs beside it): per op, the bytes at its forward slot; per rank, the most bytes at its recompute and
+    backward slots."""
+    own, kinds, ops, ranks = own_slots(profile, plan, analyse(profile, plan))
+    totals = own + profile.baseline_bytes
+    forward = np.zeros(profile.num_ops, dtype=np.int64)
+    backward = np.zeros(len(profile.node_op), dtype=np.int64)
+    is_forward = kinds == FORWARD_SLOT
+    np.maximum.at(forward, ops[is_forward], totals[is_forward])
+    in_backward = np.isin(kinds, BACKWARD_SLOTS) & (ranks >= 0)
+    np.maximum.at(backward, ranks[in_backward], totals[in_backward])
+    return forward, backward
+
+
+def trace_by_slot(points: Iterable[tuple[str, int, tuple[str, ...]]], op_of: Mapping[str, int],
+                  rank_of: Mapping[str, int], num_ops: int) -> tuple[dict[int, int], dict[int, int]]:
+    """The most bytes live at each op's forward and each rank's backward, from ``points`` ((phase, live bytes with
+    the parameters, buffers and inputs, node names) per statement, in order): see the module docstring."""
+    forward: dict[int, int] = {}
+    backward: dict[int, int] = {}
+    op, rank = 0, num_ops - 1
+    for phase, live, nodes in points:
+        if phase == "forward":
+            named = [op_of[n] for n in nodes if n in op_of]
+            op = max(op, min(named)) if named else op
+            forward[op] = max(forward.get(op, 0), live)
+        else:
+            named = [rank_of[n] for n in nodes if n in rank_of]
+            rank = min(rank, max(named)) if named else rank
+            backward[rank] = max(backward.get(rank, 0), live)
+    return forward, backward
+
+
+def taught(profile: GraphProfile, plan: Plan, forward: Mapping[int, int], backward: Mapping[int, int]) -> GraphProfile:
+    """``profile`` raised, op by op and rank by rank, to what the compiled code of ``plan`` held (``forward``: per
+    op; ``backward``: per rank; as :func:`trace_by_slot` gives them)."""
+    simulated_forward, simulated_backward = slot_peaks(profile, plan)
+    extra = profile.forward_extra.copy()
+    for o, held in forward.items():
+        extra[o] += max(0, held - int(simulated_forward[o]))
+    raise_by = np.zeros(len(profile.node_op), dtype=np.int64)
+    for r, held in backward.items():
+        raise_by[r] = max(0, held - int(simulated_backward[r]))
+    ops = [dataclasses.replace(op, forward_extra_bytes=int(e)) for op, e in zip(profile.ops, extra)]
+    return dataclasses.replace(profile, ops=ops, grad_peak=profile.grad_peak + raise_by,
+                               grad_after_release=profile.grad_after_release + raise_by)

@@ -1,0 +1,192 @@
+"""What a compiled step holds: inductor's wrappers walked statement by statement (sublinear.execute.compiled.wrapper
+and step_memory), library kernels' scratch measured (sublinear.profiling.kernels), the prediction before compiling
+against the CPU allocator on small compiled graphs, and a profile taught what the compiled code held
+(sublinear.simulation.calibration)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch import fx, nn
+import torch.nn.functional as F
+
+import sublinear
+from sublinear.core import Plan
+from sublinear.execute.compiled.step_memory import compiled_step_memory
+from sublinear.execute.compiled.wrapper import StepWalk, parse_wrapper
+from sublinear.measurement import measure_cpu_allocator
+from sublinear.simulation.calibration import slot_peaks, taught, trace_by_slot
+from sublinear.simulation.timeline import simulate
+from sublinear.training import default_loss
+
+from conftest import PLAIN, chain
+
+INDUCTOR = dataclasses.replace(PLAIN, compiler="inductor")
+
+BACKWARD = '''
+    def call(self, args):
+        saved_1, tangents_1 = args
+        args.clear()
+        buf0 = empty_strided_cpu((16, 8), (8, 1), torch.float32)
+        extern_kernels.mm(tangents_1, saved_1, out=buf0)
+        del tangents_1
+        buf1 = buf0; del buf0  # reuse
+        buf2 = torch.ops.aten.convolution_backward.default(buf1, saved_1, saved_1, [0], (1, 1))
+        buf3 = buf2[0]
+        assert_size_stride(buf3, (4, 8), (8, 1), 'torch.ops.aten.convolution_backward.default')
+        del buf3
+        buf4 = reinterpret_tensor(buf1, (128, ), (1, ), 0); del buf1  # reuse
+        buf5 = empty_strided_cpu((2, 2), (2, 1), torch.int64)
+        del saved_1
+        del buf5
+        buf6 = buf2[1]
+        assert_size_stride(buf6, (8, ), (1, ), 'torch.ops.aten.convolution_backward.default')
+        del buf2
+        return (buf4, buf6, )
+'''
+
+
+def test_the_walk_holds_a_library_calls_results_from_the_call_until_its_tuple_is_deleted():
+    walk = StepWalk()
+    saved, tangent = walk.storage(1000, "<returned>"), walk.storage(64, "<returned>")
+    result = walk.walk(parse_wrapper(BACKWARD), [(saved, None), (tangent, None)], handed_over=[saved, tangent])
+    # start 1064; buf0 +512; tangent -64; the call's two results (4x8 and 8 float32) +128 +32 at once, held by the
+    # tuple though buf3 is deleted; int64 buf5 +32; saved -1000; at the return buf4 (buf0's 512) and buf6 (32).
+    assert (result.start, result.peak, result.end) == (1064, 1064 + 512 - 64 + 160 + 32, 512 + 32)
+    assert parse_wrapper("void call(void) {}") is None  # not a Python wrapper
+
+
+FORWARD = '''
+    def call(self, args):
+        primals_1, primals_2 = args
+        args.clear()
+        buf0 = empty_strided_cpu((8, 8), (1, 8), torch.float32)
+        buf1 = empty_strided_cpu((4, 8), (8, 1), torch.float32)
+        return (buf1, primals_2, buf0, )
+'''
+
+BACKWARD_OF_COPY = '''
+    def call(self, args):
+        primals_2, primals_1, tangents_1 = args
+        args.clear()
+        buf0 = empty_strided_cpu((8, 8), (8, 1), torch.float32)
+        del primals_1
+        del primals_2
+        del tangents_1
+        return (buf0, None, )
+'''
+
+
+def _graph(*names_and_values) -> fx.GraphModule:
+    graph = fx.Graph()
+    for name, value in names_and_values:
+        graph.placeholder(name).meta["val"] = value
+    graph.output(None)
+    return fx.GraphModule(nn.Module(), graph)
+
+
+def test_what_forward_returns_in_a_parameters_place_is_memory_of_its_own():
+    """Inductor's forward returns a parameter for backward as a copy in another layout (channels-last for a
+    convolution's weight): the copy is memory until backward frees it."""
+    weight = torch.zeros(8, 8, requires_grad=True)
+    x = torch.zeros(4, 8)
+    forward = _graph(("primals_1", weight), ("primals_2", x))
+    backward = _graph(("primals_2", x), ("primals_1", torch.zeros(8, 8)), ("tangents_1", torch.zeros(4, 8)))
+    memory = compiled_step_memory((forward, FORWARD), (backward, BACKWARD_OF_COPY))
+    baseline = 256 + 128  # the weight and the input, held by the caller
+    assert memory.forward_end == baseline + 256 + 128  # the weight's copy (buf0) and the output (buf1)
+    # backward: the copy and the tangent (128) handed over; its gradient (256) allocated before they are freed
+    assert memory.backward_peak == baseline + 256 + 128 + 128 + 256
+    assert memory.end == baseline + 128 + 256  # the output the caller holds, the gradient
+    assert memory.peak == memory.backward_peak
+
+
+def test_a_taught_profile_predicts_what_the_compiled_code_held_and_never_less_elsewhere():
+    p = chain(6)
+    plan = Plan.of([2], 6)
+    forward, backward = slot_peaks(p, plan)
+    held_forward = {3: int(forward[3]) + 50}
+    held_backward = {1: int(backward[1]) + 300, 4: int(backward[4]) - 100}  # held less at rank 4: not learned
+    lesson = taught(p, plan, held_forward, held_backward)
+    after_forward, after_backward = slot_peaks(lesson, plan)
+    assert after_forward[3] == held_forward[3] and after_backward[1] == held_backward[1]
+    assert after_backward[4] == backward[4]
+    for other in (Plan.no_split(6), Plan.every_op(6), Plan.of([1, 3], 6)):
+        assert simulate(lesson, other).peak_bytes >= simulate(p, other).peak_bytes
+
+
+def test_a_trace_is_read_op_by_op_in_forward_and_rank_by_rank_in_backward():
+    points = [("forward", 10, ("a",)), ("forward", 30, ()), ("forward", 20, ("b", "c")), ("forward", 25, ("a",)),
+              ("backward", 40, ("grad_b", "grad_c")), ("backward", 45, ("grad_b",)), ("backward", 50, ("grad_a",)),
+              ("backward", 5, ())]
+    # a fused kernel runs where the first of its nodes is due, and time never runs back
+    forward, backward = trace_by_slot(points, {"a": 0, "b": 1, "c": 2}, {"grad_a": 0, "grad_b": 1, "grad_c": 2}, 3)
+    assert forward == {0: 30, 1: 25} and backward == {2: 40, 1: 45, 0: 50}
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c2, self.c3 = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = F.relu(self.b1(self.c1(x)))
+        h = F.relu(self.c2(h)) + h
+        return self.fc(F.relu(self.c3(h)).mean((2, 3)))
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out, self.norm = nn.Linear(width, 3 * width), nn.Linear(width, width), nn.LayerNorm(width)
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, w // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return x + self.out(y.transpose(1, 2).reshape(b, s, w))
+
+
+def _pointwise_chain() -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128), nn.LayerNorm(128))
+                           for _ in range(3)])
+
+
+CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "attention": (_Attention, (4, 128, 64)),
+         "pointwise": (_pointwise_chain, (256, 128))}
+
+
+@pytest.mark.parametrize("case", [pytest.param("convolution"),
+                                  pytest.param("attention", marks=pytest.mark.slow),
+                                  pytest.param("pointwise", marks=pytest.mark.slow)])
+def test_the_compiled_step_is_predicted_before_compiling_and_measured_as_the_cpu_allocator_counts(case):
+    build, shape = CASES[case]
+    torch.manual_seed(0)
+    model = build().train()
+    x = torch.randn(*shape)
+    compiled = sublinear.compile(model, (x,), config=INDUCTOR)
+    profile = compiled.sublinear_profile
+    plan = Plan.of(range(1, profile.num_ops, 3), profile.num_ops)
+    before = simulate(profile, plan).peak_bytes
+    compiled.use(plan)
+
+    def step(m, inputs):  # the step predictions describe: the output is held while backward runs
+        out = m(inputs)
+        default_loss(out).backward()
+
+    step(compiled, x)  # compiles, reads the compiled code back, teaches the profile
+    model.zero_grad(set_to_none=True)
+    measured = measure_cpu_allocator(step, compiled, x).peak_bytes
+    model.zero_grad(set_to_none=True)
+    graph = compiled.sublinear_plan.graphs[0]
+    assert abs(graph.compiled_peak_bytes - measured) <= max(0.005 * measured, 16 * 1024), (measured, graph)
+    assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
+    assert graph.predicted_before_compile_bytes == before
+    assert graph.compiled_peak_bytes <= graph.predicted_peak_bytes <= max(before, graph.compiled_peak_bytes)
+    assert np.all(compiled.sublinear_profile.grad_peak >= profile.grad_peak)  # taught, never lowered
