@@ -26,7 +26,7 @@ def test_miss_then_hit_skips_the_search_and_the_timing_runs(caplog, tmp_path, mo
     first = _compile(config).sublinear_plan
     assert not first.from_cache and first.graphs[0].cost_source == "measured on cpu"
     assert len(list((tmp_path / "c").glob("*.json"))) == 1
-    import sublinear.profiling.graph as profiler
+    import sublinear.profiling.eager_costs as profiler
 
     monkeypatch.setattr(profiler, "measure_node_costs", lambda *a, **k: pytest.fail("timed again"))
     with caplog.at_level(logging.INFO, logger="sublinear"):

@@ -115,7 +115,7 @@ def test_forward_saves_exactly_what_the_plan_keeps(monkeypatch):
     names = list(graph.partitioner.tags)
     read_by_recompute = {s for o in a.recompute_pairs[1] for _, storages in profile.op_inputs[o] for s in storages}
     expected = {s for s in range(len(profile.storage_bytes)) if a.state[s] == StorageState.RETAINED
-                and (profile.saved_reaching[s] or s in read_by_recompute)}
+                and (profile.arrays.saved_reaching[s] or s in read_by_recompute)}
     got = {s for i, name in enumerate(names) if name in saved["names"] for s in profile.node_storages[i] if s >= 0}
     assert expected and got == expected
     assert any(a.state == StorageState.REBUILT)

@@ -6,6 +6,7 @@ against the CPU allocator on small compiled graphs, and a profile taught what th
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -190,3 +191,35 @@ def test_the_compiled_step_is_predicted_before_compiling_and_measured_as_the_cpu
     assert graph.predicted_before_compile_bytes == before
     assert graph.compiled_peak_bytes <= graph.predicted_peak_bytes <= max(before, graph.compiled_peak_bytes)
     assert np.all(compiled.sublinear_profile.grad_peak >= profile.grad_peak)  # taught, never lowered
+
+
+@pytest.mark.slow
+def test_a_budget_sweep_is_met_by_every_compiled_step_with_one_compile_and_more_memory_is_never_slower(caplog):
+    caplog.set_level(logging.INFO, logger="sublinear")
+    x = torch.randn(8, 3, 32, 32)
+
+    def fresh() -> nn.Module:
+        torch.manual_seed(0)
+        return _ConvNet().train()
+
+    def step(m, inputs):
+        default_loss(m(inputs)).backward()
+
+    eager = measure_cpu_allocator(step, fresh(), x).peak_bytes
+    with pytest.raises(sublinear.BudgetError) as lowest:  # planned, not compiled: the lowest peak any plan reaches
+        step(sublinear.apply(fresh(), dataclasses.replace(INDUCTOR, memory_budget=1)), x)
+    points = []
+    for fraction in (0.05, 0.5, 0.95):
+        budget = int(lowest.value.smallest + fraction * (eager - lowest.value.smallest))
+        model = fresh()
+        run = sublinear.apply(model, dataclasses.replace(INDUCTOR, memory_budget=budget))
+        step(run, x)
+        model.zero_grad(set_to_none=True)
+        measured = measure_cpu_allocator(step, run, x).peak_bytes
+        graph = model.sublinear_plan.graphs[0]
+        assert measured <= budget, (fraction, budget, measured, graph)
+        assert graph.predicted_before_compile_bytes <= budget
+        points.append(graph.time_ratio)
+        torch._dynamo.reset()
+    assert points == sorted(points, reverse=True), points
+    assert "planning again" not in caplog.text  # one search and one compile per budget

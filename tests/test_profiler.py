@@ -7,7 +7,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import sublinear
 from sublinear.capture.dynamo import capture
 from sublinear.models import get_model
-from sublinear.profiling.graph import ProfileError, profile
+from sublinear.profiling.eager_trace import ProfileError
+from sublinear.profiling.graph import profile
 from sublinear.training import training_step
 
 from conftest import ResidualNet, profile_of

@@ -2,6 +2,10 @@
 
 - :mod:`.dynamo`: TorchDynamo as a ``torch.compile`` backend keeps Python's semantics (guards, side effects,
   ``autograd.Function``, graph breaks); each graph it hands over becomes a ``CapturedGraph``.
-- :mod:`.shapes`: a dynamic graph's symbolic sizes (:class:`~sublinear.capture.shapes.SymbolicSizes`): one shape
+- :mod:`.checkpoints`: ``torch.utils.checkpoint`` regions TorchDynamo hands over, inlined so that the plan decides
+  what is recomputed.
+- :mod:`.joint`: the joint forward+backward graph AOTAutograd traces from a captured graph, which the compiled
+  front end profiles and the compiled executor partitions.
+- :mod:`.shapes`: a dynamic graph's symbolic sizes (:func:`~sublinear.capture.shapes.symbolic_sizes`): one shape
   family, planned once for a bound and served below it.
 """

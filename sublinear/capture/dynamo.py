@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import operator
 import re
 import traceback
 import types
@@ -37,7 +36,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                           FakeTensorMode)
 from torch.utils._pytree import tree_leaves, tree_map
 
-from sublinear.capture.shapes import SymbolicSizes
+from sublinear.capture.checkpoints import inline_checkpoints
+from sublinear.capture.shapes import SymbolicSizes, symbolic_sizes
 from sublinear.tensors import stand_in_for_grad
 
 __all__ = ["DISPATCH", "Capture", "CaptureError", "CapturedGraph", "FakeTwin", "GraphBreak", "GraphOutputs",
@@ -113,7 +113,7 @@ class CapturedGraph:
     @staticmethod
     def from_dynamo(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CapturedGraph:
         """The graph a Dynamo backend received (without holding on to the example inputs), with the user's
-        ``torch.utils.checkpoint`` regions inlined (:func:`inline_checkpoints`)."""
+        ``torch.utils.checkpoint`` regions inlined (:func:`~sublinear.capture.checkpoints.inline_checkpoints`)."""
         inline_checkpoints(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         kinds, sources = [], []
@@ -130,7 +130,7 @@ class CapturedGraph:
                 kinds.append(BUFFER)
             else:
                 kinds.append(INPUT)
-        return CapturedGraph(gm, tuple(kinds), tuple(sources), sizes=SymbolicSizes.of(gm))
+        return CapturedGraph(gm, tuple(kinds), tuple(sources), sizes=symbolic_sizes(gm))
 
     @functools.cached_property
     def code(self) -> str:
@@ -150,51 +150,6 @@ class CapturedGraph:
     def describe(self) -> str:
         counts = {k: self.kinds.count(k) for k in (PARAMETER, BUFFER, INPUT, SYMBOL) if k in self.kinds}
         return f"{self.num_operators} operators, inputs " + ", ".join(f"{v} {k}s" for k, v in counts.items())
-
-
-def inline_checkpoints(gm: fx.GraphModule) -> None:
-    """Replace, in place, each ``torch.utils.checkpoint`` region TorchDynamo captured (a
-    ``tag_activation_checkpoint`` node calling a subgraph) by the subgraph's own nodes.
-
-    The plan then decides what is recomputed there, as everywhere else, and recomputes it with the forward's random
-    numbers. Run as the region itself, the region draws new random numbers when it recomputes (TorchDynamo's
-    region leaves the random state to inductor, and an eager run of it does not restore it), so a dropout in it
-    would get another mask in backward: wrong gradients. A region whose result is used other than by position is
-    left as it is (it then runs under inductor only correctly)."""
-    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-    changed = False
-    for node in list(gm.graph.nodes):
-        if hop is None or node.op != "call_function" or node.target is not hop:
-            continue
-        body = getattr(gm, node.args[0].target)
-        if not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
-            continue
-        inline_checkpoints(body)
-        values: dict[fx.Node, Any] = dict(zip([n for n in body.graph.nodes if n.op == "placeholder"], node.args[1:]))
-        with gm.graph.inserting_before(node):
-            for inner in body.graph.nodes:
-                if inner.op == "placeholder":
-                    continue
-                if inner.op == "output":
-                    results = fx.node.map_arg(inner.args[0], lambda n: values[n])
-                    break
-                if inner.op == "get_attr":
-                    name = f"{node.args[0].target}_{inner.target}"
-                    setattr(gm, name, getattr(body, inner.target))
-                    values[inner] = gm.graph.get_attr(name)
-                    continue
-                values[inner] = gm.graph.node_copy(inner, lambda n: values[n])
-        for user in list(node.users):
-            user.replace_all_uses_with(results[user.args[1]] if isinstance(results, (tuple, list)) else results)
-            gm.graph.erase_node(user)
-        region = node.args[0]
-        gm.graph.erase_node(node)
-        if not region.users:
-            gm.graph.erase_node(region)
-        changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
 
 
 def module_path(node: fx.Node) -> str:

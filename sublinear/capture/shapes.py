@@ -25,7 +25,8 @@ from torch import fx
 
 from sublinear.tensors import stand_in_for_grad
 
-__all__ = ["Binding", "SymbolicSizes", "argument_dims", "bucket", "covers", "describe_binding", "guards_hold", "join"]
+__all__ = ["Binding", "SymbolicSizes", "argument_dims", "bucket", "covers", "describe_binding", "guards_hold", "join",
+           "symbolic_sizes"]
 
 Binding = dict[str, int]  # symbol name -> value
 
@@ -66,7 +67,8 @@ class _SymbolicTensor:
 
 @dataclass(frozen=True)
 class SymbolicSizes:
-    """The symbolic sizes of a dynamic graph's inputs, read off the placeholders TorchDynamo made.
+    """The symbolic sizes of a dynamic graph's inputs, read off the placeholders TorchDynamo made
+    (:func:`symbolic_sizes`).
 
     Symbols are renamed ``s0``, ``s1``, ... in the order the graph's inputs first use them (TorchDynamo numbers them
     per process), so every capture of a forward names them alike. ``inputs[i]`` is None for a placeholder with no
@@ -82,56 +84,6 @@ class SymbolicSizes:
     sources: Mapping[str, tuple[str, ...]]
     renamed: Mapping[str, str]
     scalars: frozenset[str] = frozenset()
-
-    @staticmethod
-    def of(gm: fx.GraphModule) -> SymbolicSizes | None:
-        """The graph's symbolic sizes; None for a graph whose every size is static, or whose symbols cannot all be
-        read from its inputs' values (it is then planned per exact shape)."""
-        placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-        values = [node.meta.get("example_value", node.meta.get("val")) for node in placeholders]
-        renamed: dict[sympy.Symbol, sympy.Symbol] = {}
-        sources: dict[str, tuple[str, ...]] = {}
-
-        def canonical(expr: Any) -> Any:
-            if isinstance(expr, int):
-                return expr
-            for symbol in sorted(expr.free_symbols, key=lambda sym: sym.name):
-                if symbol not in renamed:
-                    renamed[symbol] = sympy.Symbol(f"s{len(renamed)}", integer=True, positive=True)
-            return expr.xreplace(renamed)
-
-        inputs: list[str | _SymbolicTensor | None] = []
-        readable: set[str] = set()
-        arithmetic_only: set[str] = set()
-        sizing: set[str] = set()
-        for node, value in zip(placeholders, values):
-            if isinstance(value, torch.SymInt):
-                expr = value.node.expr
-                if not isinstance(expr, sympy.Symbol):
-                    return None
-                name = canonical(expr).name
-                inputs.append(name)
-                readable.add(name)
-                if _arithmetic_only(node):
-                    arithmetic_only.add(name)
-                known = value.node.shape_env.var_to_sources.get(expr, ())
-                sources[name] = tuple(dict.fromkeys(source.name for source in known))
-            elif isinstance(value, torch.Tensor) and _symbolic(value):
-                sizes = tuple(canonical(_expr(s)) for s in value.shape)
-                strides = tuple(canonical(_expr(s)) for s in value.stride())
-                if not all(_rebuildable(e) for e in (*sizes, *strides)):
-                    return None
-                readable.update(e.name for e in sizes if isinstance(e, sympy.Symbol))
-                sizing.update(sym.name for e in (*sizes, *strides) if not isinstance(e, int) for sym in e.free_symbols)
-                inputs.append(_SymbolicTensor(sizes, strides, value.dtype, value.device, value.requires_grad,
-                                              isinstance(value, torch.nn.Parameter)))
-            else:
-                inputs.append(None)
-        symbols = tuple(symbol.name for symbol in renamed.values())
-        if not symbols or not set(symbols) <= readable:
-            return None
-        return SymbolicSizes(tuple(inputs), symbols, sources, {old.name: new.name for old, new in renamed.items()},
-                             frozenset(arithmetic_only - sizing))
 
     def rename(self, code: str) -> str:
         """``code`` (the graph's Python code) with TorchDynamo's symbol names replaced by these."""
@@ -230,6 +182,56 @@ class SymbolicSizes:
                 out.append(torch.nn.Parameter(t, requires_grad) if parameter
                            else stand_in_for_grad(t, requires_grad, value.is_leaf))
         return out, renamed
+
+
+def symbolic_sizes(gm: fx.GraphModule) -> SymbolicSizes | None:
+    """The graph's symbolic sizes; None for a graph whose every size is static, or whose symbols cannot all be
+    read from its inputs' values (it is then planned per exact shape)."""
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    values = [node.meta.get("example_value", node.meta.get("val")) for node in placeholders]
+    renamed: dict[sympy.Symbol, sympy.Symbol] = {}
+    sources: dict[str, tuple[str, ...]] = {}
+
+    def canonical(expr: Any) -> Any:
+        if isinstance(expr, int):
+            return expr
+        for symbol in sorted(expr.free_symbols, key=lambda sym: sym.name):
+            if symbol not in renamed:
+                renamed[symbol] = sympy.Symbol(f"s{len(renamed)}", integer=True, positive=True)
+        return expr.xreplace(renamed)
+
+    inputs: list[str | _SymbolicTensor | None] = []
+    readable: set[str] = set()
+    arithmetic_only: set[str] = set()
+    sizing: set[str] = set()
+    for node, value in zip(placeholders, values):
+        if isinstance(value, torch.SymInt):
+            expr = value.node.expr
+            if not isinstance(expr, sympy.Symbol):
+                return None
+            name = canonical(expr).name
+            inputs.append(name)
+            readable.add(name)
+            if _arithmetic_only(node):
+                arithmetic_only.add(name)
+            known = value.node.shape_env.var_to_sources.get(expr, ())
+            sources[name] = tuple(dict.fromkeys(source.name for source in known))
+        elif isinstance(value, torch.Tensor) and _symbolic(value):
+            sizes = tuple(canonical(_expr(s)) for s in value.shape)
+            strides = tuple(canonical(_expr(s)) for s in value.stride())
+            if not all(_rebuildable(e) for e in (*sizes, *strides)):
+                return None
+            readable.update(e.name for e in sizes if isinstance(e, sympy.Symbol))
+            sizing.update(sym.name for e in (*sizes, *strides) if not isinstance(e, int) for sym in e.free_symbols)
+            inputs.append(_SymbolicTensor(sizes, strides, value.dtype, value.device, value.requires_grad,
+                                          isinstance(value, torch.nn.Parameter)))
+        else:
+            inputs.append(None)
+    symbols = tuple(symbol.name for symbol in renamed.values())
+    if not symbols or not set(symbols) <= readable:
+        return None
+    return SymbolicSizes(tuple(inputs), symbols, sources, {old.name: new.name for old, new in renamed.items()},
+                         frozenset(arithmetic_only - sizing))
 
 
 _ARGUMENT_SIZE = re.compile(r"^L\[(?:'args'\]\[(\d+)|'kwargs'\]\['(\w+)'|'(\w+)')\]\.size\(\)\[(\d+)\]$")

@@ -98,14 +98,14 @@ class PlanAnalysis:
             return self.trigger[blocks]
         p = self.profile
         need = np.full(p.num_ops, -1, dtype=np.int64)
-        saved, ranks = p.saved_pairs
+        saved, ranks = p.arrays.saved_pairs
         rebuilt = self.dropped[saved] & p.reaches_output[p.node_op[ranks]]
         np.maximum.at(need, p.storage_producer[saved[rebuilt]], ranks[rebuilt])
         rerun = np.zeros(p.num_ops, dtype=bool)
         rerun[ops] = True
         retained = self.retained.tolist()
         for c in sorted(set(ops.tolist()), reverse=True):  # consumers come after their producers
-            for producer, storage in p.inputs_by_reader[c]:
+            for producer, storage in p.arrays.inputs_by_reader[c]:
                 if rerun[producer] and not retained[storage]:
                     need[producer] = max(need[producer], need[c])
         return need[ops]
@@ -149,15 +149,15 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
         retained = (~recomputed[producer]) | (reader_group > producer_group)
     else:
         retained = np.zeros(0, dtype=bool)
-    outputs_of, storages_out = profile.op_storage_pairs
+    outputs_of, storages_out = profile.arrays.op_storage_pairs
     retained[storages_out[~recomputed[outputs_of]]] = True  # a kept op's values stay, and so do the storages they view
-    dropped = profile.saved_reaching & ~retained
+    dropped = profile.arrays.saved_reaching & ~retained
     state = np.full(len(producer), StorageState.TRANSIENT, dtype=np.int8)
     state[retained] = StorageState.RETAINED
     state[dropped] = StorageState.REBUILT
 
     # Each block that saves a dropped storage (from a node that reaches the outputs) rebuilds its own copy.
-    saved, ranks = profile.saved_pairs
+    saved, ranks = profile.arrays.saved_pairs
     savers = profile.node_op[ranks]
     rebuilds = dropped[saved] & profile.reaches_output[savers]
     seed_blocks, seed_ranks = block_of[savers[rebuilds]], ranks[rebuilds]
@@ -175,7 +175,7 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
     for b, j in zip(seed_blocks.tolist(), producer[saved[rebuilds]].tolist()):
         closure_sets[b].add(j)
     kept = retained.tolist()
-    inputs = profile.inputs_by_reader
+    inputs = profile.arrays.inputs_by_reader
     closure = []
     for members in closure_sets:
         stack = list(members)

@@ -16,7 +16,8 @@ import numpy as np
 
 from sublinear.core.units import format_bytes
 
-__all__ = ["AutocastState", "GraphProfile", "NodeFacts", "OpProfile", "ShardedParameters", "StepContext"]
+__all__ = ["AutocastState", "GraphProfile", "NodeFacts", "OpProfile", "ProfileArrays", "ShardedParameters",
+           "StepContext", "costs_of", "with_costs"]
 
 AutocastState = tuple[tuple[str, bool, str], ...]  # per device type: (device, enabled, dtype name)
 
@@ -189,6 +190,11 @@ class GraphProfile:
         return len(self.ops)
 
     @functools.cached_property
+    def arrays(self) -> ProfileArrays:
+        """The profile's lists as flat index arrays (:class:`ProfileArrays`)."""
+        return ProfileArrays(self)
+
+    @functools.cached_property
     def output_bytes(self) -> np.ndarray:
         """Per op: bytes of the storages it produces."""
         produced = np.zeros(self.num_ops, dtype=np.int64)
@@ -211,52 +217,6 @@ class GraphProfile:
         return np.array([op.forward_seconds for op in self.ops], dtype=float) / np.maximum(1, self.output_bytes)
 
     @functools.cached_property
-    def saved_pairs(self) -> tuple[np.ndarray, np.ndarray]:
-        """(storage, rank) for every operator node that saves a storage: ``storage_saved_at`` as two arrays."""
-        pairs = [(s, r) for s, ranks in enumerate(self.storage_saved_at) for r in ranks]
-        return _columns(pairs)
-
-    @functools.cached_property
-    def input_triples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(storage, reader op, producer op) for every storage of every value an op reads from another op:
-        ``op_inputs`` as three arrays, ordered by reader."""
-        return _columns([(s, o, p) for o, inputs in enumerate(self.op_inputs) for p, storages in inputs
-                         for s in storages], width=3)
-
-    @functools.cached_property
-    def read_pairs(self) -> tuple[np.ndarray, np.ndarray]:
-        """(storage, op) for every value an op reads from another op: ``op_inputs`` as two arrays."""
-        storages, readers, _ = self.input_triples
-        return storages, readers
-
-    @functools.cached_property
-    def input_bounds(self) -> np.ndarray:
-        """Per op ``o``: its entries of :attr:`input_triples` are ``input_bounds[o]:input_bounds[o + 1]``."""
-        return np.searchsorted(self.input_triples[1], np.arange(self.num_ops + 1))
-
-    @functools.cached_property
-    def inputs_by_reader(self) -> list[list[tuple[int, int]]]:
-        """Per op: ``(producer op, storage)`` for every storage of every value it reads from another op."""
-        return [[(p, s) for p, storages in inputs for s in storages] for inputs in self.op_inputs]
-
-    @functools.cached_property
-    def produced_order(self) -> tuple[np.ndarray, np.ndarray]:
-        """(storages sorted by producer, bounds): op ``o`` produces ``order[bounds[o]:bounds[o + 1]]``."""
-        order = np.argsort(self.storage_producer, kind="stable")
-        return order, np.searchsorted(self.storage_producer[order], np.arange(self.num_ops + 1))
-
-    @functools.cached_property
-    def op_storage_pairs(self) -> tuple[np.ndarray, np.ndarray]:
-        """(op, storage) for every storage of every value an op outputs: ``op_storages`` as two arrays."""
-        return _columns([(o, s) for o, storages in enumerate(self.op_storages) for s in storages])
-
-    @functools.cached_property
-    def saved_reaching(self) -> np.ndarray:
-        """Per storage: an op whose values reach the outputs saves it for backward."""
-        reaches = self.reaches_output
-        return np.array([any(reaches[o] for o in savers) for savers in self.storage_saved_by], dtype=bool)
-
-    @functools.cached_property
     def pinned_ops(self) -> np.ndarray:
         return np.array([op.index for op in self.ops if op.pinned], dtype=np.int64)
 
@@ -269,23 +229,6 @@ class GraphProfile:
     def snapshots(self) -> tuple[np.ndarray, np.ndarray]:
         """(op, bytes) for every op that snapshots state it writes."""
         return _columns([(op.index, op.snapshot_bytes) for op in self.ops if op.snapshot_bytes])
-
-    @functools.cached_property
-    def op_release(self) -> np.ndarray:
-        """Per op: the last forward op whose run an autograd node of it may see if its values never reach the
-        outputs (``num_ops``: the end of the step). A node lives while any tensor downstream of it does, so the
-        release of an op is the latest of its own values' last use and the release of every op that reads them."""
-        n = self.num_ops
-        release = np.arange(n, dtype=np.int64)
-        np.maximum.at(release, self.storage_producer, np.minimum(self.storage_last_use, n))
-        consumers: list[list[int]] = [[] for _ in range(n)]
-        for c, inputs in enumerate(self.op_inputs):
-            for p, _ in inputs:
-                consumers[p].append(c)
-        for o in range(n - 1, -1, -1):
-            for c in consumers[o]:
-                release[o] = max(release[o], release[c])
-        return release
 
     @property
     def output_gradient_bytes(self) -> int:
@@ -320,28 +263,6 @@ class GraphProfile:
         """Predicted time of one eager training step (forward and backward)."""
         return self.forward_seconds + float(np.sum(self.backward_seconds))
 
-    def costs(self) -> dict:
-        """The device-dependent part of the profile, as JSON-ready lists (for the plan cache): op times, the bytes
-        an op's forward and a rank's backward hold beside the storages (measured scratch, a compile check's
-        lessons)."""
-        return {"cost_source": self.cost_source,
-                "forward_seconds": [op.forward_seconds for op in self.ops],
-                "forward_extra_bytes": [op.forward_extra_bytes for op in self.ops],
-                "backward_seconds": [float(v) for v in self.backward_seconds],
-                "grad_peak": [int(v) for v in self.grad_peak],
-                "grad_after_release": [int(v) for v in self.grad_after_release]}
-
-    def with_costs(self, costs: dict) -> GraphProfile:
-        """This profile with the costs of :meth:`costs` (taken earlier for the same graph and signature)."""
-        if len(costs["forward_seconds"]) != self.num_ops or len(costs["grad_peak"]) != len(self.grad_peak):
-            raise ValueError("costs belong to another graph")
-        ops = [replace(op, forward_seconds=float(t), forward_extra_bytes=int(b))
-               for op, t, b in zip(self.ops, costs["forward_seconds"], costs["forward_extra_bytes"])]
-        return replace(self, ops=ops, backward_seconds=np.asarray(costs["backward_seconds"], dtype=float),
-                       grad_peak=np.asarray(costs["grad_peak"], dtype=np.int64),
-                       grad_after_release=np.asarray(costs["grad_after_release"], dtype=np.int64),
-                       cost_source=costs["cost_source"])
-
     def summary(self, top: int = 5) -> str:
         order = np.argsort(-self.storage_bytes)[:top]
         lines = [f"{self.num_ops} ops, forward {self.forward_flops / 1e9:.2f} GFLOP, eager step peak "
@@ -353,3 +274,100 @@ class GraphProfile:
             op = self.ops[self.storage_producer[s]]
             lines.append(f"  {format_bytes(self.storage_bytes[s]):>10s}  from {op.name}")
         return "\n".join(lines)
+
+
+class ProfileArrays:
+    """A profile's per-storage and per-op lists as flat index arrays, and the ops' release slots; built once per
+    profile (:attr:`GraphProfile.arrays`) for the simulator and the plan analysis."""
+
+    def __init__(self, profile: GraphProfile) -> None:
+        self.profile = profile
+
+    @functools.cached_property
+    def saved_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(storage, rank) for every operator node that saves a storage: ``storage_saved_at`` as two arrays."""
+        pairs = [(s, r) for s, ranks in enumerate(self.profile.storage_saved_at) for r in ranks]
+        return _columns(pairs)
+
+    @functools.cached_property
+    def input_triples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(storage, reader op, producer op) for every storage of every value an op reads from another op:
+        ``op_inputs`` as three arrays, ordered by reader."""
+        return _columns([(s, o, p) for o, inputs in enumerate(self.profile.op_inputs) for p, storages in inputs
+                         for s in storages], width=3)
+
+    @functools.cached_property
+    def read_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(storage, op) for every value an op reads from another op: ``op_inputs`` as two arrays."""
+        storages, readers, _ = self.input_triples
+        return storages, readers
+
+    @functools.cached_property
+    def input_bounds(self) -> np.ndarray:
+        """Per op ``o``: its entries of :attr:`input_triples` are ``input_bounds[o]:input_bounds[o + 1]``."""
+        return np.searchsorted(self.input_triples[1], np.arange(self.profile.num_ops + 1))
+
+    @functools.cached_property
+    def inputs_by_reader(self) -> list[list[tuple[int, int]]]:
+        """Per op: ``(producer op, storage)`` for every storage of every value it reads from another op."""
+        return [[(p, s) for p, storages in inputs for s in storages] for inputs in self.profile.op_inputs]
+
+    @functools.cached_property
+    def produced_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """(storages sorted by producer, bounds): op ``o`` produces ``order[bounds[o]:bounds[o + 1]]``."""
+        producer = self.profile.storage_producer
+        order = np.argsort(producer, kind="stable")
+        return order, np.searchsorted(producer[order], np.arange(self.profile.num_ops + 1))
+
+    @functools.cached_property
+    def op_storage_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(op, storage) for every storage of every value an op outputs: ``op_storages`` as two arrays."""
+        return _columns([(o, s) for o, storages in enumerate(self.profile.op_storages) for s in storages])
+
+    @functools.cached_property
+    def saved_reaching(self) -> np.ndarray:
+        """Per storage: an op whose values reach the outputs saves it for backward."""
+        reaches = self.profile.reaches_output
+        return np.array([any(reaches[o] for o in savers) for savers in self.profile.storage_saved_by], dtype=bool)
+
+    @functools.cached_property
+    def op_release(self) -> np.ndarray:
+        """Per op: the last forward op whose run an autograd node of it may see if its values never reach the
+        outputs (``num_ops``: the end of the step). A node lives while any tensor downstream of it does, so the
+        release of an op is the latest of its own values' last use and the release of every op that reads them."""
+        profile = self.profile
+        n = profile.num_ops
+        release = np.arange(n, dtype=np.int64)
+        np.maximum.at(release, profile.storage_producer, np.minimum(profile.storage_last_use, n))
+        consumers: list[list[int]] = [[] for _ in range(n)]
+        for c, inputs in enumerate(profile.op_inputs):
+            for p, _ in inputs:
+                consumers[p].append(c)
+        for o in range(n - 1, -1, -1):
+            for c in consumers[o]:
+                release[o] = max(release[o], release[c])
+        return release
+
+
+def costs_of(profile: GraphProfile) -> dict:
+    """The device-dependent part of ``profile``, as JSON-ready lists (for the plan cache): op times, the bytes
+    an op's forward and a rank's backward hold beside the storages (measured scratch, a compile check's
+    lessons)."""
+    return {"cost_source": profile.cost_source,
+            "forward_seconds": [op.forward_seconds for op in profile.ops],
+            "forward_extra_bytes": [op.forward_extra_bytes for op in profile.ops],
+            "backward_seconds": [float(v) for v in profile.backward_seconds],
+            "grad_peak": [int(v) for v in profile.grad_peak],
+            "grad_after_release": [int(v) for v in profile.grad_after_release]}
+
+
+def with_costs(profile: GraphProfile, costs: dict) -> GraphProfile:
+    """``profile`` with the costs of :func:`costs_of` (taken earlier for the same graph and signature)."""
+    if len(costs["forward_seconds"]) != profile.num_ops or len(costs["grad_peak"]) != len(profile.grad_peak):
+        raise ValueError("costs belong to another graph")
+    ops = [replace(op, forward_seconds=float(t), forward_extra_bytes=int(b))
+           for op, t, b in zip(profile.ops, costs["forward_seconds"], costs["forward_extra_bytes"])]
+    return replace(profile, ops=ops, backward_seconds=np.asarray(costs["backward_seconds"], dtype=float),
+                   grad_peak=np.asarray(costs["grad_peak"], dtype=np.int64),
+                   grad_after_release=np.asarray(costs["grad_after_release"], dtype=np.int64),
+                   cost_source=costs["cost_source"])

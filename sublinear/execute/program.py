@@ -36,18 +36,8 @@ class NodeProgram:
         self.operators = [i for i, n in enumerate(self.nodes) if n.op in OPERATOR_KINDS]
         self.inputs: list[list[int]] = [[self.index[a] for a in n.all_input_nodes] for n in self.nodes]
         self.users: list[list[int]] = [sorted(self.index[u] for u in n.users) for n in self.nodes]
-        last_use: dict[int, int] = {}
-        for i, ins in enumerate(self.inputs):
-            for j in ins:
-                last_use[j] = i
-        self.frees_after: list[list[int]] = [[] for _ in self.nodes]
-        for j, i in last_use.items():
-            if i != self.output:
-                self.frees_after[i].append(j)
-        for i, node in enumerate(self.nodes):
-            if not node.users and node.op not in ("placeholder", "output"):
-                self.frees_after[i].append(i)  # dead values go at once, as in fx's generated code
-        self._steps = [self._compile(n) for n in self.nodes]
+        self.frees_after = _frees_after(self.nodes, self.inputs, self.output)
+        self._steps = [_step(n, self.index, graph_module) for n in self.nodes]
         self.namespace: dict[str, Any] = {}  # objects that generated code names (see expression)
         self._names: dict[int, str] = {}
 
@@ -83,9 +73,9 @@ class NodeProgram:
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.op == "call_module":
-            return getattr(*self._resolve(node.target))(*args, **kwargs)
+            return getattr(*_resolve(self.graph_module, node.target))(*args, **kwargs)
         if node.op == "get_attr":
-            return getattr(*self._resolve(node.target))
+            return getattr(*_resolve(self.graph_module, node.target))
         return node.target(*args, **kwargs)
 
     def run(self, placeholder_values: list[Any],
@@ -121,13 +111,14 @@ class NodeProgram:
         if node.op == "output":
             return self._source(node.args[0])
         if node.op == "get_attr":
-            return f"getattr({self.bind(self._resolve(node.target)[0])}, {node.target.rsplit('.', 1)[-1]!r})"
+            owner = self.bind(_resolve(self.graph_module, node.target)[0])
+            return f"getattr({owner}, {node.target.rsplit('.', 1)[-1]!r})"
         args = [self._source(a) for a in node.args]
         kwargs = [f"{k}={self._source(v)}" if k.isidentifier() else f"**{{{k!r}: {self._source(v)}}}"
                   for k, v in node.kwargs.items()]
         if node.op == "call_method":
             return f"{args[0]}.{node.target}({', '.join(args[1:] + kwargs)})"
-        fn = getattr(*self._resolve(node.target)) if node.op == "call_module" else node.target
+        fn = getattr(*_resolve(self.graph_module, node.target)) if node.op == "call_module" else node.target
         return f"{self.bind(fn)}({', '.join(args + kwargs)})"
 
     def source(self, name: str, node_lines: Callable[[int], list[str]] | None = None, first: str = "") -> str:
@@ -174,46 +165,64 @@ class NodeProgram:
             self.namespace[name] = obj
         return name
 
-    # -- compilation -------------------------------------------------------------------------------------------
 
-    def _resolve(self, target: str) -> tuple[Any, str]:
-        """(owner object, attribute name) for a dotted target of the graph module."""
-        *path, name = target.split(".")
-        owner = self.graph_module
-        for part in path:
-            owner = getattr(owner, part)
-        if not hasattr(owner, name):
-            raise AttributeError(f"graph target {target!r} not found on the graph module")
-        return owner, name
+def _frees_after(nodes: list[Node], inputs: list[list[int]], output: int) -> list[list[int]]:
+    """The values dropped right after each node runs: a value after its last reader (the output node's inputs are
+    returned, never dropped), and a value nothing reads at once, as in fx's generated code."""
+    last_use: dict[int, int] = {}
+    for i, ins in enumerate(inputs):
+        for j in ins:
+            last_use[j] = i
+    frees_after: list[list[int]] = [[] for _ in nodes]
+    for j, i in last_use.items():
+        if i != output:
+            frees_after[i].append(j)
+    for i, node in enumerate(nodes):
+        if not node.users and node.op not in ("placeholder", "output"):
+            frees_after[i].append(i)
+    return frees_after
 
-    def _compile(self, node: Node) -> Callable[[list[Any]], Any]:
-        fetch = self._fetcher(node.args)
-        fetch_kwargs = self._fetcher(node.kwargs) if node.kwargs else None
-        if node.op == "placeholder":
-            return lambda env, i=self.index[node]: env[i]
-        if node.op == "output":
-            return lambda env: fetch(env)[0]
-        if node.op == "get_attr":
-            owner, name = self._resolve(node.target)
-            return lambda env: getattr(owner, name)
-        if node.op == "call_module":
-            owner, name = self._resolve(node.target)
-            module = getattr(owner, name)
-            fn: Callable[..., Any] = module
-        elif node.op == "call_method":
-            fn = _method_caller(node.target)
-        else:
-            fn = node.target
-        if fetch_kwargs is None:
-            return lambda env: fn(*fetch(env))
-        return lambda env: fn(*fetch(env), **fetch_kwargs(env))
 
-    def _fetcher(self, template: Any) -> Callable[[list[Any]], Any]:
-        index = self.index
-        if isinstance(template, tuple) and all(not isinstance(a, (tuple, list, dict, slice)) for a in template):
-            refs = tuple((isinstance(a, Node), index[a] if isinstance(a, Node) else a) for a in template)
-            return lambda env: tuple(env[v] if is_ref else v for is_ref, v in refs)
-        return lambda env: map_arg(template, lambda n: env[index[n]])
+def _resolve(graph_module: fx.GraphModule, target: str) -> tuple[Any, str]:
+    """(owner object, attribute name) for a dotted target of the graph module."""
+    *path, name = target.split(".")
+    owner = graph_module
+    for part in path:
+        owner = getattr(owner, part)
+    if not hasattr(owner, name):
+        raise AttributeError(f"graph target {target!r} not found on the graph module")
+    return owner, name
+
+
+def _step(node: Node, index: dict[Node, int], graph_module: fx.GraphModule) -> Callable[[list[Any]], Any]:
+    """``node`` as a function of the value list (node j's value at position j)."""
+    fetch = _fetcher(node.args, index)
+    fetch_kwargs = _fetcher(node.kwargs, index) if node.kwargs else None
+    if node.op == "placeholder":
+        return lambda env, i=index[node]: env[i]
+    if node.op == "output":
+        return lambda env: fetch(env)[0]
+    if node.op == "get_attr":
+        owner, name = _resolve(graph_module, node.target)
+        return lambda env: getattr(owner, name)
+    if node.op == "call_module":
+        owner, name = _resolve(graph_module, node.target)
+        module = getattr(owner, name)
+        fn: Callable[..., Any] = module
+    elif node.op == "call_method":
+        fn = _method_caller(node.target)
+    else:
+        fn = node.target
+    if fetch_kwargs is None:
+        return lambda env: fn(*fetch(env))
+    return lambda env: fn(*fetch(env), **fetch_kwargs(env))
+
+
+def _fetcher(template: Any, index: dict[Node, int]) -> Callable[[list[Any]], Any]:
+    if isinstance(template, tuple) and all(not isinstance(a, (tuple, list, dict, slice)) for a in template):
+        refs = tuple((isinstance(a, Node), index[a] if isinstance(a, Node) else a) for a in template)
+        return lambda env: tuple(env[v] if is_ref else v for is_ref, v in refs)
+    return lambda env: map_arg(template, lambda n: env[index[n]])
 
 
 def _method_caller(name: str) -> Callable[..., Any]:

@@ -3,9 +3,11 @@ profiling stage with two front ends, each producing a :class:`~sublinear.profili
 :func:`~sublinear.profiling.record.assemble` turns into the profile:
 
 - :mod:`.graph`: the eager front end, :func:`~sublinear.profiling.graph.profile` runs the step once (fake, meta or
-  real tensors) with every storage tracked (views and in-place ops alias, :mod:`.tracking`);
+  real tensors) with every storage tracked (views and in-place ops alias, :mod:`.tracking`); the run is traced in
+  :mod:`.eager_trace` and its costs read off the trace in :mod:`.eager_costs`;
 - :mod:`.compiled`: the compiled front end, :func:`~sublinear.profiling.compiled.profile_joint` reads the joint
-  forward and backward graph inductor compiles.
+  forward and backward graph inductor compiles: its ops, storages and reads (:mod:`.compiled_dataflow`), its costs
+  (:mod:`.compiled_costs`) and what inductor makes of each node (:mod:`.compiled_nodes`).
 
 Costs: op times measured on the device or estimated from FLOPs and bytes moved (:mod:`.costs`); library kernels'
 scratch space measured on the device whatever times the ops (:mod:`.kernels`).

@@ -5,8 +5,9 @@
 - :mod:`.graph`: what TorchDynamo calls in place of one captured graph (its variants by call signature).
 - :mod:`.calls`: the training calls the session saw: each graph's step context and what the call did with its
   outputs.
-- :mod:`.pipeline`: profile → plan → executor per graph and signature, the caches, and the compile check that
-  teaches a profile what inductor's code held.
+- :mod:`.pipeline`: profile → plan → executor per graph and signature, and the caches of each stage.
+- :mod:`.compile_check`: a planned graph's first compile read back: the profile taught what inductor's code held,
+  and a plan above its budget searched again on it.
 - :mod:`.variant`: a graph planned for one call signature.
 - :mod:`.step`: a training call's graph runs and what they tell each graph (step contexts, output uses).
 - :mod:`.modules`: a module's forward run through the backend (:func:`compile_module`), and planning ahead on a

@@ -50,7 +50,7 @@ class SublinearBackend:
         self.breaks: list[GraphBreak] = []
         self.calls = CallTracker()
         self.progress = PlanningProgress("the model")
-        self.pipeline = PlanPipeline(config, self.sharding, self.progress)
+        self.pipeline = PlanPipeline(config, self.progress)
         self.positional_names: tuple[str, ...] = ()  # the compiled forward's positional parameters (max_sizes)
         self.on_plan: Callable[[SublinearPlan | None], None] | None = None  # told what each finished call ran
         self.uncapturable: dict[InputSignature, str] = {}  # call signatures TorchDynamo cannot capture -> why

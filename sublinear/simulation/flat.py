@@ -246,7 +246,7 @@ class _Start:
         self.snapshots = np.cumsum(by_end(m.snapshot[joins], entry[joins]))
         self.trigger = np.maximum.accumulate(by_end(m.max_saver[dropping], drop_at, np.maximum, -1))
         self.frame_end = np.minimum.accumulate(by_end(m.min_saver[dropping], drop_at, np.minimum, NEVER))
-        self.forward_max = np.maximum.accumulate(self._forward(last=False))
+        self.forward_max = np.maximum.accumulate(self.forward_bytes(last=False))
         # At the trigger's backward every dropped copy is live beside the gradient side; the least of that over
         # this and longer blocks is a lower bound non-decreasing in j.
         at_trigger = np.cumsum(by_end(size[dropping], drop_at)) + m.backward_offset + m.end_bytes + \
@@ -260,7 +260,7 @@ class _Start:
         released = carried & ~m.always_kept & (last_use < n)
         self.carried = np.cumsum(by_end(size[carried], producer[carried])) - \
             np.cumsum(by_end(size[released], last_use[released])) + self.snapshots
-        self.framed = self._framed()
+        self.framed = _framed(m, i, entry)
         s, a, b = self.framed
         unsaved = ~m.saved[s]
         early = np.flatnonzero(self.earlier_frame & ~m.saved & ~m.to_end)
@@ -284,11 +284,11 @@ class _Start:
                      size[np.concatenate([kept_own, incoming])])
         dropped = np.flatnonzero(dropping)
         self.dropped = (last_use[dropped], producer[dropped], m.min_saver[dropped], size[dropped])
-        self.copies = self._copies()
+        self.copies = _copies(m, i, entry, self.dropped)
         self.local = np.zeros(rows, dtype=np.int64)
         self.done = np.zeros(rows, dtype=bool)
 
-    def _forward(self, last: bool) -> np.ndarray:
+    def forward_bytes(self, last: bool) -> np.ndarray:
         """Live bytes at forward slots i..n-1 when ``[i..]`` is one block (the last one if ``last``); for a
         non-last block ``[i..j]`` the slots i..j are exact."""
         m, i, n = self.m, self.i, self.m.n
@@ -309,52 +309,12 @@ class _Start:
         if not last:
             snaps = np.flatnonzero((m.snapshot > 0) & ~m.stays)
             snaps = snaps[snaps >= i]
-            np.add.at(diff, snaps + 1, m.snapshot[snaps])
+            np.add.at(diff, snaps, m.snapshot[snaps])  # taken before the op runs
             diff[n] -= m.snapshot[snaps].sum()
         if i > 0 and m.snapshot[i - 1] and not m.stays[i - 1] and m.seed[i - 1] > i - 1:
             diff[i] += m.snapshot[i - 1]  # a block's last op outside its closure: its snapshot outlives it a slot
             diff[i + 1] -= m.snapshot[i - 1]
         return np.cumsum(diff)[i:n] + m.op_extra[i:n] + m.forward_offset
-
-    def _framed(self) -> tuple[np.ndarray, ...]:
-        """(storage, first j, last j): block ends at which the closure of [i..j] reads the storage from outside the
-        closure (its frame holds it), united per storage; storages live to the end are left out."""
-        m, i = self.m, self.i
-        at = slice(m.first_read[i], None)
-        reader, source, storage = m.reader[at], m.source[at], m.read_storage[at]
-        first = self.entry[reader]
-        last = np.where(source >= i, self.entry[np.maximum(source, i)] - 1, NEVER)
-        keep = (first <= last) & (first < m.n) & ~m.to_end[storage]
-        return _merge(storage[keep], first[keep], last[keep], m.n)
-
-    def _copies(self) -> tuple[np.ndarray, ...]:
-        """Recomputed copies in (block end, recomputed op) space: rows a..b, ops lo..hi, bytes. A copy lives from
-        its producer's recompute through its last closure reader's, or, once dropped, to its savers' backward."""
-        m, i = self.m, self.i
-        at = slice(m.first_read[i], None)
-        reader, source, storage = m.reader[at], m.source[at], m.read_storage[at]
-        producer = m.producer[storage]
-        keep = (producer >= i) & (source >= i)
-        reader, source, storage, producer = reader[keep], source[keep], storage[keep], producer[keep]
-        first = np.maximum(np.maximum(self.entry[reader], self.entry[source]), self.entry[producer])
-        last = np.where(m.droppable[storage] & (m.last_use[storage] < m.n), m.last_use[storage] - 1, NEVER)
-        keep = (first <= last) & (first < m.n)
-        reader, storage, producer, first, last = reader[keep], storage[keep], producer[keep], first[keep], last[keep]
-        order = np.lexsort((first, storage))
-        reader, storage, producer, first, last = (x[order] for x in (reader, storage, producer, first, last))
-        # From row `first` on, the copy also lives through the recomputes of ops (reach before, reader].
-        key = storage * (m.n + 1)
-        reach = np.maximum.accumulate(key + reader) - key
-        before = np.empty_like(reach)
-        before[:1] = producer[:1]
-        before[1:] = np.where(storage[1:] == storage[:-1], reach[:-1], producer[1:])
-        grows = reader > before
-        drop_row, drop_producer, _, drop_size = self.dropped
-        return (np.concatenate([first[grows], drop_row]),
-                np.concatenate([last[grows], np.full(len(drop_row), NEVER)]),
-                np.concatenate([before[grows] + 1, drop_producer + 1]),
-                np.concatenate([reader[grows], np.full(len(drop_row), NEVER)]),
-                np.concatenate([m.size[storage[grows]], drop_size]))
 
     def evaluate(self, ends: np.ndarray) -> None:
         """Make ``local`` exact at the block ends ``ends`` (ascending)."""
@@ -364,104 +324,148 @@ class _Start:
             widths = (m.rank_hi[ends] - m.rank_lo[i] + 2) + (ends - i + 2)
             count = max(1, int(np.searchsorted(np.arange(1, len(ends) + 1) * widths, _CELLS, side="right")))
             batch, ends = ends[:count], ends[count:]
-            self.local[batch - i] = self._batch(batch)
+            self.local[batch - i] = _local_peaks(self, batch)
             self.done[batch - i] = True
-
-    def _batch(self, ends: np.ndarray) -> np.ndarray:
-        """Local peaks of the blocks [i..j], j in ``ends`` (ascending)."""
-        m, i = self.m, self.i
-        rows, top = len(ends), int(ends[-1])
-        lo, hi = int(m.rank_lo[i]), int(m.rank_hi[top])
-        cols = hi - lo + 2  # column 0: held throughout; column r - lo + 1: released by the backward of rank r
-        trigger, frame_end, snapshots = self.trigger[ends - i], self.frame_end[ends - i], self.snapshots[ends - i]
-        framing = trigger >= 0
-
-        def add(grid: np.ndarray, row_a, row_b, col_a, weight, col_b=None) -> None:
-            """Add ``weight`` over rows whose block end is in row_a..row_b, from column col_a (to col_b)."""
-            a, b = np.searchsorted(ends, row_a, side="left"), np.searchsorted(ends, row_b, side="right")
-            keep = (a < b) & (col_a < grid.shape[1] - 1)
-            a, b, ca, w = a[keep], b[keep], col_a[keep], weight[keep]
-            np.add.at(grid, (a, ca), w)
-            np.add.at(grid, (b, ca), -w)
-            if col_b is not None:
-                cb = np.minimum(col_b[keep] + 1, grid.shape[1] - 1)
-                np.add.at(grid, (a, cb), -w)
-                np.add.at(grid, (b, cb), w)
-
-        # Held storages, framed storages and closure snapshots, by the rank whose backward releases them.
-        grid = np.zeros((rows + 1, cols + 1), dtype=np.int64)
-        row_a, row_b, rank, weight = self.held
-        add(grid, row_a, row_b, np.where(rank < 0, 0, rank - lo + 1), weight)
-        grid = np.cumsum(grid, axis=0)[:rows]
-        frame_col = np.where(framing, frame_end - lo + 1, cols)
-        s, a, b = self.framed
-        a, b = np.searchsorted(ends, a, side="left"), np.searchsorted(ends, b, side="right")
-        span = np.maximum(b - a, 0)
-        row = np.repeat(a, span) + np.arange(span.sum()) - np.repeat(np.cumsum(span) - span, span)
-        s = np.repeat(s, span)
-        release = np.where(self.held_throughout[s], 0, np.minimum(m.min_saver[s] - lo + 1, cols))
-        at = frame_col[row]
-        sooner = at < release
-        np.add.at(grid, (row[sooner], at[sooner]), m.size[s[sooner]])
-        np.add.at(grid, (row[sooner], release[sooner]), -m.size[s[sooner]])
-        grid[np.arange(rows), frame_col] += np.where(framing, snapshots, 0)
-        held = np.cumsum(grid, axis=1)[:, :cols]
-        copies = np.zeros((rows + 1, cols + 1), dtype=np.int64)
-        drop_row, _, drop_rank, drop_size = self.dropped
-        add(copies, drop_row, np.full(len(drop_row), NEVER), drop_rank - lo + 1, drop_size)
-        with_copies = held + np.cumsum(np.cumsum(copies, axis=0)[:rows], axis=1)[:, :cols]
-
-        # Backward of each rank, before and after it releases what it saved; copies live from the trigger on.
-        ranks = np.arange(lo, hi + 1)
-        recomputed = ranks[None, :] <= trigger[:, None]
-        live = np.where(recomputed, with_copies[:, 1:], held[:, 1:])
-        live_after = np.where(recomputed, with_copies[:, :-1], held[:, :-1])
-        values = np.maximum(live + m.grad_peak[lo:hi + 1], live_after + m.grad_after[lo:hi + 1])
-        values = np.where(ranks[None, :] <= m.rank_hi[ends][:, None], values, _LOW)
-        backward = values.max(axis=1, initial=_LOW)
-
-        # Recompute slots, one per closure op in op order, just before the trigger's backward.
-        ops = top - i + 1
-        grid = np.zeros((rows + 1, ops + 2), dtype=np.int64)
-        row_a, row_b, op_lo, op_hi, weight = self.copies
-        add(grid, row_a, row_b, op_lo - i, weight, np.minimum(op_hi, top) - i)
-        alive = np.cumsum(np.cumsum(grid, axis=0)[:rows], axis=1)[:, :ops]
-        before = held[np.arange(rows), np.where(framing, trigger - lo + 1, 0)] + \
-            np.where(framing, m.grad_start[np.maximum(trigger, 0)], 0)
-        values = np.where(self.entry[i:top + 1][None, :] <= ends[:, None],
-                          alive + m.op_extra[i:top + 1] + before[:, None], _LOW)
-        backward = np.maximum(backward, values.max(axis=1, initial=_LOW)) + m.backward_offset + m.end_bytes
-        return np.maximum(self.forward_max[ends - i], backward) - self.live_in_bytes
 
     def last_block(self) -> int:
         if self._last is None:
-            self._last = self._evaluate_last()
+            self._last = _last_block_peak(self)
         return self._last
 
-    def _evaluate_last(self) -> int:
-        m, i = self.m, self.i
-        forward = int(self._forward(last=True).max())
-        lo, hi = int(m.rank_lo[i]), len(m.grad_peak) - 1
-        slots = 2 * (hi - lo + 1)
-        own = np.flatnonzero((m.producer >= i) & ~m.to_end)
-        stop = np.full(len(m.size), -1, dtype=np.int64)
-        saver = m.min_saver[own]
-        stop[own] = np.where(saver <= hi, 2 * (hi - saver), -1)
-        saver = m.min_saver[self.live_in]
-        stop[self.live_in] = np.where(self.held_throughout[self.live_in], slots - 1,
-                                      np.where((saver >= lo) & (saver <= hi), 2 * (hi - saver), -1))
-        held = np.concatenate([own, self.live_in])
-        held = held[stop[held] >= 0]
-        diff = np.zeros(slots + 1, dtype=np.int64)
-        diff[0] += m.size[held].sum()
-        np.add.at(diff, stop[held] + 1, -m.size[held])
-        ranks = np.arange(hi, lo - 1, -1)
-        extra = np.empty(slots, dtype=np.int64)
-        extra[2 * (hi - ranks)] = m.grad_peak[ranks]
-        extra[2 * (hi - ranks) + 1] = m.grad_after[ranks]
-        live = np.cumsum(diff)[:slots]
-        peak = max(forward, int((live + extra).max()) + m.backward_offset + m.end_bytes) if slots else forward
-        held_after_forward = (int(live[0]) if slots else 0) + m.end_bytes
-        for offset in m.held_offsets:
-            peak = max(peak, held_after_forward + offset)
-        return peak - self.live_in_bytes
+
+def _framed(m: FlatModel, i: int, entry: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(storage, first j, last j): block ends at which the closure of [i..j] reads the storage from outside the
+    closure (its frame holds it), united per storage, for blocks that start at ``i`` (``entry``: their
+    :meth:`FlatModel._entries`); storages live to the end are left out."""
+    at = slice(m.first_read[i], None)
+    reader, source, storage = m.reader[at], m.source[at], m.read_storage[at]
+    first = entry[reader]
+    last = np.where(source >= i, entry[np.maximum(source, i)] - 1, NEVER)
+    keep = (first <= last) & (first < m.n) & ~m.to_end[storage]
+    return _merge(storage[keep], first[keep], last[keep], m.n)
+
+
+def _copies(m: FlatModel, i: int, entry: np.ndarray, dropped: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """Recomputed copies in (block end, recomputed op) space: rows a..b, ops lo..hi, bytes. A copy lives from
+    its producer's recompute through its last closure reader's, or, once dropped, to its savers' backward."""
+    at = slice(m.first_read[i], None)
+    reader, source, storage = m.reader[at], m.source[at], m.read_storage[at]
+    producer = m.producer[storage]
+    keep = (producer >= i) & (source >= i)
+    reader, source, storage, producer = reader[keep], source[keep], storage[keep], producer[keep]
+    first = np.maximum(np.maximum(entry[reader], entry[source]), entry[producer])
+    last = np.where(m.droppable[storage] & (m.last_use[storage] < m.n), m.last_use[storage] - 1, NEVER)
+    keep = (first <= last) & (first < m.n)
+    reader, storage, producer, first, last = reader[keep], storage[keep], producer[keep], first[keep], last[keep]
+    order = np.lexsort((first, storage))
+    reader, storage, producer, first, last = (x[order] for x in (reader, storage, producer, first, last))
+    # From row `first` on, the copy also lives through the recomputes of ops (reach before, reader].
+    key = storage * (m.n + 1)
+    reach = np.maximum.accumulate(key + reader) - key
+    before = np.empty_like(reach)
+    before[:1] = producer[:1]
+    before[1:] = np.where(storage[1:] == storage[:-1], reach[:-1], producer[1:])
+    grows = reader > before
+    drop_row, drop_producer, _, drop_size = dropped
+    return (np.concatenate([first[grows], drop_row]),
+            np.concatenate([last[grows], np.full(len(drop_row), NEVER)]),
+            np.concatenate([before[grows] + 1, drop_producer + 1]),
+            np.concatenate([reader[grows], np.full(len(drop_row), NEVER)]),
+            np.concatenate([m.size[storage[grows]], drop_size]))
+
+
+def _local_peaks(start: _Start, ends: np.ndarray) -> np.ndarray:
+    """Local peaks of the blocks [i..j] that ``start`` begins, j in ``ends`` (ascending)."""
+    m, i = start.m, start.i
+    rows, top = len(ends), int(ends[-1])
+    lo, hi = int(m.rank_lo[i]), int(m.rank_hi[top])
+    cols = hi - lo + 2  # column 0: held throughout; column r - lo + 1: released by the backward of rank r
+    trigger, frame_end, snapshots = start.trigger[ends - i], start.frame_end[ends - i], start.snapshots[ends - i]
+    framing = trigger >= 0
+
+    def add(grid: np.ndarray, row_a, row_b, col_a, weight, col_b=None) -> None:
+        """Add ``weight`` over rows whose block end is in row_a..row_b, from column col_a (to col_b)."""
+        a, b = np.searchsorted(ends, row_a, side="left"), np.searchsorted(ends, row_b, side="right")
+        keep = (a < b) & (col_a < grid.shape[1] - 1)
+        a, b, ca, w = a[keep], b[keep], col_a[keep], weight[keep]
+        np.add.at(grid, (a, ca), w)
+        np.add.at(grid, (b, ca), -w)
+        if col_b is not None:
+            cb = np.minimum(col_b[keep] + 1, grid.shape[1] - 1)
+            np.add.at(grid, (a, cb), -w)
+            np.add.at(grid, (b, cb), w)
+
+    # Held storages, framed storages and closure snapshots, by the rank whose backward releases them.
+    grid = np.zeros((rows + 1, cols + 1), dtype=np.int64)
+    row_a, row_b, rank, weight = start.held
+    add(grid, row_a, row_b, np.where(rank < 0, 0, rank - lo + 1), weight)
+    grid = np.cumsum(grid, axis=0)[:rows]
+    frame_col = np.where(framing, frame_end - lo + 1, cols)
+    s, a, b = start.framed
+    a, b = np.searchsorted(ends, a, side="left"), np.searchsorted(ends, b, side="right")
+    span = np.maximum(b - a, 0)
+    row = np.repeat(a, span) + np.arange(span.sum()) - np.repeat(np.cumsum(span) - span, span)
+    s = np.repeat(s, span)
+    release = np.where(start.held_throughout[s], 0, np.minimum(m.min_saver[s] - lo + 1, cols))
+    at = frame_col[row]
+    sooner = at < release
+    np.add.at(grid, (row[sooner], at[sooner]), m.size[s[sooner]])
+    np.add.at(grid, (row[sooner], release[sooner]), -m.size[s[sooner]])
+    grid[np.arange(rows), frame_col] += np.where(framing, snapshots, 0)
+    held = np.cumsum(grid, axis=1)[:, :cols]
+    copies = np.zeros((rows + 1, cols + 1), dtype=np.int64)
+    drop_row, _, drop_rank, drop_size = start.dropped
+    add(copies, drop_row, np.full(len(drop_row), NEVER), drop_rank - lo + 1, drop_size)
+    with_copies = held + np.cumsum(np.cumsum(copies, axis=0)[:rows], axis=1)[:, :cols]
+
+    # Backward of each rank, before and after it releases what it saved; copies live from the trigger on.
+    ranks = np.arange(lo, hi + 1)
+    recomputed = ranks[None, :] <= trigger[:, None]
+    live = np.where(recomputed, with_copies[:, 1:], held[:, 1:])
+    live_after = np.where(recomputed, with_copies[:, :-1], held[:, :-1])
+    values = np.maximum(live + m.grad_peak[lo:hi + 1], live_after + m.grad_after[lo:hi + 1])
+    values = np.where(ranks[None, :] <= m.rank_hi[ends][:, None], values, _LOW)
+    backward = values.max(axis=1, initial=_LOW)
+
+    # Recompute slots, one per closure op in op order, just before the trigger's backward.
+    ops = top - i + 1
+    grid = np.zeros((rows + 1, ops + 2), dtype=np.int64)
+    row_a, row_b, op_lo, op_hi, weight = start.copies
+    add(grid, row_a, row_b, op_lo - i, weight, np.minimum(op_hi, top) - i)
+    alive = np.cumsum(np.cumsum(grid, axis=0)[:rows], axis=1)[:, :ops]
+    before = held[np.arange(rows), np.where(framing, trigger - lo + 1, 0)] + \
+        np.where(framing, m.grad_start[np.maximum(trigger, 0)], 0)
+    values = np.where(start.entry[i:top + 1][None, :] <= ends[:, None],
+                      alive + m.op_extra[i:top + 1] + before[:, None], _LOW)
+    backward = np.maximum(backward, values.max(axis=1, initial=_LOW)) + m.backward_offset + m.end_bytes
+    return np.maximum(start.forward_max[ends - i], backward) - start.live_in_bytes
+
+
+def _last_block_peak(start: _Start) -> int:
+    """The local peak of the last block ``[i..n-1]`` that ``start`` begins."""
+    m, i = start.m, start.i
+    forward = int(start.forward_bytes(last=True).max())
+    lo, hi = int(m.rank_lo[i]), len(m.grad_peak) - 1
+    slots = 2 * (hi - lo + 1)
+    own = np.flatnonzero((m.producer >= i) & ~m.to_end)
+    stop = np.full(len(m.size), -1, dtype=np.int64)
+    saver = m.min_saver[own]
+    stop[own] = np.where(saver <= hi, 2 * (hi - saver), -1)
+    saver = m.min_saver[start.live_in]
+    stop[start.live_in] = np.where(start.held_throughout[start.live_in], slots - 1,
+                                   np.where((saver >= lo) & (saver <= hi), 2 * (hi - saver), -1))
+    held = np.concatenate([own, start.live_in])
+    held = held[stop[held] >= 0]
+    diff = np.zeros(slots + 1, dtype=np.int64)
+    diff[0] += m.size[held].sum()
+    np.add.at(diff, stop[held] + 1, -m.size[held])
+    ranks = np.arange(hi, lo - 1, -1)
+    extra = np.empty(slots, dtype=np.int64)
+    extra[2 * (hi - ranks)] = m.grad_peak[ranks]
+    extra[2 * (hi - ranks) + 1] = m.grad_after[ranks]
+    live = np.cumsum(diff)[:slots]
+    peak = max(forward, int((live + extra).max()) + m.backward_offset + m.end_bytes) if slots else forward
+    held_after_forward = (int(live[0]) if slots else 0) + m.end_bytes
+    for offset in m.held_offsets:
+        peak = max(peak, held_after_forward + offset)
+    return peak - start.live_in_bytes

@@ -164,8 +164,8 @@ class _Reads:
 
 
 def _rerun_reads(profile: GraphProfile, a: PlanAnalysis, at: _Layout) -> _Reads:
-    pair, triple = _expand(profile.input_bounds, at.c_ops)
-    triple_storages, _, triple_producers = profile.input_triples
+    pair, triple = _expand(profile.arrays.input_bounds, at.c_ops)
+    triple_storages, _, triple_producers = profile.arrays.input_triples
     storage, producer = triple_storages[triple], triple_producers[triple]
     if profile.recompute_shared:
         _, inside = _find(np.unique(at.c_ops), producer)
@@ -190,7 +190,7 @@ class _Copies:
 
 def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads) -> _Copies:
     producer, shared = profile.storage_producer, profile.recompute_shared
-    order, bounds = profile.produced_order
+    order, bounds = profile.arrays.produced_order
     copy_at, produced_at = _expand(bounds, at.c_ops)
     copy_storage = order[produced_at]
     copy_start = at.c_slot[copy_at]
@@ -204,7 +204,7 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads) 
 
     inside = reads.inside
     extend(at.c_blocks[reads.pair][inside], reads.storage[inside], at.c_slot[reads.pair[inside]])
-    saved, ranks = profile.saved_pairs
+    saved, ranks = profile.arrays.saved_pairs
     savers = profile.node_op[ranks]
     own = a.dropped[saved] & profile.reaches_output[savers]
     extend(a.block_of[savers[own]], saved[own], at.backward_slot[ranks[own]])
@@ -251,14 +251,14 @@ def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _
         stop[~profile.materialized_in_forward] = producer[~profile.materialized_in_forward]
     if len(profile.held_through_forward):
         stop[profile.held_through_forward] = np.maximum(stop[profile.held_through_forward], n - 1)
-    saved, ranks = profile.saved_pairs
+    saved, ranks = profile.arrays.saved_pairs
     savers = node_op[ranks]
     if len(saved):
         lost = ~profile.reaches_output[savers]
         np.maximum.at(stop, saved[lost], forward_release(profile, end)[savers[lost]])
         held_by_autograd = ~lost & retained[saved]
         np.maximum.at(stop, saved[held_by_autograd], at.backward_slot[ranks[held_by_autograd]])
-    read, readers = profile.read_pairs
+    read, readers = profile.arrays.read_pairs
     if len(read) and not shared:  # a forward frame holds what a recomputable op reads until its group ends
         framed = a.recomputed[readers] & retained[read]
         np.maximum.at(stop, read[framed], a.group_end[a.block_of[readers[framed]]])
@@ -269,8 +269,8 @@ def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _
 
 
 def _snapshots(profile: GraphProfile, a: PlanAnalysis, at: _Layout, held: np.ndarray) -> None:
-    """Add to ``held`` the snapshots of state a recomputable op writes: held until its block's frame ends (or its
-    group ends in forward)."""
+    """Add to ``held`` the snapshots a recomputable op takes (the state it writes, its RNG state): taken before the
+    op runs, so held from its own slot until its block's frame ends (or its group ends in forward)."""
     snapshot_ops, snapshot_bytes = profile.snapshots
     snapshotted = a.recomputed[snapshot_ops]
     if snapshotted.any():
@@ -279,7 +279,7 @@ def _snapshots(profile: GraphProfile, a: PlanAnalysis, at: _Layout, held: np.nda
         in_closure[at.c_ops] = True
         b = a.block_of[o]
         until = np.maximum(np.where(in_closure[o], at.frame_stop[b], a.group_end[b]), o + 1)
-        np.add.at(held, o + 1, nbytes)
+        np.add.at(held, o, nbytes)
         np.add.at(held, until + 1, -nbytes)
 
 
@@ -394,6 +394,6 @@ def step_terms(profile: GraphProfile) -> StepTerms:
 
 def forward_release(profile: GraphProfile, end: int) -> np.ndarray:
     """Per op: the forward slot after which its autograd nodes die when its values never reach the outputs
-    (:attr:`GraphProfile.op_release`), with the end of the step at slot ``end``."""
-    release = profile.op_release
+    (:attr:`ProfileArrays.op_release`), with the end of the step at slot ``end``."""
+    release = profile.arrays.op_release
     return np.where(release >= profile.num_ops, end, release)

@@ -1,0 +1,218 @@
+"""The compiled step's costs: which storages inductor materialises, per op the most bytes its own allocations hold
+at once, its FLOPs and estimated seconds, and per backward rank the gradient-side bytes, walked kernel by kernel.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import fx
+
+from sublinear.capture.dynamo import INPUT, PARAMETER
+from sublinear.capture.joint import JointGraph
+from sublinear.profiling.compiled_dataflow import _Grouping, _Reads, _Storages
+from sublinear.profiling.compiled_nodes import _flops, _key, _Kinds, _node_seconds, _tensors
+from sublinear.profiling.costs import DeviceRates
+from sublinear.tensors import size_hint as hint
+
+# --- Forward: bytes inside each op, FLOPs and time -----------------------------------------------------------------
+
+def _materialized(storages: _Storages, reads: _Reads, kinds: _Kinds, fw: list[fx.Node]):
+    """Whether a produced storage is a buffer in forward: a library kernel or a reduction makes it, a library
+    kernel reads it, or the graph returns it (a fused pointwise value read only by fused kernels is not)."""
+    fusible = {key: kinds.fusible(fw[i]) for key, i in storages.produced_by.items()}
+
+    def materialized(key: int, rebuilt: bool = False) -> bool:
+        return key in storages.produced_by and (not fusible[key] or key in reads.needs_buffer
+                                                or (not rebuilt and key in reads.output_use))
+    return materialized
+
+
+def _forward_costs(fw: list[fx.Node], grouping: _Grouping, storages: _Storages, tracked: set[int], materialized,
+                   scratch: dict[fx.Node, int], kinds: _Kinds, rates: DeviceRates):
+    """Per op: the most bytes its own allocations hold at once while it runs (its buffers, those that outlive it
+    included, and a library call's scratch), its FLOPs and its estimated seconds."""
+    last_reader: dict[int, int] = {}
+    for i, node in enumerate(fw):
+        for arg in node.all_input_nodes:
+            for key in storages.keys_of(arg):
+                last_reader[key] = i
+    n_ops = len(grouping.nodes)
+    extra, seconds, flops = [0] * n_ops, [0.0] * n_ops, [0] * n_ops
+    produced, size_of = storages.produced_by, storages.size_of
+    for o, members in enumerate(grouping.nodes):
+        live = peak = 0
+        internal = {k for i in members for k in storages.keys_of(fw[i]) if k in produced and k not in tracked
+                    and produced[k] == i and materialized(k)}
+        for i in members:
+            node = fw[i]
+            live += sum(size_of[k] for k in dict.fromkeys(storages.keys_of(node))
+                        if produced.get(k) == i and (k in internal or k in tracked and materialized(k)))
+            peak = max(peak, live + scratch.get(node, 0))
+            for key in [k for k in internal if last_reader.get(k, produced[k]) <= i and produced[k] <= i]:
+                live -= size_of[key]
+                internal.discard(key)
+            node_flops = _flops(node)
+            flops[o] += node_flops
+            seconds[o] += _node_seconds(node, node_flops, storages.keys_of, materialized, size_of, storages.state,
+                                        kinds, rates)
+        extra[o] = peak
+    for o, nbytes in _fused_early(fw, grouping, storages, materialized, kinds).items():
+        extra[o] += nbytes
+    if storages.layout_copies:  # made by the forward's first kernel, beside what its first op makes
+        extra[0] += sum(size_of[key] for key in storages.layout_copies)
+    return extra, seconds, flops
+
+
+def _fused_early(fw: list[fx.Node], grouping: _Grouping, storages: _Storages, materialized,
+                 kinds: _Kinds) -> dict[int, int]:
+    """Per op: the bytes of buffers a later op makes that its kernel already holds. A pointwise value that is a
+    buffer is computed by one kernel together with the chain of pointwise values it is made from that are not
+    buffers: the kernel, and the buffer, run where the chain starts, at an earlier op."""
+    early: dict[int, int] = defaultdict(int)
+    produced, op_of_node = storages.produced_by, grouping.op_of_node
+    for key, i in produced.items():
+        if key < 0 or not materialized(key) or not kinds.fusible(fw[i]):
+            continue
+        first, stack, seen = op_of_node[i], [fw[i]], set()
+        while stack:
+            node = stack.pop()
+            for arg in node.all_input_nodes:
+                inner = [k for k in storages.keys_of(arg) if k in produced]
+                if inner and arg not in seen and all(not materialized(k) and kinds.fusible(fw[produced[k]])
+                                                     for k in inner):
+                    seen.add(arg)
+                    first = min(first, op_of_node[produced[inner[0]]])
+                    stack.append(arg)
+        for o in range(first, op_of_node[i]):
+            early[o] += storages.size_of[key]
+    return early
+
+
+# --- Backward: the gradient side per rank --------------------------------------------------------------------------
+
+@dataclass
+class _Backward:
+    """Per rank: gradient-side bytes (the outputs' gradients and the buffers backward makes) at the start of its
+    backward, at their peak before it releases the last forward value it reads, and after; its seconds; and the
+    backward's FLOPs and the parameters' gradient bytes at its end."""
+
+    start: list[int]
+    before: list[int]
+    after: list[int]
+    seconds: list[float]
+    flops: int
+    gradient_bytes: int
+
+
+class _GradientSide:
+    """The buffers backward makes (not forward values), with their sizes and the backward node making each (-1:
+    an output's gradient, handed to backward)."""
+
+    def __init__(self, joint: JointGraph, storages: _Storages, kinds: _Kinds, granule: int,
+                 graph_kinds: Sequence[str]) -> None:
+        bw = joint.backward
+        self.kinds, self.bw = kinds, bw
+        self.sizes: dict[int, int] = {}
+        self.born: dict[int, int] = {}
+        self.outputs: dict[int, str] = {}  # gradients the graph returns -> the kind of primal they are for
+        for k, grad in enumerate(joint.gradients):
+            if isinstance(grad, fx.Node):
+                for key in storages.keys_of(grad):
+                    self.outputs[key] = graph_kinds[k] if k < len(graph_kinds) else INPUT
+        for node in joint.tangents:
+            for t in _tensors(node.meta.get("val")):
+                self.sizes.setdefault(_key(t), -(-hint(t.untyped_storage().nbytes()) // granule) * granule)
+                self.born.setdefault(_key(t), -1)
+        self.needs_buffer: set[int] = set()
+        self.last: dict[int, int] = {}
+        for k, node in enumerate(bw):
+            for t in _tensors(node.meta.get("val")):
+                key = _key(t)
+                if key not in storages.produced_by and key not in storages.state and key not in self.born:
+                    self.born[key] = k
+                    self.sizes[key] = -(-hint(t.untyped_storage().nbytes()) // granule) * granule
+            for arg in node.all_input_nodes:
+                for key in storages.keys_of(arg):
+                    self.last[key] = k
+                    if kinds.extern(node):
+                        self.needs_buffer.add(key)
+
+    def buffer(self, key: int) -> bool:
+        """Whether a gradient-side value takes memory: an output's gradient, made by a kernel that cannot be fused,
+        read by a library kernel, or returned."""
+        k = self.born.get(key)
+        return k is not None and (k < 0 or not self.kinds.fusible(self.bw[k]) or key in self.needs_buffer
+                                  or key in self.outputs)
+
+    def tangent_bytes(self) -> int:
+        return sum(self.sizes[key] for key, k in self.born.items() if k < 0)
+
+
+def _backward(joint: JointGraph, reads: _Reads, n_ops: int, storages: _Storages, side: _GradientSide,
+              scratch: dict[fx.Node, int], rates: DeviceRates) -> _Backward:
+    """Walk backward kernel by kernel: inductor fuses the nodes between two library kernels into one kernel, which
+    allocates what they make before it runs and frees what they read last after it."""
+    bw, ranks = joint.backward, reads.rank_of_backward
+    live = side.tangent_bytes()
+    start: list[int | None] = [None] * n_ops
+    before, after, left, seconds = [0] * n_ops, [0] * n_ops, [0] * n_ops, [0.0] * n_ops
+    last_release: dict[int, int] = {}  # rank -> its last node that reads a forward value for the last time
+    for k in reads.last_backward_read.values():
+        last_release[ranks[k]] = max(last_release.get(ranks[k], -1), k)
+    released: set[int] = set()
+    total_flops = 0
+    all_sizes = {**storages.size_of, **side.sizes}
+
+    def readable(key: int) -> bool:
+        return key in storages.produced_by or side.buffer(key)
+
+    for segment in _segments(bw, side.kinds):
+        for k in segment:
+            if start[ranks[k]] is None:
+                start[ranks[k]] = before[ranks[k]] = after[ranks[k]] = live
+        made = [key for k in segment for key in dict.fromkeys(storages.keys_of(bw[k]))
+                if side.born.get(key) == k and side.buffer(key)]
+        live += sum(side.sizes[key] for key in made)
+        inside = live + max((scratch.get(bw[k], 0) for k in segment), default=0)
+        for r in {ranks[k] for k in segment}:
+            if r in released:
+                after[r] = max(after[r], inside)
+            else:
+                before[r], after[r] = max(before[r], inside), live
+        members = set(segment)
+        freed = {key for k in segment for arg in bw[k].all_input_nodes for key in storages.keys_of(arg)
+                 if side.last.get(key) in members}
+        freed |= {key for key in made if key not in side.last}
+        live -= sum(side.sizes[key] for key in freed if side.buffer(key) and key not in side.outputs)
+        for k in segment:
+            left[ranks[k]] = live
+            if last_release.get(ranks[k]) == k:
+                released.add(ranks[k])
+            node_flops = _flops(bw[k])
+            total_flops += node_flops
+            seconds[ranks[k]] += _node_seconds(bw[k], node_flops, storages.keys_of, readable, all_sizes,
+                                               storages.state, side.kinds, rates)
+    carried = side.tangent_bytes()  # before the first backward node: the outputs' gradients
+    for r in range(n_ops - 1, -1, -1):
+        if start[r] is None:
+            start[r] = before[r] = after[r] = carried
+        else:
+            carried = left[r]
+    parameter_grads = sum(side.sizes[key] for key, kind in side.outputs.items() if kind == PARAMETER
+                          and key in side.sizes)
+    return _Backward(start, before, after, seconds, total_flops, parameter_grads)
+
+
+def _segments(nodes: list[fx.Node], kinds: _Kinds) -> list[list[int]]:
+    """Positions of ``nodes`` cut into what inductor runs as one kernel: each library kernel alone, and every run of
+    other nodes between two of them together."""
+    segments: list[list[int]] = []
+    for k, node in enumerate(nodes):
+        alone = kinds.extern(node)
+        if alone or not segments or kinds.extern(nodes[segments[-1][-1]]):
+            segments.append([])
+        segments[-1].append(k)
+    return segments

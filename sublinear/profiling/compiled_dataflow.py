@@ -1,0 +1,239 @@
+"""The joint graph's forward as ops and storages: forward nodes grouped into ops, the storages forward makes
+(channels-last copies of convolution inputs included), and who reads each storage: later ops, the graph's outputs
+and the backward ranks (per backward node, the op whose backward it runs in).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_leaves
+
+from sublinear.capture.dynamo import INPUT, CapturedGraph
+from sublinear.capture.joint import JointGraph, origin
+from sublinear.profiling.compiled_nodes import (
+    _CONVOLUTIONS, _communicates, _key, _Kinds, _random, _tensors, _writes_input,
+)
+from sublinear.tensors import size_hint as hint
+from sublinear.training import DROPPED, GRADIENT, HELD, gradient_receivers
+
+# --- Ops -----------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Grouping:
+    """Forward nodes grouped into ops: per op its node positions and the captured node it comes from, and why an op
+    is pinned."""
+
+    nodes: list[list[int]]
+    origins: list[int | None]
+    pinned: dict[int, str]
+    op_of_node: dict[int, int]
+
+    @functools.cached_property
+    def _labelled(self) -> tuple[list[int], list[int]]:
+        """The captured node of every op that has one, ascending, and those ops."""
+        pairs = [(o, op) for op, o in enumerate(self.origins) if o is not None]
+        return [o for o, _ in pairs], [op for _, op in pairs]
+
+    def op_of_origin(self, orig: int | None) -> int | None:
+        """The op a captured node's forward runs in: its own, or for a node a pattern pass replaced, the op just
+        before the first op of a later captured node (where the replacement runs)."""
+        origins, ops = self._labelled
+        if orig is None or not origins:
+            return None
+        k = bisect.bisect_right(origins, orig)
+        if k and origins[k - 1] == orig:
+            return ops[k - 1]
+        return ops[k] - 1 if k < len(ops) else len(self.nodes) - 1
+
+
+def _group(fw: list[fx.Node]) -> _Grouping:
+    """Runs of forward nodes from one captured node; random and state-writing nodes alone, pinned."""
+    nodes: list[list[int]] = []
+    origins: list[int | None] = []
+    pinned: dict[int, str] = {}
+    previous = ""  # why the previous node was pinned ("": it was not)
+    for i, node in enumerate(fw):
+        o = origin(node)
+        pin = (f"{node.name} draws random numbers" if _random(node) else
+               f"{node.name} communicates" if _communicates(node) else
+               "writes into the graph's inputs (BatchNorm's running statistics)" if _writes_input(node) else "")
+        joins = nodes and (pin == previous if pin else
+                           not previous and (o == origins[-1] or o is None and origins[-1] is None))
+        if not joins or (pin and _random(node)):
+            nodes.append([])
+            origins.append(o)
+        nodes[-1].append(i)
+        previous = pin
+        if pin:
+            pinned[len(nodes) - 1] = pin
+    return _Grouping(nodes, origins, pinned, {i: o for o, members in enumerate(nodes) for i in members})
+
+
+# --- Storages ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Storages:
+    """The step's storages by key: state (the primals': parameters, buffers, inputs), and what forward produces
+    (with the node producing it) including the channels-last copies inductor makes for convolutions (negated
+    keys of the primal they copy)."""
+
+    state: dict[int, tuple[str, int]]
+    produced_by: dict[int, int]
+    size_of: dict[int, int]
+    node_keys: dict[fx.Node, list[int]]
+    layout_copies: dict[int, tuple[int, int]]
+
+    def keys_of(self, node: fx.Node) -> list[int]:
+        if node in self.node_keys:
+            return self.node_keys[node]
+        return [_key(t) for t in _tensors(node.meta.get("val"))]
+
+    def read_keys(self, node: fx.Node, arg: fx.Node) -> list[int]:
+        """The storages ``node`` reads through ``arg``: a convolution reads the layout copy of a primal."""
+        keys = self.keys_of(arg)
+        if node.target in _CONVOLUTIONS:
+            keys = [-key if -key in self.layout_copies else key for key in keys]
+        return keys
+
+
+def _storages(joint: JointGraph, graph: CapturedGraph, fw: list[fx.Node], granule: int,
+              channels_last: bool) -> _Storages:
+    def rounded(nbytes: int) -> int:
+        return -(-nbytes // granule) * granule
+
+    state: dict[int, tuple[str, int]] = {}
+    for k, node in enumerate(joint.primals):
+        kind = graph.kinds[k] if k < len(graph.kinds) else INPUT
+        for t in _tensors(node.meta.get("val")):
+            state.setdefault(_key(t), (kind, rounded(hint(t.untyped_storage().nbytes()))))
+    produced_by: dict[int, int] = {}
+    size_of: dict[int, int] = {}
+    node_keys: dict[fx.Node, list[int]] = {}
+    for i, node in enumerate(fw):
+        keys = []
+        for t in _tensors(node.meta.get("val")):
+            key = _key(t)
+            keys.append(key)
+            if key not in state and key not in produced_by:
+                produced_by[key] = i
+                size_of[key] = rounded(hint(t.untyped_storage().nbytes()))
+        node_keys[node] = keys
+    found = _Storages(state, produced_by, size_of, node_keys, {})
+    if channels_last:
+        found.layout_copies = _layout_copies(fw, found)
+        for key, (i, nbytes) in found.layout_copies.items():
+            produced_by[key] = i
+            size_of[key] = rounded(nbytes)
+    return found
+
+
+def _layout_copies(fw: list[fx.Node], storages: _Storages) -> dict[int, tuple[int, int]]:
+    """Per primal storage a forward convolution reads in a layout other than channels-last: (where the copy is
+    made, the copy's bytes), keyed by the negated storage key. Inductor makes every such copy in the forward's
+    first kernel (they read nothing else, and it fuses them together)."""
+    copies: dict[int, tuple[int, int]] = {}
+    for node in fw:
+        if node.target is not torch.ops.aten.convolution.default:
+            continue
+        for arg in node.args[:2]:
+            value = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+            if not isinstance(value, torch.Tensor) or value.dim() != 4 or \
+                    value.is_contiguous(memory_format=torch.channels_last):
+                continue
+            for key in storages.keys_of(arg):
+                if key in storages.state and -key not in copies:
+                    copies[-key] = (0, hint(value.numel()) * value.element_size())
+    return copies
+
+
+# --- Reads: forward readers, outputs, backward ranks and saves -----------------------------------------------------
+
+@dataclass
+class _Reads:
+    """Per storage: the ops that read it (backward ranks count as readers of the op they run in), whether a
+    library kernel reads it (it needs a buffer), what the call does with it when the graph returns it, the ranks
+    whose backward reads it and the last backward node that does; per backward node its rank."""
+
+    readers: dict[int, set[int]]
+    needs_buffer: set[int]
+    output_use: dict[int, str]
+    saved_at: dict[int, set[int]]
+    last_backward_read: dict[int, int]
+    rank_of_backward: list[int]
+    uses: tuple[str, ...]
+
+
+def _reads(joint: JointGraph, graph: CapturedGraph, grouping: _Grouping, storages: _Storages, kinds: _Kinds,
+           uses: Sequence[str] | None) -> _Reads:
+    fw, bw, op_of_node = joint.forward, joint.backward, grouping.op_of_node
+    n_ops = len(grouping.nodes)
+    produced = storages.produced_by
+    readers: dict[int, set[int]] = defaultdict(set)
+    needs_buffer: set[int] = set()
+    for i, node in enumerate(fw):
+        for arg in node.all_input_nodes:
+            for key in storages.read_keys(node, arg):
+                if key in produced:
+                    readers[key].add(op_of_node[i])
+                    if kinds.extern(node):
+                        needs_buffer.add(key)
+    for key in storages.layout_copies:  # forward returns the copy for backward whatever the plan
+        readers[key].add(n_ops - 1)
+    output_use, uses = _output_uses(joint, graph, storages, uses)
+    rank_of_backward = _backward_ranks(bw, grouping, storages)
+    saved_at: dict[int, set[int]] = defaultdict(set)
+    last_backward_read: dict[int, int] = {}
+    for k, node in enumerate(bw):
+        for arg in node.all_input_nodes:
+            for key in storages.read_keys(node, arg):
+                if key in produced:
+                    saved_at[key].add(rank_of_backward[k])
+                    readers[key].add(rank_of_backward[k])  # held for that op's backward, as if read in forward
+                    last_backward_read[key] = k
+                    if kinds.extern(node):
+                        needs_buffer.add(key)
+    return _Reads(readers, needs_buffer, output_use, saved_at, last_backward_read, rank_of_backward, uses)
+
+
+def _output_uses(joint: JointGraph, graph: CapturedGraph, storages: _Storages,
+                 uses: Sequence[str] | None) -> tuple[dict[int, str], tuple[str, ...]]:
+    """Per storage the graph returns, what the call does with it (the most demanding use of its outputs); and the
+    uses per tensor output (by default as the eager profile's step: the scalars get a gradient when there are any,
+    else every output; the others are held)."""
+    out_nodes = [a for a in joint.forward_outputs if isinstance(a, fx.Node)]
+    tensor_outputs = [n for n in out_nodes if _tensors(n.meta.get("val"))]
+    returned = [t.meta["example_value"] for n in graph.graph_module.graph.nodes if n.op == "output"
+                for t in tree_leaves(n.args[0])
+                if isinstance(t, fx.Node) and isinstance(t.meta.get("example_value"), torch.Tensor)]
+    user_outputs = tensor_outputs[-len(returned):] if returned else []
+    if uses is None:
+        uses = [GRADIENT if r else HELD for r in gradient_receivers(returned)]
+    output_use: dict[int, str] = {}
+    for k, node in enumerate(user_outputs):
+        use = uses[k] if k < len(uses) else GRADIENT
+        for key in storages.keys_of(node):
+            if key in storages.produced_by:
+                output_use[key] = min(output_use.get(key, DROPPED), use, key=(GRADIENT, HELD, DROPPED).index)
+    return output_use, tuple(uses[:len(user_outputs)])
+
+
+def _backward_ranks(bw: list[fx.Node], grouping: _Grouping, storages: _Storages) -> list[int]:
+    """Per backward node its rank: the op it was traced from, at least the ops that made what it reads, folded
+    into the op running at the time when that is later (autograd's order is kept)."""
+    ranks: list[int] = []
+    current = len(grouping.nodes) - 1
+    for node in bw:
+        made_by = [grouping.op_of_node[storages.produced_by[key]] for arg in node.all_input_nodes
+                   for key in storages.keys_of(arg) if key in storages.produced_by]
+        own = grouping.op_of_origin(origin(node))
+        rank = max([own if own is not None else current, *made_by])
+        current = min(current, rank)
+        ranks.append(max(rank, 0))
+    return ranks

@@ -1,0 +1,187 @@
+"""What inductor makes of one node of the joint graph: a fused kernel or a library call (:class:`_Kinds`), whether
+it draws random numbers, writes an input or communicates, its FLOPs and estimated seconds, whether convolutions run
+channels-last, and a library call's scratch space measured on the device (:mod:`.kernels`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from sublinear.capture.joint import is_view
+from sublinear.profiling.costs import DeviceRates, estimate_seconds
+from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout
+from sublinear.tensors import size_hint as hint
+
+# Ops that inductor lowers to loads and stores it can fuse, although torch does not tag them pointwise.
+_FUSIBLE = ("aten.embedding.default", "aten.index.Tensor", "aten.full.default", "aten.scalar_tensor.default",
+            "prims.iota.default", "aten.constant_pad_nd.default", "aten.slice_scatter.default",
+            "aten.select_scatter.default", "prims.inductor_random.default", "prims.inductor_lookup_seed.default",
+            "aten.zeros.default", "aten.ones.default")
+# Matrix products inductor calls as library kernels although they are not in its needs-realized set.
+_EXTERN = ("aten.addmm.default", "aten.baddbmm.default", "aten.addbmm.default", "aten._addmm_activation.default")
+_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+
+
+def _ops(names: Sequence[str]) -> frozenset:
+    """The op overloads of ``names`` that this torch has (inductor's prims once inductor registered them)."""
+    import torch._inductor.inductor_prims  # noqa: F401, PLC0415 - registers prims.inductor_*
+
+    found = set()
+    for name in names:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return frozenset(found)
+
+
+class _Kinds:
+    """What inductor does with each node: fuse it (pointwise), call a library kernel that needs its inputs in memory
+    (extern), or make a buffer of its result with its inputs fused in (reductions and the rest)."""
+
+    def __init__(self) -> None:
+        from torch._inductor import lowering  # noqa: PLC0415
+
+        self.realized_inputs, self.fallbacks = frozenset(lowering.needs_realized_inputs), frozenset(lowering.fallbacks)
+        self.fusible_ops, self.extern_ops = _ops(_FUSIBLE), _ops(_EXTERN)
+
+    def fusible(self, node: fx.Node) -> bool:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            return False
+        return torch.Tag.pointwise in target.tags or target in self.fusible_ops or target.is_view
+
+    def extern(self, node: fx.Node) -> bool:
+        target = node.target
+        return isinstance(target, torch._ops.OpOverload) and (
+            target in self.realized_inputs or target in self.fallbacks or target in self.extern_ops)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _random(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _writes_input(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+
+
+def _communicates(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in ("_c10d_functional", "c10d_functional")
+
+
+def _flops(node: fx.Node) -> int:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return 0
+    count = flop_registry.get(target.overloadpacket)
+    if count is None:
+        return 0
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+    try:
+        return hint(count(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # noqa: BLE001 - a formula that cannot read symbolic or missing values counts nothing
+        return 0
+
+
+def _channels_last(gm: fx.GraphModule) -> bool:
+    """Whether inductor will lay this graph's convolutions out channels-last (its own heuristic)."""
+    from torch._inductor.graph import GraphLowering  # noqa: PLC0415
+
+    try:
+        return bool(GraphLowering.decide_layout_opt(gm, is_inference=False))
+    except Exception:  # noqa: BLE001 - a heuristic that cannot read this graph: inductor's default layout
+        return False
+
+
+def _node_seconds(node: fx.Node, node_flops: int, keys_of, materialized, size_of: dict[int, int],
+                  state: dict[int, tuple[str, int]], kinds: _Kinds, rates: DeviceRates) -> float:
+    """One node's estimated time: its FLOPs, the buffers it reads (materialised values, state) and writes."""
+    if is_view(node):
+        return 0.0
+    read = 0
+    for arg in node.all_input_nodes:
+        for key in keys_of(arg):
+            if key in state:
+                read += state[key][1]
+            elif materialized(key):
+                read += size_of[key]
+    written = [key for key in keys_of(node) if materialized(key)]
+    wrote = sum(size_of[key] for key in written)
+    kernels = 1 if (written or kinds.extern(node)) else 0
+    return estimate_seconds(node_flops, read + wrote, kernels, rates)
+
+
+def _library_scratch(nodes: Sequence[fx.Node], kinds: _Kinds, channels_last: bool,
+                     kernels: KernelMemory | None) -> dict[fx.Node, int]:
+    """Per library node: the bytes its kernel allocates inside the call beyond its results, measured on the
+    device, with convolutions' tensors channels-last where inductor lays them out so."""
+    if kernels is None:
+        return {}
+    runs = {node: run for node in nodes if kinds.extern(node) and (run := _library_run(node, channels_last))}
+    kernels.measure(list(runs.values()))
+    scratch = {}
+    for node, run in runs.items():
+        measured = kernels.get(run.key)
+        if measured is not None:
+            results = sum(hint(t.untyped_storage().nbytes()) for t in _tensors(node.meta.get("val")))
+            scratch[node] = max(0, measured.inside_peak - results)
+    return scratch
+
+
+_TENSOR = "<tensor>"
+
+
+def _library_run(node: fx.Node, channels_last: bool) -> KernelRun | None:
+    """``node`` run alone on tensors of its arguments' layouts (None when an argument's value is unknown)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    inputs: dict[str, TensorLayout] = {}
+
+    def described(arg: fx.Node) -> Any:
+        value = arg.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            if isinstance(value, torch.SymInt):
+                return hint(value)
+            raise LookupError(arg.name)
+        shape = tuple(hint(s) for s in value.shape)
+        stride = tuple(hint(s) for s in value.stride())
+        if channels_last and node.target in _CONVOLUTIONS and len(shape) == 4:
+            stride = torch.empty(shape, device="meta").to(memory_format=torch.channels_last).stride()
+        name = f"t{len(inputs)}"
+        inputs[name] = TensorLayout(shape, tuple(stride), str(value.dtype).removeprefix("torch."))
+        return (_TENSOR, name)
+
+    try:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), described)
+    except LookupError:
+        return None
+    target = node.target
+    key = f"{target}{args}{kwargs}{sorted((n, tuple(layout.__dict__.values())) for n, layout in inputs.items())}"
+
+    def run(tensors: dict[str, torch.Tensor]) -> Any:
+        def real(value: Any) -> Any:
+            return tensors[value[1]] if isinstance(value, tuple) and value[:1] == (_TENSOR,) else value
+        is_tensor = lambda v: isinstance(v, tuple) and v[:1] == (_TENSOR,)  # noqa: E731
+        from torch.utils._pytree import tree_map  # noqa: PLC0415
+        return target(*tree_map(real, args, is_leaf=is_tensor), **tree_map(real, kwargs, is_leaf=is_tensor))
+
+    return KernelRun(key, inputs, run)

@@ -1,0 +1,119 @@
+"""The compile check: what inductor compiled for a planned graph, read back and taught to its profile.
+
+A planned graph compiles at its first call; the compiled forward's and backward's memory is then walked statement
+by statement, library calls measured on the device (:mod:`sublinear.execute.compiled.step_memory`). The profile is
+taught what the compiled code held, slot by slot (:mod:`sublinear.simulation.calibration`): from then on it predicts
+that plan as compiled, and every plan at least as high where the compiler added memory. When the compiled step is
+above the memory budget, the plan is searched again on the taught profile (the same budget, never cut) and compiled
+again, up to :data:`COMPILED_ROUNDS` times; a budget no compiled plan meets raises
+:class:`~sublinear.planners.BudgetError` naming the lowest compiled peak. The taught profile's costs go to the plan
+cache with the plan, so a later process predicts the compiled step before compiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sublinear.cache import PlanCache
+from sublinear.capture.shapes import Binding
+from sublinear.core.objective import Candidate
+from sublinear.core.plan import Plan
+from sublinear.core.profile import GraphProfile, costs_of
+from sublinear.core.units import format_bytes
+from sublinear.execute.compiled import CompiledGraph
+from sublinear.planners import BudgetError
+from sublinear.planners.driver import step_floor
+from sublinear.runtime.variant import _Variant
+from sublinear.simulation.calibration import taught, trace_by_slot
+
+if TYPE_CHECKING:
+    from sublinear.runtime.graph import GraphRuntime
+
+__all__ = ["COMPILED_ROUNDS", "CompileCheck", "Lesson", "Profiled"]
+
+log = logging.getLogger("sublinear")
+
+COMPILED_ROUNDS = 3  # plans searched again on the taught profile when a compiled step is above its budget
+
+
+@dataclasses.dataclass
+class Profiled:
+    """A graph's profile at one signature, with what compiling it needs (the joint graph's forward node names and
+    backward ranks; None for the eager executor), and how many times a compile check taught it."""
+
+    profile: GraphProfile
+    node_names: tuple[str, ...] | None
+    backward_ranks: dict[str, int] | None
+    lessons: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Lesson:
+    """What a compile check needs to teach a variant's profile: the profile's record, and the plan cache entry
+    that keeps what it learns."""
+
+    profiled: Profiled
+    disk_key: str
+
+
+class CompileCheck:
+    """Compiles new variants and teaches their profiles what the compiled code held (see the module docstring).
+    ``replan(runtime, values, key, dry_run, bound)`` plans a signature again on the taught profile."""
+
+    def __init__(self, plans: PlanCache,
+                 replan: Callable[[GraphRuntime, Sequence[Any], tuple, bool, Binding], _Variant]) -> None:
+        self.plans = plans
+        self.replan = replan
+
+    def within_budget(self, runtime: GraphRuntime, variant: _Variant, values: Sequence[Any], key: tuple) -> _Variant:
+        """Compile a new variant now, read what its compiled code holds, teach its profile; above the budget, plan
+        again on the taught profile and compile again."""
+        lowest: tuple[int, _Variant] | None = None
+        for round_ in range(COMPILED_ROUNDS + 1):
+            graph = variant.rewritten
+            if not isinstance(graph, CompiledGraph) or variant.checked:
+                return variant
+            graph.compile(values)  # nothing to do for a partition compiled before
+            variant.checked = True
+            if graph.memory is None:
+                return variant
+            self._teach(variant, graph)
+            if lowest is None or graph.memory.peak < lowest[0]:
+                lowest = (graph.memory.peak, variant)
+            if variant.budget is None or variant.peak_bytes <= variant.budget:
+                return variant
+            if round_ == COMPILED_ROUNDS:
+                raise _over_budget(lowest[1])
+            log.info("sublinear: graph %d as compiled holds %s, above the budget of %s (%s predicted before "
+                     "compiling); planning again on what it held", runtime.index, format_bytes(variant.peak_bytes),
+                     format_bytes(variant.budget), format_bytes(variant.simulation_before_compile))
+            runtime.forget(variant)
+            variant = runtime.variants[key] = self.replan(runtime, values, key, False, variant.bound)
+        return variant
+
+    def _teach(self, variant: _Variant, graph: CompiledGraph) -> None:
+        """Teach the variant's profile (and the cached profile of its signature) what its compiled code held."""
+        lesson = variant.lesson
+        profiled = lesson.profiled
+        memory = graph.memory
+        forward, backward = trace_by_slot(((p.phase, p.live, p.nodes) for p in memory.trace),
+                                          {name: profiled.profile.op_of_node[i]
+                                           for i, name in enumerate(profiled.node_names)},
+                                          profiled.backward_ranks, profiled.profile.num_ops)
+        profiled.profile = taught(profiled.profile, variant.plan, forward, backward)
+        profiled.lessons += 1
+        entry = self.plans.load(lesson.disk_key)
+        if entry is not None and Plan.from_dict(entry) == variant.plan:
+            self.plans.store(lesson.disk_key, {**entry, "costs": costs_of(profiled.profile)})
+        variant.note_compiled(memory.peak, dataclasses.replace(profiled.profile, sharding=variant.profile.sharding,
+                                                                step_context=variant.profile.step_context))
+
+
+def _over_budget(variant: _Variant) -> BudgetError:
+    """The error for a compiled step no plan searched fits: the lowest compiled peak found, for the budget asked."""
+    objective = dataclasses.replace(variant.objective, memory_budget=variant.budget)
+    return BudgetError(objective, Candidate(variant.plan, variant.simulation), None, floor=step_floor(variant.profile),
+                       compiled=True)
