@@ -40,10 +40,14 @@ from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph, mo
 from sublinear.capture.joint import JointGraph
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
-from sublinear.profiling.compiled_costs import _Backward, _backward, _forward_costs, _GradientSide, _materialized
-from sublinear.profiling.compiled_dataflow import _group, _Grouping, _Reads, _reads, _Storages, _storages
+from sublinear.profiling.compiled_costs import (
+    BackwardWalk, GradientSide, forward_costs, materialized_predicate, walk_backward,
+)
+from sublinear.profiling.compiled_dataflow import (
+    OpGrouping, StepStorages, StorageReads, group_ops, step_storages, storage_reads,
+)
 from sublinear.profiling.compiled_nodes import (
-    _channels_last, _Kinds, _library_scratch, _random, _tensors, _writes_input,
+    InductorKinds, channels_last_convolutions, draws_random, library_scratch, tensor_leaves, writes_input,
 )
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates, device_rates
 from sublinear.profiling.kernels import kernel_memory
@@ -74,22 +78,22 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     :func:`sublinear.profiling.graph.profile`); None: as :func:`sublinear.training.step_backward` by default.
     ``measure_scratch``: run each library kernel once on the device for its scratch space (CPU and CUDA).
     """
-    kinds = _Kinds()
+    kinds = InductorKinds()
     fw, bw = joint.forward, joint.backward
-    device = next((t.device for n in joint.primals for t in _tensors(n.meta.get("val"))), torch.device("cpu"))
+    device = next((t.device for n in joint.primals for t in tensor_leaves(n.meta.get("val"))), torch.device("cpu"))
     granule = CUDA_ALLOCATION_GRANULARITY if device.type == "cuda" else 1
     rates = rates or (device_rates(str(device)) if device.type in ("cpu", "cuda") else REFERENCE_GPU)
-    channels_last = _channels_last(joint.gm)
-    grouping = _group(fw)
-    storages = _storages(joint, graph, fw, granule, channels_last)
-    reads = _reads(joint, graph, grouping, storages, kinds, uses)
+    channels_last = channels_last_convolutions(joint.gm)
+    grouping = group_ops(fw)
+    storages = step_storages(joint, graph, fw, granule, channels_last)
+    reads = storage_reads(joint, graph, grouping, storages, kinds, uses)
     tracked = _tracked(grouping, storages, reads)
     measured = measure_scratch and device.type in ("cpu", "cuda")
-    scratch = _library_scratch(fw + bw, kinds, channels_last, kernel_memory(str(device)) if measured else None)
-    materialized = _materialized(storages, reads, kinds, fw)
-    extra, seconds, flops = _forward_costs(fw, grouping, storages, set(tracked), materialized, scratch, kinds, rates)
-    side = _GradientSide(joint, storages, kinds, granule, graph.kinds)
-    backward = _backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
+    scratch = library_scratch(fw + bw, kinds, channels_last, kernel_memory(str(device)) if measured else None)
+    materialized = materialized_predicate(storages, reads, kinds, fw)
+    extra, seconds, flops = forward_costs(fw, grouping, storages, set(tracked), materialized, scratch, kinds, rates)
+    side = GradientSide(joint, storages, kinds, granule, graph.kinds)
+    backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
     record = _record(joint, graph, grouping, storages, reads, tracked, materialized, extra, seconds, flops, backward,
                      rates)
     profile = assemble(record)
@@ -101,7 +105,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
                            {node.name: reads.rank_of_backward[k] for k, node in enumerate(bw)})
 
 
-def _tracked(grouping: _Grouping, storages: _Storages, reads: _Reads) -> list[int]:
+def _tracked(grouping: OpGrouping, storages: StepStorages, reads: StorageReads) -> list[int]:
     """The storages that outlive their op (read by a later op or backward) or that the graph returns, in order."""
     def outlives(key: int) -> bool:
         o = grouping.op_of_node[storages.produced_by[key]]
@@ -110,16 +114,16 @@ def _tracked(grouping: _Grouping, storages: _Storages, reads: _Reads) -> list[in
     return sorted((k for k in storages.produced_by if outlives(k)), key=lambda k: (storages.produced_by[k], k))
 
 
-def _record(joint: JointGraph, graph: CapturedGraph, grouping: _Grouping, storages: _Storages, reads: _Reads,
+def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
             tracked: list[int], materialized, extra: list[int], seconds: list[float], flops: list[int],
-            backward: _Backward, rates: DeviceRates) -> StepRecord:
+            backward: BackwardWalk, rates: DeviceRates) -> StepRecord:
     fw, n_ops = joint.forward, len(grouping.nodes)
     op_of_node, produced = grouping.op_of_node, storages.produced_by
     captured = list(graph.graph_module.graph.nodes)
     ops = [OpProfile(index=o, nodes=tuple(members), name=_op_name(grouping.origins[o], members, fw, captured),
                      flops=flops[o], forward_extra_bytes=extra[o], snapshot_bytes=0,
-                     random=any(_random(fw[i]) for i in members),
-                     mutates_state=any(_writes_input(fw[i]) for i in members), pin_reason=grouping.pinned.get(o, ""),
+                     random=any(draws_random(fw[i]) for i in members),
+                     mutates_state=any(writes_input(fw[i]) for i in members), pin_reason=grouping.pinned.get(o, ""),
                      forward_seconds=seconds[o])
            for o, members in enumerate(grouping.nodes)]
     op_inputs: list[dict[int, set[int]]] = [defaultdict(set) for _ in range(n_ops)]
@@ -136,7 +140,7 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: _Grouping, storag
 
     return StepRecord(
         ops=ops,
-        node_facts={i: NodeFacts(random=_random(fw[i]), pin_reason=grouping.pinned.get(op_of_node[i], ""))
+        node_facts={i: NodeFacts(random=draws_random(fw[i]), pin_reason=grouping.pinned.get(op_of_node[i], ""))
                     for i in range(len(fw)) if op_of_node[i] in grouping.pinned},
         op_of_node=op_of_node,
         node_keys={i: tuple(k for k in storages.keys_of(node) if k not in storages.state) for i, node in enumerate(fw)},

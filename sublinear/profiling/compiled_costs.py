@@ -12,16 +12,20 @@ from torch import fx
 
 from sublinear.capture.dynamo import INPUT, PARAMETER
 from sublinear.capture.joint import JointGraph
-from sublinear.profiling.compiled_dataflow import _Grouping, _Reads, _Storages
-from sublinear.profiling.compiled_nodes import _flops, _key, _Kinds, _node_seconds, _tensors
+from sublinear.profiling.compiled_dataflow import OpGrouping, StorageReads, StepStorages
+from sublinear.profiling.compiled_nodes import (
+    InductorKinds, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
+)
 from sublinear.profiling.costs import DeviceRates
 from sublinear.tensors import size_hint as hint
 
 # --- Forward: bytes inside each op, FLOPs and time -----------------------------------------------------------------
 
-def _materialized(storages: _Storages, reads: _Reads, kinds: _Kinds, fw: list[fx.Node]):
-    """Whether a produced storage is a buffer in forward: a library kernel or a reduction makes it, a library
-    kernel reads it, or the graph returns it (a fused pointwise value read only by fused kernels is not)."""
+def materialized_predicate(storages: StepStorages, reads: StorageReads, kinds: InductorKinds, fw: list[fx.Node]):
+    """The predicate ``materialized(key, rebuilt=False)``: whether a produced storage is a buffer in forward: a
+    library kernel or a reduction makes it, a library kernel reads it, or the graph returns it (a fused pointwise
+    value read only by fused kernels is not). ``rebuilt``: as recomputed, where the graph's returning it does not
+    count."""
     fusible = {key: kinds.fusible(fw[i]) for key, i in storages.produced_by.items()}
 
     def materialized(key: int, rebuilt: bool = False) -> bool:
@@ -30,8 +34,8 @@ def _materialized(storages: _Storages, reads: _Reads, kinds: _Kinds, fw: list[fx
     return materialized
 
 
-def _forward_costs(fw: list[fx.Node], grouping: _Grouping, storages: _Storages, tracked: set[int], materialized,
-                   scratch: dict[fx.Node, int], kinds: _Kinds, rates: DeviceRates):
+def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, tracked: set[int], materialized,
+                  scratch: dict[fx.Node, int], kinds: InductorKinds, rates: DeviceRates):
     """Per op: the most bytes its own allocations hold at once while it runs (its buffers, those that outlive it
     included, and a library call's scratch), its FLOPs and its estimated seconds."""
     last_reader: dict[int, int] = {}
@@ -54,10 +58,10 @@ def _forward_costs(fw: list[fx.Node], grouping: _Grouping, storages: _Storages, 
             for key in [k for k in internal if last_reader.get(k, produced[k]) <= i and produced[k] <= i]:
                 live -= size_of[key]
                 internal.discard(key)
-            node_flops = _flops(node)
+            node_flops = flops_of(node)
             flops[o] += node_flops
-            seconds[o] += _node_seconds(node, node_flops, storages.keys_of, materialized, size_of, storages.state,
-                                        kinds, rates)
+            seconds[o] += estimate_node_seconds(node, node_flops, storages.keys_of, materialized, size_of,
+                                                storages.state, kinds, rates)
         extra[o] = peak
     for o, nbytes in _fused_early(fw, grouping, storages, materialized, kinds).items():
         extra[o] += nbytes
@@ -66,8 +70,8 @@ def _forward_costs(fw: list[fx.Node], grouping: _Grouping, storages: _Storages, 
     return extra, seconds, flops
 
 
-def _fused_early(fw: list[fx.Node], grouping: _Grouping, storages: _Storages, materialized,
-                 kinds: _Kinds) -> dict[int, int]:
+def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, materialized,
+                 kinds: InductorKinds) -> dict[int, int]:
     """Per op: the bytes of buffers a later op makes that its kernel already holds. A pointwise value that is a
     buffer is computed by one kernel together with the chain of pointwise values it is made from that are not
     buffers: the kernel, and the buffer, run where the chain starts, at an earlier op."""
@@ -94,7 +98,7 @@ def _fused_early(fw: list[fx.Node], grouping: _Grouping, storages: _Storages, ma
 # --- Backward: the gradient side per rank --------------------------------------------------------------------------
 
 @dataclass
-class _Backward:
+class BackwardWalk:
     """Per rank: gradient-side bytes (the outputs' gradients and the buffers backward makes) at the start of its
     backward, at their peak before it releases the last forward value it reads, and after; its seconds; and the
     backward's FLOPs and the parameters' gradient bytes at its end."""
@@ -107,11 +111,11 @@ class _Backward:
     gradient_bytes: int
 
 
-class _GradientSide:
+class GradientSide:
     """The buffers backward makes (not forward values), with their sizes and the backward node making each (-1:
     an output's gradient, handed to backward)."""
 
-    def __init__(self, joint: JointGraph, storages: _Storages, kinds: _Kinds, granule: int,
+    def __init__(self, joint: JointGraph, storages: StepStorages, kinds: InductorKinds, granule: int,
                  graph_kinds: Sequence[str]) -> None:
         bw = joint.backward
         self.kinds, self.bw = kinds, bw
@@ -123,14 +127,14 @@ class _GradientSide:
                 for key in storages.keys_of(grad):
                     self.outputs[key] = graph_kinds[k] if k < len(graph_kinds) else INPUT
         for node in joint.tangents:
-            for t in _tensors(node.meta.get("val")):
-                self.sizes.setdefault(_key(t), -(-hint(t.untyped_storage().nbytes()) // granule) * granule)
-                self.born.setdefault(_key(t), -1)
+            for t in tensor_leaves(node.meta.get("val")):
+                self.sizes.setdefault(storage_key_of(t), -(-hint(t.untyped_storage().nbytes()) // granule) * granule)
+                self.born.setdefault(storage_key_of(t), -1)
         self.needs_buffer: set[int] = set()
         self.last: dict[int, int] = {}
         for k, node in enumerate(bw):
-            for t in _tensors(node.meta.get("val")):
-                key = _key(t)
+            for t in tensor_leaves(node.meta.get("val")):
+                key = storage_key_of(t)
                 if key not in storages.produced_by and key not in storages.state and key not in self.born:
                     self.born[key] = k
                     self.sizes[key] = -(-hint(t.untyped_storage().nbytes()) // granule) * granule
@@ -151,8 +155,8 @@ class _GradientSide:
         return sum(self.sizes[key] for key, k in self.born.items() if k < 0)
 
 
-def _backward(joint: JointGraph, reads: _Reads, n_ops: int, storages: _Storages, side: _GradientSide,
-              scratch: dict[fx.Node, int], rates: DeviceRates) -> _Backward:
+def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: StepStorages, side: GradientSide,
+                  scratch: dict[fx.Node, int], rates: DeviceRates) -> BackwardWalk:
     """Walk backward kernel by kernel: inductor fuses the nodes between two library kernels into one kernel, which
     allocates what they make before it runs and frees what they read last after it."""
     bw, ranks = joint.backward, reads.rank_of_backward
@@ -191,10 +195,10 @@ def _backward(joint: JointGraph, reads: _Reads, n_ops: int, storages: _Storages,
             left[ranks[k]] = live
             if last_release.get(ranks[k]) == k:
                 released.add(ranks[k])
-            node_flops = _flops(bw[k])
+            node_flops = flops_of(bw[k])
             total_flops += node_flops
-            seconds[ranks[k]] += _node_seconds(bw[k], node_flops, storages.keys_of, readable, all_sizes,
-                                               storages.state, side.kinds, rates)
+            seconds[ranks[k]] += estimate_node_seconds(bw[k], node_flops, storages.keys_of, readable, all_sizes,
+                                                       storages.state, side.kinds, rates)
     carried = side.tangent_bytes()  # before the first backward node: the outputs' gradients
     for r in range(n_ops - 1, -1, -1):
         if start[r] is None:
@@ -203,10 +207,10 @@ def _backward(joint: JointGraph, reads: _Reads, n_ops: int, storages: _Storages,
             carried = left[r]
     parameter_grads = sum(side.sizes[key] for key, kind in side.outputs.items() if kind == PARAMETER
                           and key in side.sizes)
-    return _Backward(start, before, after, seconds, total_flops, parameter_grads)
+    return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads)
 
 
-def _segments(nodes: list[fx.Node], kinds: _Kinds) -> list[list[int]]:
+def _segments(nodes: list[fx.Node], kinds: InductorKinds) -> list[list[int]]:
     """Positions of ``nodes`` cut into what inductor runs as one kernel: each library kernel alone, and every run of
     other nodes between two of them together."""
     segments: list[list[int]] = []

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from sublinear.capture.dynamo import INPUT, CapturedGraph
 from sublinear.capture.joint import JointGraph, origin
 from sublinear.profiling.compiled_nodes import (
-    _CONVOLUTIONS, _communicates, _key, _Kinds, _random, _tensors, _writes_input,
+    CONVOLUTION_OPS, InductorKinds, communicates, draws_random, storage_key_of, tensor_leaves, writes_input,
 )
 from sublinear.tensors import size_hint as hint
 from sublinear.training import DROPPED, GRADIENT, HELD, gradient_receivers
@@ -26,7 +26,7 @@ from sublinear.training import DROPPED, GRADIENT, HELD, gradient_receivers
 # --- Ops -----------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class _Grouping:
+class OpGrouping:
     """Forward nodes grouped into ops: per op its node positions and the captured node it comes from, and why an op
     is pinned."""
 
@@ -53,7 +53,7 @@ class _Grouping:
         return ops[k] - 1 if k < len(ops) else len(self.nodes) - 1
 
 
-def _group(fw: list[fx.Node]) -> _Grouping:
+def group_ops(fw: list[fx.Node]) -> OpGrouping:
     """Runs of forward nodes from one captured node; random and state-writing nodes alone, pinned."""
     nodes: list[list[int]] = []
     origins: list[int | None] = []
@@ -61,25 +61,25 @@ def _group(fw: list[fx.Node]) -> _Grouping:
     previous = ""  # why the previous node was pinned ("": it was not)
     for i, node in enumerate(fw):
         o = origin(node)
-        pin = (f"{node.name} draws random numbers" if _random(node) else
-               f"{node.name} communicates" if _communicates(node) else
-               "writes into the graph's inputs (BatchNorm's running statistics)" if _writes_input(node) else "")
+        pin = (f"{node.name} draws random numbers" if draws_random(node) else
+               f"{node.name} communicates" if communicates(node) else
+               "writes into the graph's inputs (BatchNorm's running statistics)" if writes_input(node) else "")
         joins = nodes and (pin == previous if pin else
                            not previous and (o == origins[-1] or o is None and origins[-1] is None))
-        if not joins or (pin and _random(node)):
+        if not joins or (pin and draws_random(node)):
             nodes.append([])
             origins.append(o)
         nodes[-1].append(i)
         previous = pin
         if pin:
             pinned[len(nodes) - 1] = pin
-    return _Grouping(nodes, origins, pinned, {i: o for o, members in enumerate(nodes) for i in members})
+    return OpGrouping(nodes, origins, pinned, {i: o for o, members in enumerate(nodes) for i in members})
 
 
 # --- Storages ------------------------------------------------------------------------------------------------------
 
 @dataclass
-class _Storages:
+class StepStorages:
     """The step's storages by key: state (the primals': parameters, buffers, inputs), and what forward produces
     (with the node producing it) including the channels-last copies inductor makes for convolutions (negated
     keys of the primal they copy)."""
@@ -93,39 +93,41 @@ class _Storages:
     def keys_of(self, node: fx.Node) -> list[int]:
         if node in self.node_keys:
             return self.node_keys[node]
-        return [_key(t) for t in _tensors(node.meta.get("val"))]
+        return [storage_key_of(t) for t in tensor_leaves(node.meta.get("val"))]
 
     def read_keys(self, node: fx.Node, arg: fx.Node) -> list[int]:
         """The storages ``node`` reads through ``arg``: a convolution reads the layout copy of a primal."""
         keys = self.keys_of(arg)
-        if node.target in _CONVOLUTIONS:
+        if node.target in CONVOLUTION_OPS:
             keys = [-key if -key in self.layout_copies else key for key in keys]
         return keys
 
 
-def _storages(joint: JointGraph, graph: CapturedGraph, fw: list[fx.Node], granule: int,
-              channels_last: bool) -> _Storages:
+def step_storages(joint: JointGraph, graph: CapturedGraph, fw: list[fx.Node], granule: int,
+                  channels_last: bool) -> StepStorages:
+    """The primals' storages (state) and those ``fw`` produces, sizes rounded up to ``granule``; with
+    ``channels_last``, the layout copies of the primals convolutions read too."""
     def rounded(nbytes: int) -> int:
         return -(-nbytes // granule) * granule
 
     state: dict[int, tuple[str, int]] = {}
     for k, node in enumerate(joint.primals):
         kind = graph.kinds[k] if k < len(graph.kinds) else INPUT
-        for t in _tensors(node.meta.get("val")):
-            state.setdefault(_key(t), (kind, rounded(hint(t.untyped_storage().nbytes()))))
+        for t in tensor_leaves(node.meta.get("val")):
+            state.setdefault(storage_key_of(t), (kind, rounded(hint(t.untyped_storage().nbytes()))))
     produced_by: dict[int, int] = {}
     size_of: dict[int, int] = {}
     node_keys: dict[fx.Node, list[int]] = {}
     for i, node in enumerate(fw):
         keys = []
-        for t in _tensors(node.meta.get("val")):
-            key = _key(t)
+        for t in tensor_leaves(node.meta.get("val")):
+            key = storage_key_of(t)
             keys.append(key)
             if key not in state and key not in produced_by:
                 produced_by[key] = i
                 size_of[key] = rounded(hint(t.untyped_storage().nbytes()))
         node_keys[node] = keys
-    found = _Storages(state, produced_by, size_of, node_keys, {})
+    found = StepStorages(state, produced_by, size_of, node_keys, {})
     if channels_last:
         found.layout_copies = _layout_copies(fw, found)
         for key, (i, nbytes) in found.layout_copies.items():
@@ -134,7 +136,7 @@ def _storages(joint: JointGraph, graph: CapturedGraph, fw: list[fx.Node], granul
     return found
 
 
-def _layout_copies(fw: list[fx.Node], storages: _Storages) -> dict[int, tuple[int, int]]:
+def _layout_copies(fw: list[fx.Node], storages: StepStorages) -> dict[int, tuple[int, int]]:
     """Per primal storage a forward convolution reads in a layout other than channels-last: (where the copy is
     made, the copy's bytes), keyed by the negated storage key. Inductor makes every such copy in the forward's
     first kernel (they read nothing else, and it fuses them together)."""
@@ -156,7 +158,7 @@ def _layout_copies(fw: list[fx.Node], storages: _Storages) -> dict[int, tuple[in
 # --- Reads: forward readers, outputs, backward ranks and saves -----------------------------------------------------
 
 @dataclass
-class _Reads:
+class StorageReads:
     """Per storage: the ops that read it (backward ranks count as readers of the op they run in), whether a
     library kernel reads it (it needs a buffer), what the call does with it when the graph returns it, the ranks
     whose backward reads it and the last backward node that does; per backward node its rank."""
@@ -170,8 +172,10 @@ class _Reads:
     uses: tuple[str, ...]
 
 
-def _reads(joint: JointGraph, graph: CapturedGraph, grouping: _Grouping, storages: _Storages, kinds: _Kinds,
-           uses: Sequence[str] | None) -> _Reads:
+def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, storages: StepStorages,
+                  kinds: InductorKinds, uses: Sequence[str] | None) -> StorageReads:
+    """Who reads each storage forward produces: later ops, library kernels, the call (per output ``uses``; None:
+    as the eager profile's step) and the backward ranks."""
     fw, bw, op_of_node = joint.forward, joint.backward, grouping.op_of_node
     n_ops = len(grouping.nodes)
     produced = storages.produced_by
@@ -199,16 +203,16 @@ def _reads(joint: JointGraph, graph: CapturedGraph, grouping: _Grouping, storage
                     last_backward_read[key] = k
                     if kinds.extern(node):
                         needs_buffer.add(key)
-    return _Reads(readers, needs_buffer, output_use, saved_at, last_backward_read, rank_of_backward, uses)
+    return StorageReads(readers, needs_buffer, output_use, saved_at, last_backward_read, rank_of_backward, uses)
 
 
-def _output_uses(joint: JointGraph, graph: CapturedGraph, storages: _Storages,
+def _output_uses(joint: JointGraph, graph: CapturedGraph, storages: StepStorages,
                  uses: Sequence[str] | None) -> tuple[dict[int, str], tuple[str, ...]]:
     """Per storage the graph returns, what the call does with it (the most demanding use of its outputs); and the
     uses per tensor output (by default as the eager profile's step: the scalars get a gradient when there are any,
     else every output; the others are held)."""
     out_nodes = [a for a in joint.forward_outputs if isinstance(a, fx.Node)]
-    tensor_outputs = [n for n in out_nodes if _tensors(n.meta.get("val"))]
+    tensor_outputs = [n for n in out_nodes if tensor_leaves(n.meta.get("val"))]
     returned = [t.meta["example_value"] for n in graph.graph_module.graph.nodes if n.op == "output"
                 for t in tree_leaves(n.args[0])
                 if isinstance(t, fx.Node) and isinstance(t.meta.get("example_value"), torch.Tensor)]
@@ -224,7 +228,7 @@ def _output_uses(joint: JointGraph, graph: CapturedGraph, storages: _Storages,
     return output_use, tuple(uses[:len(user_outputs)])
 
 
-def _backward_ranks(bw: list[fx.Node], grouping: _Grouping, storages: _Storages) -> list[int]:
+def _backward_ranks(bw: list[fx.Node], grouping: OpGrouping, storages: StepStorages) -> list[int]:
     """Per backward node its rank: the op it was traced from, at least the ops that made what it reads, folded
     into the op running at the time when that is later (autograd's order is kept)."""
     ranks: list[int] = []

@@ -1,6 +1,6 @@
-"""What inductor makes of one node of the joint graph: a fused kernel or a library call (:class:`_Kinds`), whether
-it draws random numbers, writes an input or communicates, its FLOPs and estimated seconds, whether convolutions run
-channels-last, and a library call's scratch space measured on the device (:mod:`.kernels`).
+"""What inductor makes of one node of the joint graph: a fused kernel or a library call (:class:`InductorKinds`),
+whether it draws random numbers, writes an input or communicates, its FLOPs and estimated seconds, whether
+convolutions run channels-last, and a library call's scratch space measured on the device (:mod:`.kernels`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ _FUSIBLE = ("aten.embedding.default", "aten.index.Tensor", "aten.full.default", 
             "aten.zeros.default", "aten.ones.default")
 # Matrix products inductor calls as library kernels although they are not in its needs-realized set.
 _EXTERN = ("aten.addmm.default", "aten.baddbmm.default", "aten.addbmm.default", "aten._addmm_activation.default")
-_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+# The convolutions, forward and backward: inductor may run them on channels-last copies of their tensors.
+CONVOLUTION_OPS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 
 
 def _ops(names: Sequence[str]) -> frozenset:
@@ -41,7 +42,7 @@ def _ops(names: Sequence[str]) -> frozenset:
     return frozenset(found)
 
 
-class _Kinds:
+class InductorKinds:
     """What inductor does with each node: fuse it (pointwise), call a library kernel that needs its inputs in memory
     (extern), or make a buffer of its result with its inputs fused in (reductions and the rest)."""
 
@@ -63,32 +64,38 @@ class _Kinds:
             target in self.realized_inputs or target in self.fallbacks or target in self.extern_ops)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors among ``value``'s pytree leaves, in order."""
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _key(t: torch.Tensor) -> int:
+def storage_key_of(t: torch.Tensor) -> int:
+    """The key of ``t``'s storage, shared by all its views (``t`` must have a storage, as joint-graph values do)."""
     return t.untyped_storage()._cdata
 
 
-def _random(node: fx.Node) -> bool:
+def draws_random(node: fx.Node) -> bool:
+    """Whether ``node``'s op draws random numbers (tagged nondeterministic-seeded)."""
     target = node.target
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
-def _writes_input(node: fx.Node) -> bool:
+def writes_input(node: fx.Node) -> bool:
+    """Whether ``node``'s op writes into an argument, as its schema declares (BatchNorm's running statistics)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return False
     return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
 
 
-def _communicates(node: fx.Node) -> bool:
+def communicates(node: fx.Node) -> bool:
+    """Whether ``node`` is a functional collective (c10d)."""
     target = node.target
     return isinstance(target, torch._ops.OpOverload) and target.namespace in ("_c10d_functional", "c10d_functional")
 
 
-def _flops(node: fx.Node) -> int:
+def flops_of(node: fx.Node) -> int:
+    """``node``'s FLOPs by torch's flop counter formulas; 0 where there is none or it cannot read the values."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return 0
@@ -102,7 +109,7 @@ def _flops(node: fx.Node) -> int:
         return 0
 
 
-def _channels_last(gm: fx.GraphModule) -> bool:
+def channels_last_convolutions(gm: fx.GraphModule) -> bool:
     """Whether inductor will lay this graph's convolutions out channels-last (its own heuristic)."""
     from torch._inductor.graph import GraphLowering  # noqa: PLC0415
 
@@ -112,8 +119,8 @@ def _channels_last(gm: fx.GraphModule) -> bool:
         return False
 
 
-def _node_seconds(node: fx.Node, node_flops: int, keys_of, materialized, size_of: dict[int, int],
-                  state: dict[int, tuple[str, int]], kinds: _Kinds, rates: DeviceRates) -> float:
+def estimate_node_seconds(node: fx.Node, node_flops: int, keys_of, materialized, size_of: dict[int, int],
+                          state: dict[int, tuple[str, int]], kinds: InductorKinds, rates: DeviceRates) -> float:
     """One node's estimated time: its FLOPs, the buffers it reads (materialised values, state) and writes."""
     if is_view(node):
         return 0.0
@@ -130,8 +137,8 @@ def _node_seconds(node: fx.Node, node_flops: int, keys_of, materialized, size_of
     return estimate_seconds(node_flops, read + wrote, kernels, rates)
 
 
-def _library_scratch(nodes: Sequence[fx.Node], kinds: _Kinds, channels_last: bool,
-                     kernels: KernelMemory | None) -> dict[fx.Node, int]:
+def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_last: bool,
+                    kernels: KernelMemory | None) -> dict[fx.Node, int]:
     """Per library node: the bytes its kernel allocates inside the call beyond its results, measured on the
     device, with convolutions' tensors channels-last where inductor lays them out so."""
     if kernels is None:
@@ -142,7 +149,7 @@ def _library_scratch(nodes: Sequence[fx.Node], kinds: _Kinds, channels_last: boo
     for node, run in runs.items():
         measured = kernels.get(run.key)
         if measured is not None:
-            results = sum(hint(t.untyped_storage().nbytes()) for t in _tensors(node.meta.get("val")))
+            results = sum(hint(t.untyped_storage().nbytes()) for t in tensor_leaves(node.meta.get("val")))
             scratch[node] = max(0, measured.inside_peak - results)
     return scratch
 
@@ -164,7 +171,7 @@ def _library_run(node: fx.Node, channels_last: bool) -> KernelRun | None:
             raise LookupError(arg.name)
         shape = tuple(hint(s) for s in value.shape)
         stride = tuple(hint(s) for s in value.stride())
-        if channels_last and node.target in _CONVOLUTIONS and len(shape) == 4:
+        if channels_last and node.target in CONVOLUTION_OPS and len(shape) == 4:
             stride = torch.empty(shape, device="meta").to(memory_format=torch.channels_last).stride()
         name = f"t{len(inputs)}"
         inputs[name] = TensorLayout(shape, tuple(stride), str(value.dtype).removeprefix("torch."))

@@ -16,12 +16,12 @@ import torch
 from sublinear.profiling.costs import (
     REFERENCE_GPU, DeviceRates, device_rates, estimate_seconds, measure_node_costs, measure_node_memory,
 )
-from sublinear.profiling.eager_trace import _Trace
+from sublinear.profiling.eager_trace import StepTrace
 from sublinear.tensors import autocast_context
 
 
 @dataclass(frozen=True)
-class _Costs:
+class EagerStepCosts:
     """Per op the bytes its forward holds beyond its outputs, per rank the gradient-side bytes of its backward
     (measured workspace included), and per node the seconds of its forward and backward."""
 
@@ -32,15 +32,15 @@ class _Costs:
     times: _NodeTimes
 
 
-def _costs(trace: _Trace, op_of_node: dict[int, int], rank_of_node: dict[int, int], n_ops: int,
-           device: torch.device, measure: bool, rates: DeviceRates | None, granule: int) -> _Costs:
+def eager_step_costs(trace: StepTrace, op_of_node: dict[int, int], rank_of_node: dict[int, int], n_ops: int,
+                     device: torch.device, measure: bool, rates: DeviceRates | None, granule: int) -> EagerStepCosts:
     """The step's costs, with operator nodes grouped into ``n_ops`` ops by ``op_of_node`` and ranked by
     ``rank_of_node``."""
     rec = trace.recorder
     windows = _forward_windows(rec.events, op_of_node, n_ops)
     extra = _forward_extra(rec.events, windows, n_ops, rec.serial_bytes)
     grad_start, grad_peak, grad_after, ran = _backward_gradient_profile(rec.events, trace.node_seq, rank_of_node,
-                                                                   len(trace.program.operators), rec.serial_bytes)
+                                                                        len(trace.program.operators), rec.serial_bytes)
     times = _node_times(trace, rank_of_node, device, measure, rates, granule)
     for i, peak in times.forward_peak_bytes.items():  # measured workspace raises the tracked extra bytes
         extra[op_of_node[i]] = max(extra[op_of_node[i]], peak)
@@ -48,10 +48,11 @@ def _costs(trace: _Trace, op_of_node: dict[int, int], rank_of_node: dict[int, in
         r = rank_of_node[i]
         if ran[r]:
             grad_peak[r] = max(grad_peak[r], grad_start[r] + peak)
-    return _Costs(forward_extra=extra, grad_start=grad_start, grad_peak=grad_peak, grad_after=grad_after, times=times)
+    return EagerStepCosts(forward_extra=extra, grad_start=grad_start, grad_peak=grad_peak, grad_after=grad_after,
+                          times=times)
 
 
-def _rng_state_bytes(device: torch.device) -> int:
+def saved_rng_state_bytes(device: torch.device) -> int:
     """Bytes of the generator state the eager executor saves on ``device`` for each random node it may replay
     (the CPU's Mersenne Twister state; a CUDA Philox seed and offset)."""
     return 16 if device.type == "cuda" else int(torch.get_rng_state().numel()) if device.type == "cpu" else 0
@@ -69,7 +70,7 @@ class _NodeTimes:
     backward_peak_bytes: dict[int, int] = field(default_factory=dict)
 
 
-def _node_times(trace: _Trace, rank_of_node: dict[int, int], device: torch.device, measure: bool,
+def _node_times(trace: StepTrace, rank_of_node: dict[int, int], device: torch.device, measure: bool,
                 rates: DeviceRates | None, granule: int) -> _NodeTimes:
     """Each operator node's time, measured on ``device`` or estimated from its FLOPs and bytes over ``rates``; and on
     a CPU or CUDA device, whatever times the ops, the allocator's peak while it runs (kernel workspace)."""
@@ -107,7 +108,7 @@ def _node_times(trace: _Trace, rank_of_node: dict[int, int], device: torch.devic
                       {i: round_up(b) for i, b in peaks[0].items()}, {i: round_up(b) for i, b in peaks[1].items()})
 
 
-def _state_nodes(trace: _Trace) -> set[int]:
+def _state_nodes(trace: StepTrace) -> set[int]:
     """Operator nodes that cannot run alone: a ``torch.vmap`` region's (its values only exist between functorch's
     nesting increment and decrement, which change global state) and calls into torch's private C functions that
     set modes (grad mode, autocast) rather than compute."""

@@ -26,7 +26,7 @@ from sublinear.profiling.tracking import StorageTracker
 from sublinear.tensors import autocast_state, storage_key
 from sublinear.training import DROPPED, GRADIENT, HELD, gradient_receivers, step_backward
 
-__all__ = ["ProfileError", "StorageEvent"]
+__all__ = ["ProfileError", "StepTrace", "StorageEvent", "trace_step"]
 
 _COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "c10d", "c10d_functional", "_dtensor"})
 # Batch-norm kernels update running_mean/var (args 3 and 4) when training (arg 5) without declaring the write in
@@ -128,7 +128,10 @@ class _StepRecorder(StorageTracker):
 
 
 @dataclass
-class _Trace:
+class StepTrace:
+    """One traced step: its program, the recorder's events, and per node its outputs, saves, modes and inputs;
+    storages are named by their serials (indices into ``recorder.serial_bytes``)."""
+
     program: NodeProgram
     recorder: _StepRecorder
     node_out: dict[int, list[int]]  # node -> serial of each tensor leaf of its output (-1: untracked)
@@ -153,8 +156,12 @@ def _profiling_device(values: Sequence[Any]) -> torch.device | None:
     return None
 
 
-def _trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool,
-                uses: Sequence[str] | None) -> _Trace:
+def trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool,
+               uses: Sequence[str] | None) -> StepTrace:
+    """Run ``graph``'s forward and backward once on fakes of ``values``, every storage tracked. ``keep_inputs``:
+    record each node's arguments (to time it alone); ``uses``: per tensor output, what the step does with it
+    (None: :func:`~sublinear.training.gradient_receivers` get a gradient, the rest are held). Raises
+    :class:`ProfileError` when a node fails on the fakes."""
     twin = FakeTwin()
     inputs = twin.value(list(values), _profiling_device(values))
     program = NodeProgram(graph.graph_module)
@@ -221,5 +228,5 @@ def _trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool,
         gradient_sizes = [st.nbytes() for st in {p.grad.untyped_storage()._cdata: p.grad.untyped_storage()
                                                  for p in leaves if p.grad is not None}.values()]
     del outputs
-    return _Trace(program, recorder, node_out, dict(node_saved), node_seq, node_modes, node_inputs, state_serials,
-                  output_serials, tuple(uses), gradient_sizes)
+    return StepTrace(program, recorder, node_out, dict(node_saved), node_seq, node_modes, node_inputs, state_serials,
+                     output_serials, tuple(uses), gradient_sizes)

@@ -19,8 +19,8 @@ from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
 from sublinear.execute.program import NodeProgram
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates
-from sublinear.profiling.eager_costs import _Costs, _costs, _rng_state_bytes
-from sublinear.profiling.eager_trace import _Trace, _trace_step
+from sublinear.profiling.eager_costs import EagerStepCosts, eager_step_costs, saved_rng_state_bytes
+from sublinear.profiling.eager_trace import StepTrace, trace_step
 from sublinear.profiling.record import StepRecord, assemble
 from sublinear.tensors import device_of
 
@@ -53,15 +53,15 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
         rates = REFERENCE_GPU
     if measure and device.type not in ("cpu", "cuda"):
         raise ValueError(f"cost_model='measure' needs CPU or CUDA tensors; these are on {device}")
-    trace = _trace_step(graph, values, keep_inputs=device.type in ("cpu", "cuda"), uses=uses)
+    trace = trace_step(graph, values, keep_inputs=device.type in ("cpu", "cuda"), uses=uses)
     granule = CUDA_ALLOCATION_GRANULARITY if device.type == "cuda" else 1
     if granule > 1:
         trace.recorder.serial_bytes = [-(-b // granule) * granule for b in trace.recorder.serial_bytes]
     grouping = _group(trace)
     lifetimes = _lifetimes(trace, grouping)
-    costs = _costs(trace, grouping.op_of_node, grouping.rank_of_node, len(grouping.groups), device, measure, rates,
-                   granule)
-    return assemble(_record(trace, grouping, lifetimes, costs, granule, _rng_state_bytes(device)))
+    costs = eager_step_costs(trace, grouping.op_of_node, grouping.rank_of_node, len(grouping.groups), device, measure,
+                             rates, granule)
+    return assemble(_record(trace, grouping, lifetimes, costs, granule, saved_rng_state_bytes(device)))
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class _Grouping:
     producer_node: dict[int, int]  # storage serial -> the forward node that allocated it
 
 
-def _group(trace: _Trace) -> _Grouping:
+def _group(trace: StepTrace) -> _Grouping:
     program, rec = trace.program, trace.recorder
     producer_node: dict[int, int] = {}
     for backward, ctx, kind, serial, _ in rec.events:
@@ -102,7 +102,7 @@ class _Lifetimes:
     sid: dict[int, int]  # serial -> its index among ``storages``
 
 
-def _lifetimes(trace: _Trace, grouping: _Grouping) -> _Lifetimes:
+def _lifetimes(trace: StepTrace, grouping: _Grouping) -> _Lifetimes:
     program, rec = trace.program, trace.recorder
     groups, op_of_node, producer_node = grouping.groups, grouping.op_of_node, grouping.producer_node
     value_serials = {i: _distinct(s for s in trace.node_out.get(i, []) if s >= 0) for i in range(len(program.nodes))}
@@ -137,7 +137,7 @@ def _lifetimes(trace: _Trace, grouping: _Grouping) -> _Lifetimes:
                       storages=storages, sid={s: k for k, s in enumerate(storages)})
 
 
-def _record(trace: _Trace, grouping: _Grouping, lifetimes: _Lifetimes, costs: _Costs, granule: int,
+def _record(trace: StepTrace, grouping: _Grouping, lifetimes: _Lifetimes, costs: EagerStepCosts, granule: int,
             rng_state_bytes: int) -> StepRecord:
     """What the traced step says, as the one profiling stage reads it (storages named by their serials)."""
     program, rec = trace.program, trace.recorder
@@ -194,7 +194,7 @@ def _peak(events, sizes: list[int], baseline: int) -> int:
     return peak
 
 
-def _node_facts(i: int, trace: _Trace) -> NodeFacts:
+def _node_facts(i: int, trace: StepTrace) -> NodeFacts:
     program, rec = trace.program, trace.recorder
     node = program.nodes[i]
     writes = set(rec.writes.get(i, []))
@@ -214,7 +214,7 @@ def _node_facts(i: int, trace: _Trace) -> NodeFacts:
                      grad_enabled=grad_enabled, autocast=autocast)
 
 
-def _pin_readers_of_updated_state(facts: dict[int, NodeFacts], trace: _Trace) -> None:
+def _pin_readers_of_updated_state(facts: dict[int, NodeFacts], trace: StepTrace) -> None:
     """A node reading state that another node updates in place cannot be replayed later: pin it."""
     program, rec = trace.program, trace.recorder
     writers: dict[int, set[int]] = defaultdict(set)
@@ -236,7 +236,7 @@ def _pin_readers_of_updated_state(facts: dict[int, NodeFacts], trace: _Trace) ->
             facts[i] = replace(old, pin_reason="; ".join(r for r in (old.pin_reason, reason) if r))
 
 
-def _arg_slots_holding(node, program: NodeProgram, trace: _Trace, serials: set[int]):
+def _arg_slots_holding(node, program: NodeProgram, trace: StepTrace, serials: set[int]):
     """Positions/names of ``node``'s direct args whose storage is in ``serials``, if they cover all of them."""
     slots, covered = [], set()
     for slot, arg in itertools.chain(enumerate(node.args), node.kwargs.items()):
@@ -248,7 +248,7 @@ def _arg_slots_holding(node, program: NodeProgram, trace: _Trace, serials: set[i
     return tuple(slots) if covered == serials else None
 
 
-def _merge_in_place_runs(operators: list[int], trace: _Trace, producer_node: dict[int, int]) -> list[list[int]]:
+def _merge_in_place_runs(operators: list[int], trace: StepTrace, producer_node: dict[int, int]) -> list[list[int]]:
     """Group operator nodes so that every in-place write lands in the op that produced the storage, and every
     ``torch.vmap`` region (from functorch's nesting increment to its decrement) is one op: its values are batched
     wrappers with no storage of their own, and its nodes only run between the two."""

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from sublinear.core.profile import StepContext
 from sublinear.runtime.step import (
-    _contexts_by_graph, _GraphRun, _planned_knowing_later, _widest, output_uses, step_contexts,
+    GraphRun, contexts_by_graph, output_uses, planned_knowing_later, step_contexts, widest_context,
 )
-from sublinear.runtime.variant import _Variant
+from sublinear.runtime.variant import GraphVariant
 from sublinear.training import DROPPED, GRADIENT, HELD
 
 if TYPE_CHECKING:
@@ -31,16 +31,16 @@ class CallTracker:
     ``explicit``: calls are marked by :meth:`begin` and :meth:`finish` (else the first graph of a call starts it)."""
 
     def __init__(self) -> None:
-        self.current: list[_GraphRun] = []
-        self.previous: list[_GraphRun] = []
-        self.latest: dict[str, _Variant] = {}
+        self.current: list[GraphRun] = []
+        self.previous: list[GraphRun] = []
+        self.latest: dict[str, GraphVariant] = {}
         self.uses: dict[str, tuple[str, ...]] = {}
         self.explicit = False
 
     def begin(self) -> None:
         self.current = []
 
-    def record(self, run: _GraphRun) -> None:
+    def record(self, run: GraphRun) -> None:
         """A graph of the current call ran."""
         self.current.append(run)
 
@@ -49,7 +49,7 @@ class CallTracker:
         again)."""
         return not self.explicit and bool(self.current) and self.current[0].runtime.graph.code == code
 
-    def running(self) -> dict[str, _Variant]:
+    def running(self) -> dict[str, GraphVariant]:
         """Per graph, the variant the current call ran (without explicit calls no end is seen: these describe it)."""
         return {run.runtime.graph.code: run.variant for run in self.current}
 
@@ -63,7 +63,7 @@ class CallTracker:
             return []
         self.previous = runs
         stale = self._learn_output_uses(runs, returned)
-        contexts = _contexts_by_graph(runs, eager=False)
+        contexts = contexts_by_graph(runs, eager=False)
         eager_contexts: dict[str, StepContext] | None = None  # made when a context changed: eager's, for the report
         self.latest = {}
         for run in runs:
@@ -76,13 +76,13 @@ class CallTracker:
             if variant.bound and context is not None and planned_in is not None:
                 # A family's plan serves calls of every size up to its bound: what the other graphs hold at a
                 # smaller call is no reason to plan again; what they hold beyond the context planned in is.
-                context = _widest(planned_in, context)
+                context = widest_context(planned_in, context)
             if run.runtime in stale or (context == variant.profile.step_context and not variant.settling):
                 continue
             if eager_contexts is None:
-                eager_contexts = _contexts_by_graph(runs, eager=True)
+                eager_contexts = contexts_by_graph(runs, eager=True)
             variant.set_context(context, eager_contexts.get(code))
-            unknown_later = variant.objective.memory_budget is not None and not _planned_knowing_later(variant, context)
+            unknown_later = variant.objective.memory_budget is not None and not planned_knowing_later(variant, context)
             if variant.settling or not variant.accepted or unknown_later:
                 run.runtime.forget(variant)
                 stale.append(run.runtime)
@@ -103,13 +103,13 @@ class CallTracker:
                       and r.variant.planned_in.later_beyond_held is not None for r in earlier)
         if not earlier and not later:
             return None, settled
-        upcoming = _GraphRun.of(runtime, None, values)
+        upcoming = GraphRun.of(runtime, None, values)
         if same_place:  # the later runs read its outputs as the previous call made them
             upcoming.outputs = previous[position].outputs
         runs = [*earlier, upcoming, *later]
         return step_contexts(runs, first=position)[position], settled
 
-    def _learn_output_uses(self, runs: Sequence[_GraphRun], returned: Any) -> list[GraphRuntime]:
+    def _learn_output_uses(self, runs: Sequence[GraphRun], returned: Any) -> list[GraphRuntime]:
         """Record what the call did with each graph's outputs; forget the variants profiled otherwise and return
         their graphs. A graph that runs several times gets, per output, the most demanding use of its runs."""
         if returned is UNSEEN:

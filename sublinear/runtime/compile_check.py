@@ -26,7 +26,7 @@ from sublinear.core.units import format_bytes
 from sublinear.execute.compiled import CompiledGraph
 from sublinear.planners import BudgetError
 from sublinear.planners.driver import step_floor
-from sublinear.runtime.variant import _Variant
+from sublinear.runtime.variant import GraphVariant
 from sublinear.simulation.calibration import taught, trace_by_slot
 
 if TYPE_CHECKING:
@@ -64,14 +64,15 @@ class CompileCheck:
     ``replan(runtime, values, key, dry_run, bound)`` plans a signature again on the taught profile."""
 
     def __init__(self, plans: PlanCache,
-                 replan: Callable[[GraphRuntime, Sequence[Any], tuple, bool, Binding], _Variant]) -> None:
+                 replan: Callable[[GraphRuntime, Sequence[Any], tuple, bool, Binding], GraphVariant]) -> None:
         self.plans = plans
         self.replan = replan
 
-    def within_budget(self, runtime: GraphRuntime, variant: _Variant, values: Sequence[Any], key: tuple) -> _Variant:
+    def within_budget(self, runtime: GraphRuntime, variant: GraphVariant, values: Sequence[Any],
+                      key: tuple) -> GraphVariant:
         """Compile a new variant now, read what its compiled code holds, teach its profile; above the budget, plan
         again on the taught profile and compile again."""
-        lowest: tuple[int, _Variant] | None = None
+        lowest: tuple[int, GraphVariant] | None = None
         for round_ in range(COMPILED_ROUNDS + 1):
             graph = variant.rewritten
             if not isinstance(graph, CompiledGraph) or variant.checked:
@@ -94,7 +95,7 @@ class CompileCheck:
             variant = runtime.variants[key] = self.replan(runtime, values, key, False, variant.bound)
         return variant
 
-    def _teach(self, variant: _Variant, graph: CompiledGraph) -> None:
+    def _teach(self, variant: GraphVariant, graph: CompiledGraph) -> None:
         """Teach the variant's profile (and the cached profile of its signature) what its compiled code held."""
         lesson = variant.lesson
         profiled = lesson.profiled
@@ -112,7 +113,7 @@ class CompileCheck:
                                                                 step_context=variant.profile.step_context))
 
 
-def _over_budget(variant: _Variant) -> BudgetError:
+def _over_budget(variant: GraphVariant) -> BudgetError:
     """The error for a compiled step no plan searched fits: the lowest compiled peak found, for the budget asked."""
     objective = dataclasses.replace(variant.objective, memory_budget=variant.budget)
     return BudgetError(objective, Candidate(variant.plan, variant.simulation), None, floor=step_floor(variant.profile),

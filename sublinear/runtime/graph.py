@@ -16,8 +16,8 @@ from sublinear.capture.shapes import Binding, SymbolicSizes, argument_dims, buck
 from sublinear.core.units import format_bytes
 from sublinear.execute.compiled import resolve_compiler
 from sublinear.planners import BudgetError
-from sublinear.runtime.step import _GraphRun
-from sublinear.runtime.variant import _Variant
+from sublinear.runtime.step import GraphRun
+from sublinear.runtime.variant import GraphVariant
 from sublinear.tensors import autocast_state, device_of
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class GraphRuntime:
         self.graph = graph
         self.session = session
         self.index = index
-        self.variants: dict[tuple, _Variant] = {}
+        self.variants: dict[tuple, GraphVariant] = {}
         self.seen: Binding = {}
 
     def key(self, values: Sequence[Any]) -> tuple:
@@ -89,7 +89,7 @@ class GraphRuntime:
             return "eager"
         return compiler
 
-    def variant_for(self, values: Sequence[Any], dry_run: bool = False) -> _Variant:
+    def variant_for(self, values: Sequence[Any], dry_run: bool = False) -> GraphVariant:
         """The variant that runs a call with ``values``: planned before for the call's signature (and, for a dynamic
         graph, for sizes at or above the call's), or planned now; compiled, and within the budget as compiled."""
         key = self.key(values)
@@ -115,7 +115,7 @@ class GraphRuntime:
             variant = self.variants[key] = pipeline.compiled_within_budget(self, variant, values, key)
         return variant
 
-    def _plan_family(self, values: Sequence[Any], key: tuple, dry_run: bool, seen: Binding) -> _Variant:
+    def _plan_family(self, values: Sequence[Any], key: tuple, dry_run: bool, seen: Binding) -> GraphVariant:
         """Plan for ``values``; a dynamic graph for its sizes' bucket (:func:`sublinear.capture.shapes.bucket`), or,
         when no plan fits the budget there, for the largest sizes seen."""
         pipeline = self.session.pipeline
@@ -144,7 +144,7 @@ class GraphRuntime:
                     break
         return bound
 
-    def forget(self, variant: _Variant) -> None:
+    def forget(self, variant: GraphVariant) -> None:
         """Plan this signature again at its next run (where its plan still meets the objective, it is kept)."""
         self.variants = {k: v for k, v in self.variants.items() if v is not variant}
         self.session.pipeline.remember_prior(self.graph.code, variant.plan)
@@ -158,7 +158,7 @@ class GraphRuntime:
         variant = self.variant_for(values)
         if not session.calls.explicit:  # no call end is seen: planning ends with the graph's
             session.progress.end(lambda: str(variant.summary))
-        run = _GraphRun.of(self, variant, values)
+        run = GraphRun.of(self, variant, values)
         out = variant.rewritten(*values)
         run.record(GraphOutputs.of(out))
         session.calls.record(run)

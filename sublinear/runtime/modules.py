@@ -22,7 +22,7 @@ from sublinear.planners.driver import step_floor
 from sublinear.sharding import refuse_nested_fsdp
 from sublinear.tensors import device_of
 from sublinear.runtime.session import SublinearBackend, collecting_new_objects_only
-from sublinear.runtime.step import _GraphRun
+from sublinear.runtime.step import GraphRun
 
 log = logging.getLogger("sublinear")
 
@@ -168,8 +168,8 @@ def _plan_captured(module: nn.Module, backend_: SublinearBackend, args: Sequence
     for _round in range(PLAN_AHEAD_ROUNDS):
         backend_.begin_call()
         for runtime in runtimes:
-            run = _GraphRun.of(runtime, runtime.variant_for(runtime.graph.example_values, dry_run=True),
-                               runtime.graph.example_values)
+            run = GraphRun.of(runtime, runtime.variant_for(runtime.graph.example_values, dry_run=True),
+                              runtime.graph.example_values)
             run.record(runtime.graph.example_outputs)
             backend_.calls.record(run)
         if not backend_.finish_call(captured.returned):

@@ -30,8 +30,8 @@ from sublinear.planners import BudgetError, PlanningResult, make_plan, objective
 from sublinear.profiling.compiled import profile_joint
 from sublinear.profiling.graph import profile
 from sublinear.runtime.compile_check import CompileCheck, Lesson, Profiled
-from sublinear.runtime.plans import _summarise
-from sublinear.runtime.variant import _Variant
+from sublinear.runtime.plans import summarise_plan
+from sublinear.runtime.variant import GraphVariant
 from sublinear.simulation.timeline import simulate
 from sublinear.tensors import device_of
 
@@ -73,7 +73,7 @@ class PlanPipeline:
     # -- planning -----------------------------------------------------------------------------------------------
 
     def plan(self, runtime: GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool,
-             bound: Binding) -> _Variant:
+             bound: Binding) -> GraphVariant:
         """Profile and plan ``runtime``'s graph for a call with ``values`` (real or fake). Planning draws random
         numbers (measuring op costs) under a forked RNG, so the training's random stream is as in eager, and runs
         outside the caller's dispatch modes (a memory tracker around the step sees the step, not the planning)."""
@@ -93,7 +93,7 @@ class PlanPipeline:
                 return self._plan(runtime, values, key, dry_run, bound)
 
     def _plan(self, runtime: GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool,
-              bound: Binding) -> _Variant:
+              bound: Binding) -> GraphVariant:
         started = time.perf_counter()
         graph, config = runtime.graph, self.config
         context, settled = runtime.session.calls.context_for(runtime, values)
@@ -155,20 +155,20 @@ class PlanPipeline:
 
     def _variant(self, runtime: GraphRuntime, values: Sequence[Any], keys: tuple[tuple, str], bound: Binding,
                  profiled: Profiled, profile_: GraphProfile, objective: Objective, budget: int | None,
-                 choice: _Choice, context, seconds: float) -> _Variant:
+                 choice: _Choice, context, seconds: float) -> GraphVariant:
         graph, plan, (key, disk_key) = runtime.graph, choice.plan, keys
         sim = simulate(profile_, plan)
         rewritten = self.executors.for_plan(graph, key, bound, profiled, profile_, plan)
         result = choice.result
         history = tuple((c.simulation.peak_bytes, c.simulation.time_ratio) for c in result.history) if result else ()
         eager = simulate(profile_, Plan.no_split(profile_.num_ops))
-        summary = _summarise(runtime.index, values, graph, profile_, plan, result, sim, eager, choice.origin,
-                             objective, seconds, choice.from_cache, history, bound)
+        summary = summarise_plan(runtime.index, values, graph, profile_, plan, result, sim, eager, choice.origin,
+                                 objective, seconds, choice.from_cache, history, bound)
         log.info("sublinear: %s %s", "planned" if choice.searched else "reused the plan for", summary)
-        return _Variant(profile=profile_, plan=plan, simulation=sim, rewritten=rewritten, summary=summary,
-                        auto_budget=self.config.memory_budget == "auto", objective=objective, planned_in=context,
-                        uses=profile_.output_uses, budget=budget, settling=choice.settling, bound=bound,
-                        lesson=Lesson(profiled, disk_key))
+        return GraphVariant(profile=profile_, plan=plan, simulation=sim, rewritten=rewritten, summary=summary,
+                            auto_budget=self.config.memory_budget == "auto", objective=objective, planned_in=context,
+                            uses=profile_.output_uses, budget=budget, settling=choice.settling, bound=bound,
+                            lesson=Lesson(profiled, disk_key))
 
     # -- budgets ------------------------------------------------------------------------------------------------
 
@@ -178,8 +178,8 @@ class PlanPipeline:
 
     # -- the compile check --------------------------------------------------------------------------------------
 
-    def compiled_within_budget(self, runtime: GraphRuntime, variant: _Variant, values: Sequence[Any],
-                               key: tuple) -> _Variant:
+    def compiled_within_budget(self, runtime: GraphRuntime, variant: GraphVariant, values: Sequence[Any],
+                               key: tuple) -> GraphVariant:
         """``variant`` compiled, its profile taught what the compiled code held, planned again while above the
         budget (:class:`~sublinear.runtime.compile_check.CompileCheck`)."""
         return self.compile_check.within_budget(runtime, variant, values, key)

@@ -171,10 +171,12 @@ class SublinearPlan:
         return "\n".join([*(g.describe() for g in self.graphs), *(f"graph break at {b}" for b in self.breaks)])
 
 
-def _summarise(index: int, values: Sequence[Any], graph: CapturedGraph, profile_: GraphProfile, plan: Plan,
-               result: PlanningResult | None, sim: Simulation, eager: Simulation, origin: str, objective: Objective,
-               planning_seconds: float, from_cache: bool, history: tuple[tuple[int, float], ...],
-               bound: Binding) -> GraphPlan:
+def summarise_plan(index: int, values: Sequence[Any], graph: CapturedGraph, profile_: GraphProfile, plan: Plan,
+                   result: PlanningResult | None, sim: Simulation, eager: Simulation, origin: str, objective: Objective,
+                   planning_seconds: float, from_cache: bool, history: tuple[tuple[int, float], ...],
+                   bound: Binding) -> GraphPlan:
+    """The :class:`GraphPlan` of graph ``index`` called with ``values``: ``plan``'s blocks by op names, and ``sim``'s
+    predictions against ``eager``'s."""
     a = analyse(profile_, plan)
     blocks = []
     for b, ops in enumerate(plan.blocks()):

@@ -25,7 +25,7 @@ from sublinear.runtime.calls import UNSEEN, CallTracker
 from sublinear.runtime.graph import GraphRuntime
 from sublinear.runtime.pipeline import PlanPipeline
 from sublinear.runtime.plans import ParetoPoint, SublinearPlan
-from sublinear.runtime.variant import _Variant
+from sublinear.runtime.variant import GraphVariant
 
 __all__ = ["SublinearBackend", "backend", "collecting_new_objects_only"]
 
@@ -92,7 +92,7 @@ class SublinearBackend:
         return True
 
     @property
-    def latest(self) -> dict[str, _Variant]:
+    def latest(self) -> dict[str, GraphVariant]:
         """Per graph (by code), the variant the latest finished training call ran, in the order it ran."""
         return self.calls.latest
 

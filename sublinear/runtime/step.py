@@ -16,7 +16,7 @@ from sublinear.core.plan import Plan
 from sublinear.core.profile import StepContext
 from sublinear.training import DROPPED, GRADIENT, HELD
 from sublinear.simulation.timeline import simulate
-from sublinear.runtime.variant import _Variant
+from sublinear.runtime.variant import GraphVariant
 
 if TYPE_CHECKING:
     from sublinear.runtime.graph import GraphRuntime
@@ -33,11 +33,11 @@ def _storages(values: list[Any]) -> dict[int, int]:
 
 
 @dataclass
-class _GraphRun:
+class GraphRun:
     """One graph's run in a training call: its variant and the storages it read and produced."""
 
     runtime: GraphRuntime
-    variant: _Variant | None  # None: the run of a graph about to be planned
+    variant: GraphVariant | None  # None: the run of a graph about to be planned
     state: dict[int, int]  # parameter and buffer storages -> bytes
     parameters: dict[int, int]  # parameter storages (backward gives each a gradient of its size)
     inputs: dict[int, int]  # the other tensor inputs
@@ -55,12 +55,12 @@ class _GraphRun:
         return self.variant.eager_held if self.variant is not None else 0
 
     @staticmethod
-    def of(runtime: GraphRuntime, variant: _Variant | None, values: Sequence[Any]) -> _GraphRun:
+    def of(runtime: GraphRuntime, variant: GraphVariant | None, values: Sequence[Any]) -> GraphRun:
         kinds = runtime.graph.kinds
         parameters = _storages([v for k, v in zip(kinds, values) if k == PARAMETER])
         state = {**parameters, **_storages([v for k, v in zip(kinds, values) if k == BUFFER])}
         inputs = _storages([v for k, v in zip(kinds, values) if k == INPUT])
-        return _GraphRun(runtime, variant, state, parameters, inputs)
+        return GraphRun(runtime, variant, state, parameters, inputs)
 
     def record(self, outputs: GraphOutputs) -> None:
         """What the run returned."""
@@ -73,7 +73,7 @@ def _sum_except(storages: dict[int, int], excluded: dict[int, int]) -> int:
     return sum(b for s, b in storages.items() if s not in excluded)
 
 
-def step_contexts(runs: Sequence[_GraphRun], first: int = 0, eager: bool = False) -> list[StepContext]:
+def step_contexts(runs: Sequence[GraphRun], first: int = 0, eager: bool = False) -> list[StepContext]:
     """Per run of one call, what the other runs keep live beside it, with every run at its current plan (``eager``:
     with every run unplanned, the step eager runs); complete for the runs from ``first`` on (the later runs need
     plans, the earlier ones do not).
@@ -115,17 +115,17 @@ def step_contexts(runs: Sequence[_GraphRun], first: int = 0, eager: bool = False
     return contexts
 
 
-def _contexts_by_graph(runs: Sequence[_GraphRun], eager: bool) -> dict[str, StepContext]:
+def contexts_by_graph(runs: Sequence[GraphRun], eager: bool) -> dict[str, StepContext]:
     """Per graph of a call of several runs, its :func:`step_contexts`; a graph run several times gets the widest."""
     found: dict[str, StepContext] = {}
     if len(runs) > 1:
         for run, context in zip(runs, step_contexts(runs, eager=eager)):
             code = run.runtime.graph.code
-            found[code] = _widest(found[code], context) if code in found else context
+            found[code] = widest_context(found[code], context) if code in found else context
     return found
 
 
-def output_uses(runs: Sequence[_GraphRun], returned: Any) -> list[tuple[str, ...]]:
+def output_uses(runs: Sequence[GraphRun], returned: Any) -> list[tuple[str, ...]]:
     """Per run of one call that returned ``returned``, per tensor output: what the step did with it (see
     :func:`sublinear.profiling.graph.profile`). A later run reads it, or it is the loss: the scalars among what the call
     returned when there are any (a loss computed in forward), else every floating tensor it returned; those get a
@@ -142,13 +142,13 @@ def output_uses(runs: Sequence[_GraphRun], returned: Any) -> list[tuple[str, ...
     return uses
 
 
-def _planned_knowing_later(variant: _Variant, context: StepContext | None) -> bool:
+def planned_knowing_later(variant: GraphVariant, context: StepContext | None) -> bool:
     """Whether ``variant`` was planned knowing the graphs after it, where ``context`` says there are some."""
     return context is None or context.later_beyond_held is None or (
         variant.planned_in is not None and variant.planned_in.later_beyond_held is not None)
 
 
-def _widest(a: StepContext, b: StepContext) -> StepContext:
+def widest_context(a: StepContext, b: StepContext) -> StepContext:
     """A context covering both (a graph that runs several times in a call is planned for its worst run)."""
     later = [v for v in (a.later_beyond_held, b.later_beyond_held) if v is not None]
     return StepContext(max(a.beside_forward, b.beside_forward), max(a.beside_backward, b.beside_backward),

@@ -18,7 +18,7 @@ from sublinear.simulation.timeline import simulate
 
 
 @dataclass
-class _Variant:
+class GraphVariant:
     """A graph planned for one call signature; ``profile`` carries the step context it is simulated in. Once its
     compiled code is read back (``checked``), ``profile`` is the profile taught what it held, so ``simulation``
     is the compiled step's; ``simulation_before_compile`` keeps the prediction made before compiling."""
