@@ -712,7 +712,10 @@ def main() -> None:
         if si is not None and si_cell.startswith("Δ"):
             vs_compile = _diff_text(si, runs.get("torch.compile"))
             notes.append(f"{label}: sublinear-inductor is not bit for bit equal to torch.compile ({vs_compile}).")
-    lines += ["", "## Notes", ""]
+    lines += ["", "Predicted peak before compiling against the CPU allocator's measured peak, and a budget sweep per "
+              "model:",
+              "[compiled_memory.md](compiled_memory.md) (`python benchmarks/compiled_memory.py --jobs 2 --out",
+              "docs/compiled_memory.md`).", "", "## Notes", ""]
     lines += [f"- {n}" for n in notes] or ["- No run failed and every sublinear-eager run was exact."]
     text = "\n".join(lines) + "\n"
     print(text)

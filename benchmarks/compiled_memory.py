@@ -1,0 +1,260 @@
+"""The compiled step's memory, predicted before compiling against the CPU allocator, and budget sweeps.
+
+    python benchmarks/compiled_memory.py --jobs 2 --out docs/compiled_memory.md
+
+For each model (the third-party set of ``benchmarks/third_party.py``, random-initialised from small configs, and the
+zoo's ResNet-50), in its own subprocess with an empty inductor cache and one thread:
+
+1. eager's peak: one plain step (forward, loss, backward; gradients None before it), the CPU allocator's count
+   (:func:`sublinear.measure_cpu_allocator`);
+2. the lowest peak any plan reaches: ``memory_budget=1`` raises :class:`sublinear.BudgetError` while planning, before
+   anything compiles, with the smallest predicted peak;
+3. the points: no budget, then budgets at fractions 0.02, 0.35 and 0.7 of the way from that lowest peak to eager's
+   (or to the no-budget plan's predicted peak, where that is higher: tiny models whose compiled step holds more).
+   Each point applies sublinear (inductor, ``cache_dir=""``) to a fresh copy of the model (the same initial weights),
+   runs two steps (capture, plan, compile) and measures the third with the allocator. A step is
+   ``loss_fn(model(*args, **kwargs)).backward()``: the model's output object is dropped before backward runs. "before compiling" is the
+   step's peak the plan was chosen with (the largest over graphs of ``GraphPlan.predicted_before_compile_bytes``);
+   "after the compile check" is the prediction once the compiled code was walked statement by statement and the
+   profile taught what it held; "compiles" counts the compiles of the
+   first call (1 + the plans searched again after a compiled step came out above its budget).
+
+The report checks the targets of the compiled memory model: the prediction before compiling within 2 % (or 256 KiB)
+of the allocator, every measured peak at or below its budget, and the measured peak never rising with the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import third_party  # noqa: E402
+
+FRACTIONS = (0.02, 0.35, 0.7)
+MODELS = ("custom", "bert", "gpt2", "llama", "t5", "llama_lora", "mixtral", "mamba", "timm_vit", "timm_convnext",
+          "timm_resnet", "unet", "autoencoder_kl", "resnet50")
+TOLERANCE, FLOOR = 0.02, 256 * 1024
+
+
+def _build(name: str):
+    """(model, args, kwargs, loss_fn) for one step of ``name``."""
+    torch.manual_seed(third_party.INIT_SEED)
+    if name == "resnet50":
+        from sublinear.models import get_model
+        from sublinear.training import default_loss
+
+        model = get_model("resnet50").build()
+        x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+        return model.train(), (x,), {}, lambda out: default_loss(out)
+    model, batches, loss_fn = third_party.MODELS[name][2]()
+    args, kwargs, extra = batches[0]
+    return model.train(), args, kwargs, lambda out: loss_fn(out, extra)
+
+
+class _Replans(logging.Handler):
+    """Counts the plans searched again after a compiled step came out above its budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "planning again on what it held" in record.getMessage()
+
+
+def _point(name: str, budget: int | None) -> dict:
+    import sublinear
+
+    model, args, kwargs, loss_fn = _build(name)
+    replans = _Replans()
+    logging.getLogger("sublinear").addHandler(replans)
+    logging.getLogger("sublinear").setLevel(logging.INFO)
+    run = sublinear.apply(model, sublinear.SublinearMemoryConfig(compiler="inductor", cache_dir="",
+                                                                 memory_budget=budget))
+
+    def step(module, *args, **kwargs) -> None:
+        loss_fn(module(*args, **kwargs)).backward()
+
+    res = {"budget": budget, "error": None}
+    try:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            step(run, *args, **kwargs)
+        model.zero_grad(set_to_none=True)
+        res["measured"] = sublinear.measure_cpu_allocator(step, run, *args, **kwargs).peak_bytes
+        plan = model.sublinear_plan
+        res["before"] = max(g.predicted_before_compile_bytes or g.predicted_peak_bytes for g in plan.graphs)
+        res["compiled"] = plan.predicted_peak_bytes
+        res["walked"] = max(g.compiled_peak_bytes or 0 for g in plan.graphs)
+        res["graphs"] = len(plan.graphs)
+        res["blocks"] = sum(g.num_blocks for g in plan.graphs)
+    except sublinear.BudgetError as exc:
+        res["error"] = str(exc).splitlines()[0][:240]
+    finally:
+        logging.getLogger("sublinear").removeHandler(replans)
+    res["compiles"] = 1 + replans.count
+    torch._dynamo.reset()
+    return res
+
+
+def _lowest(name: str) -> int:
+    import sublinear
+
+    model, args, kwargs, loss_fn = _build(name)
+    run = sublinear.apply(model, sublinear.SublinearMemoryConfig(compiler="inductor", cache_dir="", memory_budget=1))
+    try:
+        loss_fn(run(*args, **kwargs)).backward()
+    except sublinear.BudgetError as exc:
+        return int(exc.smallest)
+    finally:
+        torch._dynamo.reset()
+    raise RuntimeError(f"{name}: a budget of one byte was met")
+
+
+def run_one(name: str, path: str) -> None:
+    import sublinear
+
+    torch.set_num_threads(1)
+    for noisy in ("transformers", "diffusers", "timm", "peft"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True
+    res: dict = {"model": name, "error": None, "points": []}
+    try:
+        model, args, kwargs, loss_fn = _build(name)
+        model.zero_grad(set_to_none=True)
+        res["eager"] = sublinear.measure_cpu_allocator(lambda m, *a, **k: loss_fn(m(*a, **k)).backward(),
+                                                       model, *args, **kwargs).peak_bytes
+        res["lowest"] = low = _lowest(name)
+        res["points"].append(_point(name, None))
+        high = max(res["eager"], res["points"][0].get("before", 0))
+        res["points"] += [_point(name, int(low + f * (high - low))) for f in FRACTIONS]
+    except Exception as exc:  # noqa: BLE001 - recorded in the report
+        res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        res["traceback"] = traceback.format_exc()
+    torch.save(res, path)
+
+
+def _subprocess(name: str, folder: str, timeout: float) -> dict:
+    path = os.path.join(folder, f"{name}.pt")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix=f"inductor-{name}-", dir=folder),
+           "OMP_NUM_THREADS": "1"}
+    with open(os.path.join(folder, f"{name}.log"), "w") as log:
+        try:
+            subprocess.run([sys.executable, __file__, "--one", name, path], stdout=log, stderr=subprocess.STDOUT,
+                           timeout=timeout, env=env, check=False)
+        except subprocess.TimeoutExpired:
+            return {"model": name, "error": f"timed out after {timeout:.0f} s", "points": []}
+    if not os.path.exists(path):
+        return {"model": name, "error": f"no result (see {log.name})", "points": []}
+    return torch.load(path, weights_only=False)
+
+
+def _mib(b: int | None) -> str:
+    return "–" if b is None else f"{b / 2**20:.3f}"
+
+
+def _within(predicted: int, measured: int) -> bool:
+    return abs(predicted - measured) <= max(TOLERANCE * measured, FLOOR)
+
+
+def _rows(res: dict) -> tuple[list[str], dict]:
+    title = res["model"] if res["model"] == "resnet50" else third_party.MODELS[res["model"]][0]
+    if res["model"] == "resnet50":
+        title = "ResNet-50 (zoo, 4×3×64×64)"
+    checks = {"predicted": 0, "predicted_ok": 0, "budgets": 0, "met": 0, "one_compile": 0, "monotone": True}
+    if res.get("error") and not res["points"]:
+        return [f"| {title} | – | – | – | – | – | – | – | {res['error']} |"], checks
+    rows, last = [], None
+    for p in res["points"]:
+        budget = "none" if p["budget"] is None else _mib(p["budget"])
+        if p["error"]:
+            rows.append(f"| {title} | {_mib(res['eager'])} | {budget} | – | – | – | – | {p['compiles']} | "
+                        f"{p['error']} |")
+            continue
+        error = (p["before"] - p["measured"]) / p["measured"]
+        checks["predicted"] += 1
+        checks["predicted_ok"] += _within(p["before"], p["measured"])
+        notes = []
+        if p["budget"] is not None:
+            checks["budgets"] += 1
+            met = p["measured"] <= p["budget"]
+            checks["met"] += met
+            checks["one_compile"] += p["compiles"] == 1
+            notes.append("met" if met else f"**over by {(p['measured'] - p['budget']) / 2**10:.0f} KiB**")
+            if last is not None and p["measured"] < last:
+                checks["monotone"] = False
+                notes.append("**below the smaller budget's peak**")
+            last = p["measured"]
+        rows.append(f"| {title} | {_mib(res['eager'])} | {budget} | {_mib(p['before'])} | {_mib(p['compiled'])} | "
+                    f"{_mib(p['measured'])} | {error:+.1%} | {p['compiles']} | {'; '.join(notes)} |")
+    return rows, checks
+
+
+def report(results: list[dict], seconds: float) -> str:
+    lines = ["# Compiled step memory: predicted before compiling, and budgets", "",
+             "Command: `python benchmarks/compiled_memory.py --jobs 2 --out docs/compiled_memory.md`", "",
+             f"{platform.machine()} CPU, {os.cpu_count()} cores, 1 thread per run, torch {torch.__version__}. "
+             f"Total run time {seconds / 60:.1f} min. Sizes in MiB (the allocator's peak of a whole step: parameters, "
+             "inputs, activations and gradients). Budgets: no budget, then 0.02, 0.35 and 0.7 of the way from the "
+             "lowest predicted peak any plan reaches (what `memory_budget=1` reports) to eager's measured peak (or the "
+             "no-budget plan's predicted peak, when higher). "
+             "Error: before compiling against measured.", "",
+             "| model | eager | budget | predicted before compiling | after the compile check | measured | error "
+             "| compiles | budget |", "|---|---|---|---|---|---|---|---|---|"]
+    totals = {"predicted": 0, "predicted_ok": 0, "budgets": 0, "met": 0, "one_compile": 0}
+    non_monotone = []
+    for res in results:
+        rows, checks = _rows(res)
+        lines += rows
+        for key in totals:
+            totals[key] += checks[key]
+        if not checks["monotone"]:
+            non_monotone.append(res["model"])
+    lines += ["", "## Summary", "",
+              f"- Predicted before compiling within 2 % (or 256 KiB) of the allocator: {totals['predicted_ok']} of "
+              f"{totals['predicted']} points.",
+              f"- Budgets met: {totals['met']} of {totals['budgets']}; met with one compile: {totals['one_compile']}.",
+              "- Measured peak falling as the budget rises (a larger budget planned to a lower peak): "
+              f"{', '.join(non_monotone) or 'none'}."]
+    failed = [r for r in results if r.get("error")]
+    if failed:
+        lines += ["", "## Failures", ""] + [f"- {r['model']}: {r['error']}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "RESULT"), help=argparse.SUPPRESS)
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per model")
+    parser.add_argument("--out", default=None)
+    options = parser.parse_args()
+    if options.one:
+        run_one(*options.one)
+        return
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(options.jobs) as pool:
+        results = list(pool.map(lambda name: _subprocess(name, folder, options.timeout), options.models))
+    text = report(results, time.perf_counter() - start)
+    print(text)
+    if options.out:
+        Path(options.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
