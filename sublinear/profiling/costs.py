@@ -316,7 +316,6 @@ def _backward_pair(out: Any, inputs: Any) -> tuple[list[torch.Tensor], list[torc
 
 def _cpu_peaks(nodes, call, inputs, device) -> tuple[dict[int, int], dict[int, int]]:
     """Allocator peaks per node from one profiler session, each node's forward and backward in a named range."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -329,29 +328,33 @@ def _cpu_peaks(nodes, call, inputs, device) -> tuple[dict[int, int], dict[int, i
                 with record_function(f"sublinear-backward-{i}"):
                     torch.autograd.grad(*grads, allow_unused=True)
             del out, grads, a, k
-    events = list(prof.profiler.kineto_results.events())
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events
-                    if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
-    ranges = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
-              if e.name().startswith("sublinear-")}
-    forward, backward = {}, {}
-    for i in nodes:
-        for table, label in ((forward, "forward"), (backward, "backward")):
-            window = ranges.get(f"sublinear-{label}-{i}")
-            table[i] = _window_peak(memory, window) if window else 0
+    peaks = range_peaks(prof, "sublinear-")
+    forward = {i: peaks.get(f"sublinear-forward-{i}", 0) for i in nodes}
+    backward = {i: peaks.get(f"sublinear-backward-{i}", 0) for i in nodes}
     return forward, backward
 
 
-def _window_peak(memory: list[tuple[int, int]], window: tuple[int, int]) -> int:
-    live = peak = 0
-    for t, nbytes in memory:
-        if t < window[0]:
-            continue
-        if t > window[1]:
-            break
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+def range_peaks(prof: Any, prefix: str) -> dict[str, int]:
+    """Per ``record_function`` range of a finished CPU profiler session whose name starts with ``prefix``: the most
+    bytes the CPU allocator held at once inside it, counted from zero at its start."""
+    from torch.autograd import DeviceType
+
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events
+                    if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
+    peaks = {}
+    for e in events:
+        if e.name().startswith(prefix):
+            start, stop = e.start_ns(), e.start_ns() + e.duration_ns()
+            live = peak = 0
+            for t, nbytes in memory:
+                if t > stop:
+                    break
+                if t >= start:
+                    live += nbytes
+                    peak = max(peak, live)
+            peaks[e.name()] = peak
+    return peaks
 
 
 def _cuda_peaks(nodes, call, inputs, device) -> tuple[dict[int, int], dict[int, int]]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from sublinear.cache import cache_dir, write_json
-from sublinear.profiling.costs import device_model
+from sublinear.profiling.costs import device_model, range_peaks
 
 __all__ = ["KernelMemory", "KernelRun", "Measured", "TensorLayout", "kernel_memory"]
 
@@ -122,7 +122,6 @@ def _results(out: Any) -> tuple[str, ...]:
 
 def _cpu_peaks(runs: Sequence[KernelRun], device: torch.device, generator: torch.Generator) -> dict[str, Measured]:
     """Each run inside a named profiler range; its peak from the CPU allocator's memory events in the range."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     results: dict[str, tuple[str, ...]] = {}
@@ -139,29 +138,10 @@ def _cpu_peaks(runs: Sequence[KernelRun], device: torch.device, generator: torch
             ran.add(run.key)
             results[run.key] = _results(out)
             del out, tensors
-    events = list(prof.profiler.kineto_results.events())
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events
-                    if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
-    windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
-               if e.name().startswith("sublinear-kernel-")}
-    measured = {}
-    for k, run in enumerate(runs):
-        window = windows.get(f"sublinear-kernel-{k}")
-        peak = _window_peak(memory, window) if window and run.key in ran else 0
-        measured[run.key] = Measured(peak, results.get(run.key, ()))
-    return measured
-
-
-def _window_peak(memory: list[tuple[int, int]], window: tuple[int, int]) -> int:
-    live = peak = 0
-    for t, nbytes in memory:
-        if t < window[0]:
-            continue
-        if t > window[1]:
-            break
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    peaks = range_peaks(prof, "sublinear-kernel-")
+    return {run.key: Measured(peaks.get(f"sublinear-kernel-{k}", 0) if run.key in ran else 0,
+                              results.get(run.key, ()))
+            for k, run in enumerate(runs)}
 
 
 def _cuda_peaks(runs: Sequence[KernelRun], device: torch.device, generator: torch.Generator) -> dict[str, Measured]:
