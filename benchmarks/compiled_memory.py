@@ -13,10 +13,10 @@ zoo's ResNet-50), in its own subprocess with an empty inductor cache and one thr
    (or to the no-budget plan's predicted peak, where that is higher: tiny models whose compiled step holds more).
    Each point applies sublinear (inductor, ``cache_dir=""``) to a fresh copy of the model (the same initial weights),
    runs two steps (capture, plan, compile) and measures the third with the allocator. A step is
-   ``loss_fn(model(*args, **kwargs)).backward()``: the model's output object is dropped before backward runs. "before compiling" is the
-   step's peak the plan was chosen with (the largest over graphs of ``GraphPlan.predicted_before_compile_bytes``);
-   "after the compile check" is the prediction once the compiled code was walked statement by statement and the
-   profile taught what it held; "compiles" counts the compiles of the
+   ``loss_fn(model(*args, **kwargs)).backward()``: the model's output object is dropped before backward runs.
+   "before compiling" is the step's peak the plan was chosen with (the largest over graphs of
+   ``GraphPlan.predicted_before_compile_bytes``); "after the compile check" is the prediction once the compiled code
+   was walked statement by statement and the profile taught what it held; "compiles" counts the compiles of the
    first call (1 + the plans searched again after a compiled step came out above its budget).
 
 The report checks the targets of the compiled memory model: the prediction before compiling within 2 % (or 256 KiB)
