@@ -124,7 +124,7 @@ def device_rates(device: str) -> DeviceRates:
     if kind not in ("cpu", "cuda"):
         return REFERENCE_GPU
     dev = torch.device(device)
-    key = f"{device_model(dev)}|threads {torch.get_num_threads()}|torch {torch.__version__}"
+    key = machine_key(dev)
     folder = cache_dir(None)
     path = folder / "device-rates.json" if folder is not None else None
     known = _read_rates(path)
@@ -150,6 +150,11 @@ def _measure_rates(dev: torch.device) -> DeviceRates:
     one = torch.ones(1, device=dev)
     call = _fastest(lambda: one.add(one), dev, repeats=50)
     return DeviceRates(str(dev), 2 * n**3 / matmul, 2 * big.nbytes / copy, call)
+
+
+def machine_key(dev: torch.device) -> str:
+    """What a measurement on ``dev`` depends on beyond the call: the device model, the thread count, torch."""
+    return f"{device_model(dev)}|threads {torch.get_num_threads()}|torch {torch.__version__}"
 
 
 def device_model(dev: torch.device) -> str:
@@ -361,21 +366,22 @@ def _cuda_peaks(nodes, call, inputs, device) -> tuple[dict[int, int], dict[int, 
     forward, backward = {}, {}
     for i in nodes:
         a, k = _materialise(inputs[i], device)
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = call(i, a, k)
-        torch.cuda.synchronize(device)
-        forward[i] = torch.cuda.max_memory_allocated(device) - before
+        out, forward[i] = cuda_peak(functools.partial(call, i, a, k), device)
         grads = _backward_pair(out, (a, k))
         backward[i] = 0
         if grads is not None:
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            torch.autograd.grad(*grads, allow_unused=True)
-            torch.cuda.synchronize(device)
-            backward[i] = torch.cuda.max_memory_allocated(device) - before
+            backward[i] = cuda_peak(functools.partial(torch.autograd.grad, *grads, allow_unused=True), device)[1]
         del out, grads, a, k
     return forward, backward
+
+
+def cuda_peak(fn: Callable[[], Any], device: torch.device) -> tuple[Any, int]:
+    """``fn()``'s result and the most bytes the CUDA allocator held beyond what was allocated when it started."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return result, torch.cuda.max_memory_allocated(device) - before
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from sublinear.cache import cache_dir, write_json
-from sublinear.profiling.costs import device_model, range_peaks
+from sublinear.profiling.costs import cuda_peak, machine_key, range_peaks
 
 __all__ = ["KernelMemory", "KernelRun", "Measured", "TensorLayout", "kernel_memory"]
 
@@ -79,7 +79,7 @@ class KernelMemory:
         self.device = torch.device(device)
         self._known: dict[str, Measured] = {}
         self._path = _cache_path() if use_disk else None
-        self._machine = _machine_key(self.device)
+        self._machine = f"{self.device.type}|{machine_key(self.device)}"
         self._known.update(_read(self._path, self._machine))
 
     def get(self, key: str) -> Measured | None:
@@ -148,23 +148,15 @@ def _cuda_peaks(runs: Sequence[KernelRun], device: torch.device, generator: torc
     measured = {}
     for run in runs:
         tensors = {name: layout.make(device, generator) for name, layout in run.inputs.items()}
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
         try:
-            out = run.run(tensors)
+            out, peak = cuda_peak(functools.partial(run.run, tensors), device)
         except Exception as exc:  # noqa: BLE001 - counted as allocating nothing
             log.debug("library call %s not measured: %s", run.key[:120], exc)
             measured[run.key] = Measured(0, ())
             continue
-        torch.cuda.synchronize(device)
-        measured[run.key] = Measured(torch.cuda.max_memory_allocated(device) - before, _results(out))
+        measured[run.key] = Measured(peak, _results(out))
         del out, tensors
     return measured
-
-
-def _machine_key(device: torch.device) -> str:
-    return f"{device.type}|{device_model(device)}|threads {torch.get_num_threads()}|torch {torch.__version__}"
 
 
 def _cache_path() -> Path | None:
