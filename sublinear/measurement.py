@@ -97,7 +97,8 @@ def measure_cpu_allocator(step: Callable[..., Any], *args: Any, **kwargs: Any) -
     It sees what storage tracking cannot: storages that are resized in place, as FSDP2 frees and re-gathers its
     parameters. Every CPU allocation of the profiled threads counts, at its requested size. A buffer released on a
     thread the profiler does not observe (a gloo worker that drops the last reference to a collective's output) is
-    never subtracted, so one step's count can exceed the truth by that buffer: take the median of a few steps.
+    never subtracted, so one step's count can exceed the truth by that buffer, never fall below it: take the minimum
+    of a few steps.
     """
     from torch.profiler import ProfilerActivity, profile
 
