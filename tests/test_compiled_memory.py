@@ -105,6 +105,18 @@ def test_what_forward_returns_in_a_parameters_place_is_memory_of_its_own():
     assert memory.peak == memory.backward_peak
 
 
+def test_a_library_calls_integer_scalars_are_made_on_the_cpu_whatever_device_it_runs_on():
+    """Attention's dropout seed and offset are CPU scalars its CUDA backward reads on the host; made on the GPU (as
+    fake tensors place them) the measurement crashed the process. Meta stands in for the GPU here."""
+    from sublinear.profiling.kernels import TensorLayout
+
+    meta = torch.device("meta")
+    seed = TensorLayout((), (), "int64").make(meta)
+    assert seed.device.type == "cpu" and seed.dtype == torch.int64 and seed.item() == 0
+    assert TensorLayout((), (), "float32").make(meta).device == meta
+    assert TensorLayout((2,), (1,), "int64").make(meta).device == meta  # index tensors stay with the kernel
+
+
 def test_a_taught_profile_predicts_what_the_compiled_code_held_and_never_less_elsewhere():
     p = chain(6)
     plan = Plan.of([2], 6)

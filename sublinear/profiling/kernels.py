@@ -38,8 +38,15 @@ class TensorLayout:
 
     def make(self, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
         """A tensor of this layout: random floating values (drawn from ``generator``, not the global stream that
-        training draws dropout from), zeros for integers (indices stay in range)."""
+        training draws dropout from), zeros for integers (indices stay in range).
+
+        A 0-d integer tensor is made on the CPU whatever the device: attention's dropout seed and offset are CPU
+        scalars that its CUDA backward reads on the host (fake tensors place them on the GPU), and a device pointer
+        there crashes the process; a kernel that wants the scalar on its device raises instead, which the
+        measurement counts as no scratch."""
         dtype = getattr(torch, self.dtype)
+        if not self.shape and not (dtype.is_floating_point or dtype.is_complex):
+            return torch.zeros((), dtype=dtype)
         span = 1 + sum((s - 1) * abs(t) for s, t in zip(self.shape, self.stride)) if all(self.shape) else 0
         if dtype.is_floating_point or dtype.is_complex:
             base = torch.randn(span, dtype=dtype, device=device, generator=generator)
