@@ -36,8 +36,13 @@ import sympy
 import torch
 from torch import fx
 from torch._inductor.choices import InductorChoices
-from torch._inductor.custom_graph_pass import CustomPartitionerFn, CustomSchedulerPass
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
+
+try:
+    from torch._inductor.custom_graph_pass import CustomSchedulerPass
+except ImportError:  # torch before 2.12 takes any callable as its scheduler pass
+    CustomSchedulerPass = object
 
 from sublinear.capture.dynamo import CapturedGraph
 from sublinear.core.analysis import PlanAnalysis, StorageState, analyse
