@@ -1,12 +1,13 @@
 """The compiled step's memory, predicted before compiling against the CPU allocator, and budget sweeps.
 
     python benchmarks/compiled_memory.py --jobs 2 --out docs/compiled_memory.md
+    python benchmarks/compiled_memory.py --device cuda --jobs 8 --out docs/compiled_memory_cuda.md
 
 For each model (the third-party set of ``benchmarks/third_party.py``, random-initialised from small configs, and the
 zoo's ResNet-50), in its own subprocess with an empty inductor cache and one thread:
 
-1. eager's peak: one plain step (forward, loss, backward; gradients None before it), the CPU allocator's count
-   (:func:`sublinear.measure_cpu_allocator`);
+1. eager's peak: one plain step (forward, loss, backward; gradients None before it) after a first one, the CPU
+   allocator's count (:func:`sublinear.measure_cpu_allocator`);
 2. the lowest peak any plan reaches: ``memory_budget=1`` raises :class:`sublinear.BudgetError` while planning, before
    anything compiles, with the smallest predicted peak;
 3. the points: no budget, then budgets at fractions 0.02, 0.35 and 0.7 of the way from that lowest peak to eager's
@@ -14,6 +15,9 @@ zoo's ResNet-50), in its own subprocess with an empty inductor cache and one thr
    Each point applies sublinear (inductor, ``cache_dir=""``) to a fresh copy of the model (the same initial weights),
    runs two steps (capture, plan, compile) and measures the third with the allocator. A step is
    ``loss_fn(model(*args, **kwargs)).backward()``: the model's output object is dropped before backward runs.
+   On ``--device cuda`` the model and its inputs move to the GPU, and the measured peak is the caching allocator's
+   (``torch.cuda.max_memory_allocated``, read by :func:`sublinear.measure`) less what was allocated before the step
+   plus the model's parameters, buffers and inputs, as on CPU.
    "before compiling" is the step's peak the plan was chosen with (the largest over graphs of
    ``GraphPlan.predicted_before_compile_bytes``); "after the compile check" is the prediction once the compiled code
    was walked statement by statement and the profile taught what it held; "compiles" counts the compiles of the
@@ -34,7 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -48,8 +52,13 @@ MODELS = ("custom", "bert", "gpt2", "llama", "t5", "llama_lora", "mixtral", "mam
 TOLERANCE, FLOOR = 0.02, 256 * 1024
 
 
+DEVICE = "cpu"  # where the subprocess runs its model (--device)
+
+
 def _build(name: str):
-    """(model, args, kwargs, loss_fn) for one step of ``name``."""
+    """(model, args, kwargs, loss_fn) for one step of ``name``, on :data:`DEVICE`."""
+    from torch.utils._pytree import tree_map
+
     torch.manual_seed(third_party.INIT_SEED)
     if name == "resnet50":
         from sublinear.models import get_model
@@ -57,10 +66,29 @@ def _build(name: str):
 
         model = get_model("resnet50").build()
         x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-        return model.train(), (x,), {}, lambda out: default_loss(out)
-    model, batches, loss_fn = third_party.MODELS[name][2]()
-    args, kwargs, extra = batches[0]
-    return model.train(), args, kwargs, lambda out: loss_fn(out, extra)
+        args, kwargs, extra, loss_fn = (x,), {}, None, lambda out, extra: default_loss(out)
+    else:
+        model, batches, loss_fn = third_party.MODELS[name][2]()
+        args, kwargs, extra = batches[0]
+    args, kwargs, extra = tree_map(lambda v: v.to(DEVICE) if isinstance(v, torch.Tensor) else v,
+                                   (args, kwargs, extra))
+    return model.to(DEVICE).train(), args, kwargs, lambda out: loss_fn(out, extra)
+
+
+def _measured_peak(step, module, *args, **kwargs) -> int:
+    """One step's peak: the allocator's count of what the step allocates, plus the parameters, buffers and inputs
+    (on CUDA, what earlier points' compiled code still holds is not this step's)."""
+    import sublinear
+
+    if DEVICE == "cpu":
+        return sublinear.measure_cpu_allocator(step, module, *args, **kwargs).peak_bytes
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    report = sublinear.measure(step, module, *args, **kwargs)
+    return (report.peak_bytes - report.baseline_bytes + report.parameter_bytes + report.buffer_bytes
+            + report.input_bytes)
 
 
 class _Replans(logging.Handler):
@@ -93,7 +121,7 @@ def _point(name: str, budget: int | None) -> dict:
             model.zero_grad(set_to_none=True)
             step(run, *args, **kwargs)
         model.zero_grad(set_to_none=True)
-        res["measured"] = sublinear.measure_cpu_allocator(step, run, *args, **kwargs).peak_bytes
+        res["measured"] = _measured_peak(step, run, *args, **kwargs)
         plan = model.sublinear_plan
         res["before"] = max(g.predicted_before_compile_bytes or g.predicted_peak_bytes for g in plan.graphs)
         res["compiled"] = plan.predicted_peak_bytes
@@ -124,8 +152,6 @@ def _lowest(name: str) -> int:
 
 
 def run_one(name: str, path: str) -> None:
-    import sublinear
-
     torch.set_num_threads(1)
     for noisy in ("transformers", "diffusers", "timm", "peft"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -135,32 +161,45 @@ def run_one(name: str, path: str) -> None:
     res: dict = {"model": name, "error": None, "points": []}
     try:
         model, args, kwargs, loss_fn = _build(name)
+
+        def eager_step(module, *args, **kwargs) -> None:
+            loss_fn(module(*args, **kwargs)).backward()
+
+        eager_step(model, *args, **kwargs)  # the library workspaces (cuBLAS, cuDNN) made at first use are not a step's
         model.zero_grad(set_to_none=True)
-        res["eager"] = sublinear.measure_cpu_allocator(lambda m, *a, **k: loss_fn(m(*a, **k)).backward(),
-                                                       model, *args, **kwargs).peak_bytes
+        res["eager"] = _measured_peak(eager_step, model, *args, **kwargs)
         res["lowest"] = low = _lowest(name)
         res["points"].append(_point(name, None))
+        torch.save(res, path)  # each point as it is measured: a run cut off at its time limit keeps what it has
         high = max(res["eager"], res["points"][0].get("before", 0))
-        res["points"] += [_point(name, int(low + f * (high - low))) for f in FRACTIONS]
+        for f in FRACTIONS:
+            res["points"].append(_point(name, int(low + f * (high - low))))
+            torch.save(res, path)
     except Exception as exc:  # noqa: BLE001 - recorded in the report
         res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         res["traceback"] = traceback.format_exc()
     torch.save(res, path)
 
 
-def _subprocess(name: str, folder: str, timeout: float) -> dict:
+def _subprocess(name: str, folder: str, timeout: float, device: str) -> dict:
     path = os.path.join(folder, f"{name}.pt")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix=f"inductor-{name}-", dir=folder),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "2"}
     with open(os.path.join(folder, f"{name}.log"), "w") as log:
         try:
-            subprocess.run([sys.executable, __file__, "--one", name, path], stdout=log, stderr=subprocess.STDOUT,
-                           timeout=timeout, env=env, check=False)
+            subprocess.run([sys.executable, __file__, "--device", device, "--one", name, path], stdout=log,
+                           stderr=subprocess.STDOUT, timeout=timeout, env=env, check=False)
         except subprocess.TimeoutExpired:
-            return {"model": name, "error": f"timed out after {timeout:.0f} s", "points": []}
-    if not os.path.exists(path):
-        return {"model": name, "error": f"no result (see {log.name})", "points": []}
-    return torch.load(path, weights_only=False)
+            timed_out = f"timed out after {timeout:.0f} s"
+        else:
+            timed_out = None
+    result = (torch.load(path, weights_only=False) if os.path.exists(path) else
+              {"model": name, "error": "no result", "points": []})
+    result["error"] = timed_out or result["error"]
+    if result["error"]:  # the log dies with the folder: its end is printed
+        tail = Path(log.name).read_text(errors="replace").splitlines()[-25:]
+        print(f"== {name}: {result['error']}\n" + "\n".join(tail), flush=True)
+    return result
 
 
 def _mib(b: int | None) -> str:
@@ -204,10 +243,12 @@ def _rows(res: dict) -> tuple[list[str], dict]:
     return rows, checks
 
 
-def report(results: list[dict], seconds: float) -> str:
+def report(results: list[dict], seconds: float, command: str, device: str) -> str:
+    where = (f"{platform.machine()} CPU, {os.cpu_count()} cores, 1 thread per run" if device == "cpu" else
+             f"{torch.cuda.get_device_name(device)} (the caching allocator's peak), {os.cpu_count()} CPU cores")
     lines = ["# Compiled step memory: predicted before compiling, and budgets", "",
-             "Command: `python benchmarks/compiled_memory.py --jobs 2 --out docs/compiled_memory.md`", "",
-             f"{platform.machine()} CPU, {os.cpu_count()} cores, 1 thread per run, torch {torch.__version__}. "
+             f"Command: `{command}`", "",
+             f"{where}, torch {torch.__version__}. "
              f"Total run time {seconds / 60:.1f} min. Sizes in MiB (the allocator's peak of a whole step: parameters, "
              "inputs, activations and gradients). Budgets: no budget, then 0.02, 0.35 and 0.7 of the way from the "
              "lowest predicted peak any plan reaches (what `memory_budget=1` reports) to eager's measured peak (or the "
@@ -242,18 +283,27 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per model")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", default=None)
     options = parser.parse_args()
+    global DEVICE
+    DEVICE = options.device
     if options.one:
         run_one(*options.one)
         return
     start = time.perf_counter()
+    command = f"python benchmarks/compiled_memory.py {' '.join(sys.argv[1:])}"
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(options.jobs) as pool:
-        results = list(pool.map(lambda name: _subprocess(name, folder, options.timeout), options.models))
-    text = report(results, time.perf_counter() - start)
+        futures = {pool.submit(_subprocess, name, folder, options.timeout, options.device): name
+                   for name in options.models}
+        for future in as_completed(futures):  # the report so far, rewritten as each model finishes
+            results[futures[future]] = future.result()
+            text = report([results[m] for m in options.models if m in results], time.perf_counter() - start,
+                          command, options.device)
+            if options.out:
+                Path(options.out).write_text(text)
     print(text)
-    if options.out:
-        Path(options.out).write_text(text)
 
 
 if __name__ == "__main__":
