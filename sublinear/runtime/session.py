@@ -27,7 +27,7 @@ from sublinear.runtime.pipeline import PlanPipeline
 from sublinear.runtime.plans import ParetoPoint, SublinearPlan
 from sublinear.runtime.variant import GraphVariant
 
-__all__ = ["SublinearBackend", "backend", "collecting_new_objects_only"]
+__all__ = ["SublinearBackend", "backend", "collecting_new_objects_only", "named_backend"]
 
 log = logging.getLogger("sublinear")
 
@@ -172,3 +172,23 @@ def collecting_new_objects_only() -> Iterator[None]:
 def backend(config: SublinearMemoryConfig | None = None) -> SublinearBackend:
     """The ``torch.compile`` backend: ``torch.compile(model, backend=sublinear.backend(config))``."""
     return SublinearBackend(config)
+
+
+_NAMED_SESSIONS: dict[str, SublinearBackend] = {}
+
+
+def named_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                  options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The backend named "sublinear" (the ``torch_dynamo_backends`` entry point), for tools that choose a backend
+    by name: ``torch.compile(model, backend="sublinear", options={"memory_budget": "8GiB"})``, the Hugging Face
+    Trainer's ``torch_compile_backend="sublinear"``, accelerate's dynamo plugin. ``options`` are
+    :class:`~sublinear.config.SublinearMemoryConfig` fields by either name; graphs compiled with equal options share
+    one session (a name carries no model). ``mode`` is inductor's and has no meaning here."""
+    key = repr(sorted((options or {}).items()))
+    session = _NAMED_SESSIONS.get(key)
+    if session is None:
+        session = _NAMED_SESSIONS[key] = SublinearBackend(SublinearMemoryConfig(**(options or {})))
+    return session(gm, example_inputs)
+
+
+named_backend.reset = _NAMED_SESSIONS.clear  # torch._dynamo.reset() forgets the sessions with its caches
