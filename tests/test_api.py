@@ -604,6 +604,7 @@ def test_a_meta_model_is_planned_for_the_eager_executor_at_the_reference_gpu_rat
     compiled = sublinear.compile(model, (x,), config=PLAIN)
     assert "reference GPU" in compiled.sublinear_profile.cost_source
     assert compiled.sublinear_plan.graphs[0].signature == "(4, 3, 8, 8):float32@meta"
+    assert "meta device" in compiled.sublinear_plan.graphs[0].executor
 
 
 def test_pareto_point_applies_in_one_call():

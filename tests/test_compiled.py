@@ -139,6 +139,7 @@ def test_compiled_prediction_matches_the_cpu_allocator():
         model.zero_grad(set_to_none=True)
         simulated = simulate(profile, plan).peak_bytes
         as_compiled = compiled.sublinear_plan.graphs[0].compiled_peak_bytes  # the compiled code, walked
+        assert compiled.sublinear_plan.graphs[0].executor == "inductor"
         assert abs(measured - simulated) / measured < 0.02, (plan.num_blocks, measured, simulated)
         assert abs(measured - as_compiled) / measured < 0.005, (plan.num_blocks, measured, as_compiled)
         assert compiled.sublinear_plan.predicted_peak_bytes >= as_compiled
@@ -230,6 +231,8 @@ def test_a_graph_inductor_cannot_trace_runs_on_the_eager_executor(monkeypatch, c
     with caplog.at_level(logging.WARNING, logger="sublinear"):
         compiled = sublinear.compile(copy.deepcopy(base), (x,), config=INDUCTOR)
     assert "eager executor" in caplog.text and "no lowering" in caplog.text
+    executor = compiled.sublinear_plan.graphs[0].executor  # the plan says where the graph runs, and why
+    assert executor.startswith("sublinear's eager executor (inductor could not trace") and "no lowering" in executor
     eager = train_steps(copy.deepcopy(base), (x,), steps=1)
     planned = train_steps(compiled, (x,), steps=1)
     assert all(torch.equal(a, b) for a, b in zip(eager[0], planned[0]))  # the eager executor is exact

@@ -76,18 +76,20 @@ class GraphRuntime:
         return (value_key(values, self.graph.model_device, self.graph.sizes), autocast_state(),
                 self.session.sharding())
 
-    def compiler(self, values: Sequence[Any]) -> str:
-        """What runs the graph for ``values``: inductor or sublinear's eager executor (see
-        :func:`sublinear.execute.compiled.resolve_compiler`); a graph inductor cannot trace runs eagerly."""
-        if self.session.pipeline.runs_eagerly(self.graph.code):
-            return "eager"
+    def compiler(self, values: Sequence[Any]) -> tuple[str, str]:
+        """What runs the graph for ``values``, inductor or sublinear's eager executor (see
+        :func:`sublinear.execute.compiled.resolve_compiler`), and why, when it is the eager executor ("" for
+        inductor); a graph inductor cannot trace runs eagerly."""
+        cannot_trace = self.session.pipeline.eager_only.get(self.graph.code)
+        if cannot_trace is not None:
+            return "eager", f"inductor could not trace its forward and backward ({cannot_trace})"
         # a model on the meta device is captured with fake CPU values; it is planned for the meta device
         device_type = torch.device(self.graph.model_device).type if self.graph.model_device else device_of(values).type
-        compiler = resolve_compiler(self.session.config.compiler, device_type)
+        compiler, why = resolve_compiler(self.session.config.compiler, device_type)
         if compiler == "inductor" and self.session.sharding() is not None:
             _say_fsdp_runs_eagerly()
-            return "eager"
-        return compiler
+            return "eager", "FSDP2 shards its parameters; FSDP's hooks are tested with the eager executor's recompute"
+        return compiler, why
 
     def variant_for(self, values: Sequence[Any], dry_run: bool = False) -> GraphVariant:
         """The variant that runs a call with ``values``: planned before for the call's signature (and, for a dynamic

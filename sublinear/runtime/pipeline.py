@@ -58,9 +58,6 @@ class PlanPipeline:
         self.eager_only: dict[str, str] = {}  # graph code -> why inductor cannot compile it
         self.compile_check = CompileCheck(self.plans, self.plan)
 
-    def runs_eagerly(self, code: str) -> bool:
-        return code in self.eager_only
-
     def remember_prior(self, code: str, plan: Plan) -> None:
         self.prior_plans[code] = plan
 
@@ -98,7 +95,7 @@ class PlanPipeline:
         graph, config = runtime.graph, self.config
         context, settled = runtime.session.calls.context_for(runtime, values)
         uses = runtime.session.calls.uses.get(graph.code)
-        compiler = runtime.compiler(values)
+        compiler, _ = runtime.compiler(values)
         profile_key = (graph.code, key, config.cost_model, uses, compiler, tuple(sorted(bound.items())))
         disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key(), context=repr(context),
                                  uses=uses, compiler=compiler, bound=sorted(bound.items()))
@@ -164,6 +161,9 @@ class PlanPipeline:
         eager = simulate(profile_, Plan.no_split(profile_.num_ops))
         summary = summarise_plan(runtime.index, values, graph, profile_, plan, result, sim, eager, choice.origin,
                                  objective, seconds, choice.from_cache, history, bound)
+        compiler, why_eager = runtime.compiler(values)
+        summary = dataclasses.replace(summary, executor="inductor" if compiler == "inductor" else
+                                      f"sublinear's eager executor ({why_eager})")
         log.info("sublinear: %s %s", "planned" if choice.searched else "reused the plan for", summary)
         return GraphVariant(profile=profile_, plan=plan, simulation=sim, rewritten=rewritten, summary=summary,
                             auto_budget=self.config.memory_budget == "auto", objective=objective, planned_in=context,

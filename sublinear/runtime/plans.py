@@ -77,6 +77,7 @@ class GraphPlan:
     from_cache: bool
     compiled_peak_bytes: int | None = None  # the graph alone, as its compiled forward and backward hold memory
     predicted_before_compile_bytes: int | None = None  # the predicted peak before its code was compiled and read
+    executor: str = ""  # what runs the graph: "inductor", or "sublinear's eager executor (why)"
 
     @property
     def num_blocks(self) -> int:
@@ -96,7 +97,8 @@ class GraphPlan:
         return (f"graph {self.graph} at {self.signature}: {self.num_blocks} blocks{nested} over {self.num_ops} ops, "
                 f"predicted peak {format_bytes(self.predicted_peak_bytes)}{compiled} vs eager "
                 f"{format_bytes(self.baseline_peak_bytes)}, step time x{self.time_ratio:.3f} (FLOPs "
-                f"x{self.flops_ratio:.3f}); {self.objective}; by {self.origin}{' (cache)' if self.from_cache else ''}")
+                f"x{self.flops_ratio:.3f}); {self.objective}; by {self.origin}{' (cache)' if self.from_cache else ''}"
+                + (f"; runs on {self.executor}" if self.executor else ""))
 
     def describe(self) -> str:
         return "\n".join([str(self), *(f"  {b}" for b in self.blocks)])

@@ -312,24 +312,27 @@ def inductor_unavailable(device_type: str) -> str:
     return f"inductor does not compile for {device_type}"
 
 
-def resolve_compiler(setting: str, device_type: str) -> str:
-    """The compiler that runs graphs on ``device_type`` for the config's ``compiler`` setting: "auto" is
-    ``$SUBLINEAR_COMPILER`` when set, else inductor where it can compile for the device, else eager (said once at
-    WARNING). Meta tensors run nowhere: "auto" plans them for the eager executor, whose memory the max-batch
-    comparison's eager baselines share; set ``compiler="inductor"`` to plan a meta model as inductor would run it."""
+def resolve_compiler(setting: str, device_type: str) -> tuple[str, str]:
+    """The compiler that runs graphs on ``device_type`` for the config's ``compiler`` setting, and why, when it is
+    the eager executor ("" for inductor): "auto" is ``$SUBLINEAR_COMPILER`` when set, else inductor where it can
+    compile for the device, else eager (said once at WARNING). Meta tensors run nowhere: "auto" plans them for the
+    eager executor, whose memory the max-batch comparison's eager baselines share; set ``compiler="inductor"`` to
+    plan a meta model as inductor would run it."""
+    chosen = 'compiler="eager"'
     if setting == "auto":
         setting = os.environ.get("SUBLINEAR_COMPILER", "") or "auto"
         if setting not in ("auto", "inductor", "eager"):
             raise ValueError(f"SUBLINEAR_COMPILER must be inductor or eager; got {setting!r}")
+        chosen = "SUBLINEAR_COMPILER=eager"
     if setting != "auto":
-        return setting
+        return setting, chosen if setting == "eager" else ""
     if device_type == "meta":
-        return "eager"
+        return "eager", 'a model on the meta device is planned for the eager executor unless compiler="inductor"'
     reason = inductor_unavailable(device_type)
     if reason:
         _warn_eager(device_type, reason)
-        return "eager"
-    return "inductor"
+        return "eager", reason
+    return "inductor", ""
 
 
 @functools.cache
