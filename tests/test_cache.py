@@ -117,3 +117,13 @@ def test_interrupted_write_leaves_no_entry(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         _compile(sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path / "plans")))
     assert list((tmp_path / "plans").iterdir()) == []
+
+
+def test_two_executors_of_one_model_keep_their_own_entries(tmp_path, recwarn):
+    """The key holds the executor (and the cost model and the config), whose profiles differ: compiling one model
+    with each executor, twice, on one disk, hits each entry the second time and warns of nothing."""
+    runs = [_compile(_config(tmp_path, compiler=compiler)).sublinear_plan for compiler in ("eager", "inductor") * 2]
+    assert [p.from_cache for p in runs] == [False, False, True, True]
+    assert [p.graphs[0].executor.split(" (")[0] for p in runs] == ["sublinear's eager executor", "inductor"] * 2
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    assert not [w for w in recwarn if "plan cache" in str(w.message)]
