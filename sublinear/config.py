@@ -37,6 +37,11 @@ class SublinearMemoryConfig:
         budget on CPU and meta. None: no budget; the plan is then the lowest peak within ``max_time_ratio``.
     memory_headroom: fraction of the free device memory an "auto" budget leaves for allocator fragmentation.
     max_time_ratio: no plan's predicted step time exceeds this multiple of eager's (>= 1.0).
+    min_memory_per_time: with no budget, the least memory a plan must buy for its time: along the front of the plans
+        found, from eager towards the lowest peak, a plan is taken only where it saves at least this fraction of
+        eager's peak per unit of step-time ratio it adds over the plan before it (1.0, the default: 1 % of the peak
+        for each 1 % of step time), and a plan that saves under 5 % of eager's peak runs as eager. 0: the lowest
+        peak within ``max_time_ratio`` (MegEngine's fitness). Ignored under a memory budget.
     planners: planners run in order (names registered in :data:`sublinear.planners.PLANNERS`; a name that is not
         registered is refused when a plan is made, where the registry is complete).
     cost_model: op times "measure"d on the device, "estimate"d from FLOPs and bytes moved over the device's rates
@@ -63,6 +68,7 @@ class SublinearMemoryConfig:
     memory_budget: int | str | None = "auto"
     memory_headroom: float = 0.1
     max_time_ratio: float = 1.35
+    min_memory_per_time: float = 1.0
     planners: tuple[str, ...] = ("grid", "optimal", "genetic", "local")
     cost_model: str = "auto"
     seed: int = 0
@@ -97,6 +103,10 @@ class SublinearMemoryConfig:
                 or not self.max_time_ratio >= 1.0:
             raise ValueError(f"max_time_ratio must be a number >= 1.0 (1.0: never slower than eager; "
                              f"math.inf: no cap); got {self.max_time_ratio!r}")
+        if isinstance(self.min_memory_per_time, bool) or not isinstance(self.min_memory_per_time, (int, float)) \
+                or not 0 <= self.min_memory_per_time < math.inf:
+            raise ValueError(f"min_memory_per_time must be a number >= 0 (0: the lowest peak within max_time_ratio); "
+                             f"got {self.min_memory_per_time!r}")
         if isinstance(self.planners, str) or not isinstance(self.planners, (tuple, list)):
             raise ValueError(f"planners must be a tuple of planner names; got {self.planners!r}")
         object.__setattr__(self, "planners", tuple(self.planners))

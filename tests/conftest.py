@@ -30,7 +30,8 @@ torch._dynamo.config.recompile_limit = 10_000
 torch._dynamo.config.accumulated_recompile_limit = 100_000
 
 # Plans for exactness tests: no budget, no time cap, no disk cache, op costs estimated (fast, deterministic).
-PLAIN = SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf, cache_dir="", cost_model="estimate")
+PLAIN = SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf, min_memory_per_time=0, cache_dir="",
+                              cost_model="estimate")
 
 
 def profile_of(module: nn.Module, *args, **kwargs):

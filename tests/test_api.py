@@ -210,8 +210,8 @@ def test_plan_describes_the_latest_call_once_per_graph_after_a_recompile():
 
 def test_plan_is_keyed_on_parameter_shapes_and_a_hit_is_checked_against_the_budget(tmp_path):
     x = torch.randn(64, 32)
-    config = sublinear.SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf, cost_model="estimate",
-                                             cache_dir=str(tmp_path))
+    config = sublinear.SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf, min_memory_per_time=0,
+                                             cost_model="estimate", cache_dir=str(tmp_path))
     narrow = sublinear.compile(Chain(12, 32), (x,), config=config).sublinear_plan
     wide = sublinear.compile(Chain(12, 32), (x,), config=config)
     assert wide.sublinear_plan.from_cache  # same graph, same shapes: the stored plan

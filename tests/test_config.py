@@ -17,6 +17,7 @@ def test_defaults_are_megengines_with_the_device_budget_and_a_time_cap():
     ("genetic_pool_size", 10**8, "genetic_pool_size must be <= 1000"),
     ("genetic_nr_iter", 10**6, "genetic_nr_iter must be <= 10000"),
     ("max_time_ratio", 0.9, "max_time_ratio must be a number >= 1.0"),
+    ("min_memory_per_time", -0.5, "min_memory_per_time must be a number >= 0"),
     ("memory_headroom", 1.0, "memory_headroom must be a fraction"),
     ("cost_model", "flops", "cost_model must be one of"),
     ("planners", "grid", "planners must be a tuple"),

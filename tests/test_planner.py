@@ -15,12 +15,12 @@ from sublinear.core import Candidate, Plan, ShardedParameters, Simulation, StepC
 from sublinear.core.units import format_bytes
 from conftest import Chain
 from sublinear.planners import PLANNERS, BudgetError, make_plan, pareto_front, register_planner
-from sublinear.planners.driver import step_floor
+from sublinear.planners.driver import MIN_SAVING, knee, step_floor
 from sublinear.simulation.timeline import simulate
 
 from conftest import profile_of
 
-UNCAPPED = SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf)
+UNCAPPED = SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf, min_memory_per_time=0)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +162,29 @@ def _candidate(peak, seconds):
     return Candidate(Plan((peak,)), Simulation(peak, 0, seconds, 1.0, peak, peak, "", 0))
 
 
+def test_with_no_budget_the_knee_stops_where_time_buys_little_memory():
+    c = _candidate
+    eager, steep, shallow, lowest = c(100, 0.0), c(60, 0.1), c(55, 0.3), c(50, 1.0)
+    # eager -> steep saves 40 % of the peak for 10 % of time; steep -> shallow 5 % for 20 %; shallow -> lowest 5 %
+    # for 70 %
+    assert knee([steep, shallow, lowest], eager, 1.0) is steep
+    assert knee([steep, shallow, lowest], eager, 0.2) is shallow
+    assert knee([steep, shallow, lowest], eager, 0.05) is lowest
+    assert knee([c(96, 0.0001), c(95, 0.5)], eager, 1.0) is eager  # saves under MIN_SAVING (5 %): eager
+    assert knee([c(90, 0.0), c(70, 0.1)], eager, 1.0).simulation.peak_bytes == 70  # a free saving is taken
+
+
+def test_the_default_with_no_budget_takes_the_knee_not_the_lowest_peak(resnet):
+    _, _, p = resnet
+    lowest = make_plan(p, UNCAPPED)
+    default = make_plan(p, dataclasses_replace(UNCAPPED, min_memory_per_time=1.0))
+    eager = default.baseline
+    assert lowest.simulation.peak_bytes <= default.simulation.peak_bytes < (1 - MIN_SAVING) * eager.peak_bytes
+    assert default.simulation.recompute_seconds <= lowest.simulation.recompute_seconds
+    saved = (eager.peak_bytes - default.simulation.peak_bytes) / eager.peak_bytes
+    assert saved >= 1.0 * (default.simulation.time_ratio - 1.0)  # it bought at least 1 % per 1 % of time
+
+
 def test_pareto_front_filter():
     c = _candidate
     front = pareto_front([c(3, 5), c(1, 9), c(2, 9), c(4, 1), c(5, 1), c(2, 4)])
@@ -184,7 +207,7 @@ def test_a_registered_planner_plugs_in_and_competes(resnet):
     register_planner("every-other", EveryOther)
     try:
         result = make_plan(p, SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf,
-                                                    planners=("every-other",)))
+                                                    min_memory_per_time=0, planners=("every-other",)))
         assert result.origin == "every-other" and result.plan == Plan.of(range(1, p.num_ops, 2), p.num_ops)
         with pytest.raises(ValueError, match="unknown planner.*registered: .*every-other"):
             make_plan(p, SublinearMemoryConfig(planners=("nope",)))

@@ -2,8 +2,11 @@
 
 Every planner sees the candidates found before it (the genetic search is seeded with them all), and every
 candidate is scored by the one simulator under the config's objective (:class:`sublinear.core.objective.Objective`).
-Afterwards ``lb_memory`` hands memory back: when the chosen plan's peak is below this floor, recomputed ops are
-kept again, most recompute time first, while the peak stays within the floor. The plan depends only on the profile,
+With no memory budget, the plan is then the knee of the front found (:func:`knee`): the lowest peak reached
+while each step along the front buys at least ``min_memory_per_time`` of eager's peak per unit of time, eager where
+the plan would save under :data:`MIN_SAVING` of eager's peak. Afterwards ``lb_memory`` hands memory back: when the
+chosen plan's peak is below this floor, recomputed ops are kept again, most recompute time first, while the peak
+stays within the floor. The plan depends only on the profile,
 the config (its seed included) and the pool: every planner bounds its search by counted work, never by the clock.
 """
 
@@ -23,10 +26,12 @@ from sublinear.core.profile import GraphProfile
 from sublinear.core.units import format_bytes
 from sublinear.planners.base import PLANNERS, PlanningProblem
 
-__all__ = ["BudgetError", "PlanningResult", "StepFloor", "hand_back", "make_plan", "objective_for", "pareto_front",
-           "step_floor"]
+__all__ = ["MIN_SAVING", "BudgetError", "PlanningResult", "StepFloor", "hand_back", "knee", "make_plan",
+           "objective_for", "pareto_front", "step_floor"]
 
 log = logging.getLogger("sublinear.planners")
+
+MIN_SAVING = 0.05  # with no budget, a plan that saves less than this fraction of eager's peak runs as eager
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,8 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
         raise BudgetError(problem.objective, min(ranked, key=lambda c: c.simulation.peak_bytes),
                           min(fitting, key=lambda c: c.simulation.recompute_seconds) if fitting else None,
                           floor=step_floor(profile))
+    if memory_budget is None and config.min_memory_per_time > 0:
+        best = knee([c for c in ranked if problem.objective.accepts(c)], eager, config.min_memory_per_time)
     if config.lb_memory and best.simulation.peak_bytes < config.lb_memory:
         best = hand_back(problem, best, config.lb_memory)
     history = _running_best(problem.history, problem.objective)
@@ -199,6 +206,30 @@ def hand_back(problem: PlanningProblem, candidate: Candidate, floor: int) -> Can
                 and trial.simulation.recompute_seconds < best.simulation.recompute_seconds):
             best = trial
     return best
+
+
+def knee(candidates: Sequence[Candidate], eager: Candidate, rate: float) -> Candidate:
+    """The plan that buys memory, not time: from eager, step along the lower convex hull of the candidates' front
+    (peak as a fraction of eager's, against the step-time ratio) while the next hull vertex saves at least ``rate``
+    of eager's peak per unit of time ratio it adds; eager when that plan saves under :data:`MIN_SAVING` of eager's
+    peak."""
+    base = eager.simulation.peak_bytes
+    front = pareto_front([*candidates, eager])
+    current = eager
+    while True:
+        steepest, following = rate, None
+        for c in front:
+            saved = (current.simulation.peak_bytes - c.simulation.peak_bytes) / base
+            spent = c.simulation.time_ratio - current.simulation.time_ratio
+            if saved <= 0:
+                continue
+            slope = saved / spent if spent > 0 else float("inf")
+            if slope >= steepest:
+                steepest, following = slope, c
+        if following is None:
+            break
+        current = following
+    return current if base - current.simulation.peak_bytes >= MIN_SAVING * base else eager
 
 
 def pareto_front(candidates: Iterable[Candidate]) -> list[Candidate]:
