@@ -44,7 +44,9 @@ def chain_profile():
 
 
 def _config(**kwargs):
-    return SublinearMemoryConfig(**{"genetic_nr_iter": 6, "genetic_pool_size": 8, "num_worker": 1, **kwargs})
+    """The genetic search's settings, with no budget the lowest peak (its own objective, not the knee)."""
+    return SublinearMemoryConfig(**{"genetic_nr_iter": 6, "genetic_pool_size": 8, "num_worker": 1,
+                                    "min_memory_per_time": 0, **kwargs})
 
 
 def _last_start(plan: Plan) -> int:
@@ -289,7 +291,7 @@ def test_planner_runs_the_genetic_search_only_when_asked(chain_profile, monkeypa
 
 
 def test_planner_uses_the_genetic_result(chain_profile):
-    grid = make_plan(chain_profile, SublinearMemoryConfig(planners=("grid",), cache_dir=""))
+    grid = make_plan(chain_profile, SublinearMemoryConfig(planners=("grid",), cache_dir="", min_memory_per_time=0))
     refined = make_plan(chain_profile, _config(cache_dir=""))
     objective = refined.objective
     # the grid, the optimal planner, each generation, the GA's result, the local search
