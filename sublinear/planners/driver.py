@@ -6,8 +6,8 @@ With no memory budget, the plan is then the knee of the front found (:func:`knee
 while each step along the front buys at least ``min_memory_per_time`` of eager's peak per unit of time, eager where
 the plan would save under :data:`MIN_SAVING` of eager's peak. Afterwards ``lb_memory`` hands memory back: when the
 chosen plan's peak is below this floor, recomputed ops are kept again, most recompute time first, while the peak
-stays within the floor. The plan depends only on the profile,
-the config (its seed included) and the pool: every planner bounds its search by counted work, never by the clock.
+stays within the floor. The plan depends only on the profile, the config (its seed included) and the pool: every
+planner bounds its search by counted work, never by the clock.
 """
 
 from __future__ import annotations

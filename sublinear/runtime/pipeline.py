@@ -95,7 +95,8 @@ class PlanPipeline:
         graph, config = runtime.graph, self.config
         context, settled = runtime.session.calls.context_for(runtime, values)
         uses = runtime.session.calls.uses.get(graph.code)
-        compiler, _ = runtime.compiler(values)
+        compiler, why_eager = runtime.compiler(values)
+        executor = "inductor" if compiler == "inductor" else f"sublinear's eager executor ({why_eager})"
         profile_key = (graph.code, key, config.cost_model, uses, compiler, tuple(sorted(bound.items())))
         disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key(), context=repr(context),
                                  uses=uses, compiler=compiler, bound=sorted(bound.items()))
@@ -109,7 +110,7 @@ class PlanPipeline:
         if not choice.settling:
             self.plans.remember(store_key, (profiled, choice.plan, choice.result))
         return self._variant(runtime, values, (key, disk_key), bound, profiled, profile_, objective, budget, choice,
-                             context, time.perf_counter() - started)
+                             context, time.perf_counter() - started, executor)
 
     # -- choosing the plan --------------------------------------------------------------------------------------
 
@@ -152,7 +153,7 @@ class PlanPipeline:
 
     def _variant(self, runtime: GraphRuntime, values: Sequence[Any], keys: tuple[tuple, str], bound: Binding,
                  profiled: Profiled, profile_: GraphProfile, objective: Objective, budget: int | None,
-                 choice: _Choice, context, seconds: float) -> GraphVariant:
+                 choice: _Choice, context, seconds: float, executor: str) -> GraphVariant:
         graph, plan, (key, disk_key) = runtime.graph, choice.plan, keys
         sim = simulate(profile_, plan)
         rewritten = self.executors.for_plan(graph, key, bound, profiled, profile_, plan)
@@ -161,9 +162,7 @@ class PlanPipeline:
         eager = simulate(profile_, Plan.no_split(profile_.num_ops))
         summary = summarise_plan(runtime.index, values, graph, profile_, plan, result, sim, eager, choice.origin,
                                  objective, seconds, choice.from_cache, history, bound)
-        compiler, why_eager = runtime.compiler(values)
-        summary = dataclasses.replace(summary, executor="inductor" if compiler == "inductor" else
-                                      f"sublinear's eager executor ({why_eager})")
+        summary = dataclasses.replace(summary, executor=executor)
         log.info("sublinear: %s %s", "planned" if choice.searched else "reused the plan for", summary)
         return GraphVariant(profile=profile_, plan=plan, simulation=sim, rewritten=rewritten, summary=summary,
                             auto_budget=self.config.memory_budget == "auto", objective=objective, planned_in=context,

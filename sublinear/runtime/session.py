@@ -180,10 +180,10 @@ _NAMED_SESSIONS: dict[str, SublinearBackend] = {}
 def named_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                   options: dict[str, Any] | None = None) -> Callable[..., Any]:
     """The backend named "sublinear" (the ``torch_dynamo_backends`` entry point), for tools that choose a backend
-    by name: ``torch.compile(model, backend="sublinear", options={"memory_budget": "8GiB"})``, the Hugging Face
-    Trainer's ``torch_compile_backend="sublinear"``, accelerate's dynamo plugin. ``options`` are
+    by name: ``torch.compile(model, backend="sublinear", options={"memory_budget": "8GiB"})``. ``options`` are
     :class:`~sublinear.config.SublinearMemoryConfig` fields by either name; graphs compiled with equal options share
-    one session (a name carries no model). ``mode`` is inductor's and has no meaning here."""
+    one session (a name carries no model). ``mode`` is inductor's and has no meaning here. accelerate (and with it
+    the Hugging Face Trainer's ``torch_compile_backend``) accepts only the backend names of its own list."""
     key = repr(sorted((options or {}).items()))
     session = _NAMED_SESSIONS.get(key)
     if session is None:
