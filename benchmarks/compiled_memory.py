@@ -56,7 +56,8 @@ DEVICE = "cpu"  # where the subprocess runs its model (--device)
 
 
 def _build(name: str):
-    """(model, args, kwargs, loss_fn) for one step of ``name``, on :data:`DEVICE`."""
+    """(model, args, kwargs, step) for ``name``, on :data:`DEVICE`: ``step(module, *args, **kwargs)`` is one training
+    step of ``module`` (the model, or what sublinear made of it)."""
     from torch.utils._pytree import tree_map
 
     torch.manual_seed(third_party.INIT_SEED)
@@ -72,7 +73,11 @@ def _build(name: str):
         args, kwargs, extra = batches[0]
     args, kwargs, extra = tree_map(lambda v: v.to(DEVICE) if isinstance(v, torch.Tensor) else v,
                                    (args, kwargs, extra))
-    return model.to(DEVICE).train(), args, kwargs, lambda out: loss_fn(out, extra)
+
+    def step(module, *args, **kwargs) -> None:
+        loss_fn(module(*args, **kwargs), extra).backward()
+
+    return model.to(DEVICE).train(), args, kwargs, step
 
 
 def _measured_peak(step, module, *args, **kwargs) -> int:
@@ -105,17 +110,13 @@ class _Replans(logging.Handler):
 def _point(name: str, budget: int | None) -> dict:
     import sublinear
 
-    model, args, kwargs, loss_fn = _build(name)
+    model, args, kwargs, step = _build(name)
     replans = _Replans()
     logging.getLogger("sublinear").addHandler(replans)
     logging.getLogger("sublinear").setLevel(logging.INFO)
     config = sublinear.SublinearMemoryConfig(compiler="inductor", cache_dir="", memory_budget=budget,
                                              min_memory_per_time=0)  # no budget: the lowest peak within the cap
     run = sublinear.apply(model, config)
-
-    def step(module, *args, **kwargs) -> None:
-        loss_fn(module(*args, **kwargs)).backward()
-
     res = {"budget": budget, "error": None}
     try:
         for _ in range(2):
@@ -141,10 +142,10 @@ def _point(name: str, budget: int | None) -> dict:
 def _lowest(name: str) -> int:
     import sublinear
 
-    model, args, kwargs, loss_fn = _build(name)
+    model, args, kwargs, step = _build(name)
     run = sublinear.apply(model, sublinear.SublinearMemoryConfig(compiler="inductor", cache_dir="", memory_budget=1))
     try:
-        loss_fn(run(*args, **kwargs)).backward()
+        step(run, *args, **kwargs)
     except sublinear.BudgetError as exc:
         return int(exc.smallest)
     finally:
@@ -161,14 +162,10 @@ def run_one(name: str, path: str) -> None:
     inductor_config.fallback_random = True
     res: dict = {"model": name, "error": None, "points": []}
     try:
-        model, args, kwargs, loss_fn = _build(name)
-
-        def eager_step(module, *args, **kwargs) -> None:
-            loss_fn(module(*args, **kwargs)).backward()
-
-        eager_step(model, *args, **kwargs)  # the library workspaces (cuBLAS, cuDNN) made at first use are not a step's
+        model, args, kwargs, step = _build(name)
+        step(model, *args, **kwargs)  # the library workspaces (cuBLAS, cuDNN) made at first use are not a step's
         model.zero_grad(set_to_none=True)
-        res["eager"] = _measured_peak(eager_step, model, *args, **kwargs)
+        res["eager"] = _measured_peak(step, model, *args, **kwargs)
         res["lowest"] = low = _lowest(name)
         res["points"].append(_point(name, None))
         torch.save(res, path)  # each point as it is measured: a run cut off at its time limit keeps what it has
