@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import sublinear
-from sublinear.profiling.costs import device_rates
 from sublinear.cache import cache_dir
 
 from conftest import Chain
@@ -112,7 +111,9 @@ def test_interrupted_write_leaves_no_entry(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    device_rates("cpu")  # measured and kept before the writes are interrupted: the plan's write is
+    # the device rates and the library calls' memory are measured and kept before the writes are interrupted (a
+    # worker that has not measured them yet writes them first): the plan's write is
+    _compile(sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path / "warm")))
     monkeypatch.setattr(cache_module.json, "dump", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _compile(sublinear.SublinearMemoryConfig(cache_dir=str(tmp_path / "plans")))
