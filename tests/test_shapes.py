@@ -22,12 +22,14 @@ from conftest import PLAIN, assert_same_training
 
 
 class TinyTransformer(nn.Module):
-    """Token embedding, two pre-norm attention + MLP layers with dropout, a token-level loss head."""
+    """Token embedding (with ``positions`` learned positions sliced to the length, as BERT's), two pre-norm
+    attention + MLP layers with dropout, a token-level loss head."""
 
-    def __init__(self, vocab: int = 50, width: int = 32, heads: int = 4, layers: int = 2) -> None:
+    def __init__(self, vocab: int = 50, width: int = 32, heads: int = 4, layers: int = 2, positions: int = 0) -> None:
         super().__init__()
         self.heads = heads
         self.embed = nn.Embedding(vocab, width)
+        self.positions = nn.Parameter(torch.randn(positions, width) * 0.1) if positions else None
         self.layers = nn.ModuleList(nn.ModuleDict({
             "norm1": nn.LayerNorm(width), "qkv": nn.Linear(width, 3 * width), "out": nn.Linear(width, width),
             "norm2": nn.LayerNorm(width), "up": nn.Linear(width, 2 * width), "down": nn.Linear(2 * width, width),
@@ -37,6 +39,8 @@ class TinyTransformer(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(ids)
         b, n, w = h.shape
+        if self.positions is not None:
+            h = h + self.positions[:n]
         for layer in self.layers:
             q, k, v = layer["qkv"](layer["norm1"](h)).view(b, n, 3, self.heads, w // self.heads).unbind(2)
             scores = torch.einsum("bnhd,bmhd->bhnm", q, k) / (w // self.heads) ** 0.5
@@ -173,6 +177,17 @@ def test_seven_batch_and_length_shapes_plan_at_most_three_times_and_train_like_e
     assert "planned for" in str(compiled.sublinear_plan)  # the latest call ran a dynamic graph's plan
 
 
+def test_slices_bounded_by_a_dynamic_size_train_like_eager_on_the_eager_executor():
+    """A dynamic graph's slice bounds are its size nodes (BERT's positions[:length]); the inductor case is below."""
+    torch.manual_seed(0)
+    base = TinyTransformer(positions=32)
+    batches = token_batches([(2, 12), (2, 30), (2, 17)])
+    compiled = sublinear.compile(copy.deepcopy(base), config=dataclasses.replace(PLAIN, compiler="eager"))
+    planned = train_over(compiled, batches)
+    assert "planned for" in str(compiled.sublinear_plan)  # the slice's bound was a symbolic size
+    assert_same_training(train_over(copy.deepcopy(base), batches), planned)
+
+
 def test_shapes_within_the_bound_reuse_the_plan_and_a_larger_one_plans_again(caplog):
     torch.manual_seed(0)
     compiled = sublinear.compile(TinyTransformer(), config=PLAIN)
@@ -230,7 +245,7 @@ def test_inductor_compiles_a_family_once_and_trains_like_torch_compile(caplog):
     from sublinear.execute.compiled import CompiledGraph
 
     torch.manual_seed(0)
-    base = TinyTransformer()
+    base = TinyTransformer(positions=32)
     batches = token_batches([(2, 16), (3, 24), (4, 9), (2, 31), (3, 20)])
     config = dataclasses.replace(PLAIN, compiler="inductor")
     with caplog.at_level(logging.INFO, logger="sublinear"):

@@ -153,6 +153,9 @@ class NodeProgram:
             return f"[{', '.join(self._source(a) for a in template)}]"
         if isinstance(template, dict):
             return f"{{{', '.join(f'{k!r}: {self._source(v)}' for k, v in template.items())}}}"
+        if isinstance(template, slice):  # a dynamic graph's slice bounds are nodes (sizes)
+            start, stop, step = (self._source(a) for a in (template.start, template.stop, template.step))
+            return f"slice({start}, {stop}, {step})"
         if template is None or isinstance(template, (bool, int, str)):
             return repr(template)
         return self.bind(template)
