@@ -171,11 +171,25 @@ def _pointwise_chain() -> nn.Module:
                            for _ in range(3)])
 
 
+class _LanguageModelHead(nn.Module):
+    """A vocabulary-sized head and its cross-entropy: forward saves the log-softmax, and backward writes the logits'
+    gradient into it in place (AOTAutograd donates saved intermediates to backward)."""
+
+    def __init__(self, width: int = 64, vocab: int = 4000) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x):
+        logits = self.head(self.body(x))
+        return F.cross_entropy(logits.flatten(0, 1), torch.arange(x.shape[1]).repeat(x.shape[0]) % logits.shape[-1])
+
+
 CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "attention": (_Attention, (4, 128, 64)),
-         "pointwise": (_pointwise_chain, (256, 128))}
+         "pointwise": (_pointwise_chain, (256, 128)), "head": (_LanguageModelHead, (4, 64, 64))}
 
 
-@pytest.mark.parametrize("case", [pytest.param("convolution"),
+@pytest.mark.parametrize("case", [pytest.param("convolution"), pytest.param("head"),
                                   pytest.param("attention", marks=pytest.mark.slow),
                                   pytest.param("pointwise", marks=pytest.mark.slow)])
 def test_the_compiled_step_is_predicted_before_compiling_and_measured_as_the_cpu_allocator_counts(case):

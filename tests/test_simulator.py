@@ -1,6 +1,8 @@
+import dataclasses
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -12,9 +14,10 @@ from sublinear.models import get_model
 from sublinear.planners import PlanningProblem, objective_for
 from sublinear.planners.grid import grid_plans
 from sublinear.training import training_step
-from sublinear.simulation.timeline import simulate
+from sublinear.core.analysis import StorageState, analyse
+from sublinear.simulation.timeline import own_slots, simulate
 
-from conftest import PLAIN, RandomDAG, assert_same_training, profile_of, train_steps
+from conftest import PLAIN, RandomDAG, assert_same_training, chain, profile_of, train_steps
 
 
 def _grid_best(p, tries=4):
@@ -168,3 +171,18 @@ def test_the_other_graphs_of_a_call_are_added_where_they_are_live():
     assert simulate(beside, plan).peak_bytes == held + 10**6  # the later graphs' peak is the step's
     last = dataclasses.replace(p, step_context=StepContext(1000, 5000, None))
     assert len(timeline(last, plan)[0]) == len(alone)  # no graph runs after the last one
+
+
+@pytest.mark.parametrize("plan", [Plan.no_split(4), Plan.of([2], 4)], ids=["saved", "rebuilt"])
+def test_a_storage_a_backward_kernel_writes_into_ends_as_that_backward_starts(plan):
+    """Inductor writes a backward kernel's output into the buffer of a saved value the kernel reads last (the
+    gradient side counts the output): the value is released as that backward starts, saved or rebuilt."""
+    p = chain(4)
+    taken = dataclasses.replace(p, storage_taken_at=np.array([-1, 2, -1, -1]))
+    assert analyse(p, plan).state[1] == (StorageState.RETAINED if plan.num_blocks == 1 else StorageState.REBUILT)
+    held, _, _, ranks = own_slots(p, plan)
+    held_taken, _, _, _ = own_slots(taken, plan)
+    backward_of_rank_2 = np.flatnonzero(ranks == 2)[-2]  # the slot before it releases what it saved
+    expected = held.copy()
+    expected[backward_of_rank_2] -= 100
+    assert np.array_equal(held_taken, expected)

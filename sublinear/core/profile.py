@@ -181,6 +181,10 @@ class GraphProfile:
     # whether a copy a recompute rebuilds takes memory (or is fused into the backward kernels that read it).
     materialized_in_forward: np.ndarray = field(default_factory=lambda: _empty(bool))
     materialized_when_rebuilt: np.ndarray = field(default_factory=lambda: _empty(bool))
+    # Per storage, for a compiled step: the rank whose backward kernel writes its output into the storage's buffer,
+    # the kernel being its last reader (-1: none; empty: none anywhere). While the storage is a buffer there, it ends
+    # as that backward starts, its bytes counted on the gradient side from then on.
+    storage_taken_at: np.ndarray = field(default_factory=_empty)
     # A compiled backward runs each recomputed op once, in the block whose recompute comes first, and keeps its
     # values until every block that reads them is done (False: every block's recompute rebuilds its own copies).
     recompute_shared: bool = False

@@ -91,7 +91,8 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     measured = measure_scratch and device.type in ("cpu", "cuda")
     scratch = library_scratch(fw + bw, kinds, channels_last, kernel_memory(str(device)) if measured else None)
     materialized = materialized_predicate(storages, reads, kinds, fw)
-    extra, seconds, flops = forward_costs(fw, grouping, storages, set(tracked), materialized, scratch, kinds, rates)
+    extra, seconds, flops = forward_costs(fw, grouping, storages, reads, set(tracked), materialized, scratch, kinds,
+                                          rates)
     side = GradientSide(joint, storages, kinds, granule, graph.kinds)
     backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
     record = _record(joint, graph, grouping, storages, reads, tracked, materialized, extra, seconds, flops, backward,
@@ -155,6 +156,7 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         cost_source=f"estimated for inductor's kernels on {rates.describe()}", output_uses=reads.uses,
         materialized_in_forward={k for k in tracked if materialized(k)},
         materialized_when_rebuilt={k for k in tracked if materialized(k, rebuilt=True)},
+        taken_at=backward.taken_at,
         recompute_shared=True,
     )
 

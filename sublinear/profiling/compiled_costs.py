@@ -23,19 +23,21 @@ from sublinear.tensors import size_hint as hint
 
 def materialized_predicate(storages: StepStorages, reads: StorageReads, kinds: InductorKinds, fw: list[fx.Node]):
     """The predicate ``materialized(key, rebuilt=False)``: whether a produced storage is a buffer in forward: a
-    library kernel or a reduction makes it, a library kernel reads it, or the graph returns it (a fused pointwise
-    value read only by fused kernels is not). ``rebuilt``: as recomputed, where the graph's returning it does not
-    count."""
+    library kernel or a reduction makes it, a library kernel reads it, the graph returns it, or backward reads it
+    (forward saves it; a fused pointwise value read only by fused forward kernels is not). ``rebuilt``: as
+    recomputed in backward, where neither the graph's returning it nor backward's reading it counts."""
     fusible = {key: kinds.fusible(fw[i]) for key, i in storages.produced_by.items()}
 
     def materialized(key: int, rebuilt: bool = False) -> bool:
-        return key in storages.produced_by and (not fusible[key] or key in reads.needs_buffer
-                                                or (not rebuilt and key in reads.output_use))
+        return key in storages.produced_by and (
+            not fusible[key] or key in reads.needs_buffer
+            or (not rebuilt and (key in reads.output_use or key in reads.saved_at)))
     return materialized
 
 
-def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, tracked: set[int], materialized,
-                  scratch: dict[fx.Node, int], kinds: InductorKinds, rates: DeviceRates):
+def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
+                  tracked: set[int], materialized, scratch: dict[fx.Node, int], kinds: InductorKinds,
+                  rates: DeviceRates):
     """Per op: the most bytes its own allocations hold at once while it runs (its buffers, those that outlive it
     included, and a library call's scratch), its FLOPs and its estimated seconds."""
     last_reader: dict[int, int] = {}
@@ -65,6 +67,8 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
         extra[o] = peak
     for o, nbytes in _fused_early(fw, grouping, storages, materialized, kinds).items():
         extra[o] += nbytes
+    for o, nbytes in _written_in_place(fw, grouping, storages, reads, materialized, kinds).items():
+        extra[o] = max(0, extra[o] - nbytes)
     if storages.layout_copies:  # made by the forward's first kernel, beside what its first op makes
         extra[0] += sum(size_of[key] for key in storages.layout_copies)
     return extra, seconds, flops
@@ -95,6 +99,43 @@ def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages
     return early
 
 
+def _written_in_place(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
+                      materialized, kinds: InductorKinds) -> dict[int, int]:
+    """Per op: the bytes of its outputs inductor writes into an earlier op's buffer that this op reads last and
+    alone (not saved for backward, not returned, the same size). That buffer is counted until this op ends, so
+    the op's own bytes leave them out."""
+    produced, op_of_node, size_of = storages.produced_by, grouping.op_of_node, storages.size_of
+    credit: dict[int, int] = defaultdict(int)
+    taken: set[int] = set()
+    for key, i in produced.items():
+        o = op_of_node[i]
+        if not materialized(key) or not kinds.fusible(fw[i]) or kinds.extern(fw[i]):
+            continue
+        match = next((k for k in _kernel_reads(fw[i], storages, materialized, kinds) if k not in taken
+                      and op_of_node[produced[k]] < o and reads.readers.get(k) == {o} and materialized(k)
+                      and k not in reads.saved_at and k not in reads.output_use and size_of[k] == size_of[key]),
+                     None)
+        if match is not None:
+            taken.add(match)
+            credit[o] += size_of[key]
+    return credit
+
+
+def _kernel_reads(node: fx.Node, storages: StepStorages, materialized, kinds: InductorKinds) -> list[int]:
+    """The buffers the kernel computing ``node`` reads: through the fused values (no buffer) it is made from."""
+    produced, found, stack, seen = storages.produced_by, [], [node], {node}
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            keys = [k for k in storages.keys_of(arg) if k in produced]
+            fused = keys and all(not materialized(k) for k in keys) and kinds.fusible(arg)
+            if fused and arg not in seen:
+                seen.add(arg)
+                stack.append(arg)
+            elif not fused:
+                found += [k for k in keys if k not in found]
+    return found
+
+
 # --- Backward: the gradient side per rank --------------------------------------------------------------------------
 
 @dataclass
@@ -109,6 +150,7 @@ class BackwardWalk:
     seconds: list[float]
     flops: int
     gradient_bytes: int
+    taken_at: dict[int, int]  # forward value -> the rank whose backward kernel writes its output into it
 
 
 class GradientSide:
@@ -158,7 +200,8 @@ class GradientSide:
 def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: StepStorages, side: GradientSide,
                   scratch: dict[fx.Node, int], rates: DeviceRates) -> BackwardWalk:
     """Walk backward kernel by kernel: inductor fuses the nodes between two library kernels into one kernel, which
-    allocates what they make before it runs and frees what they read last after it."""
+    allocates what they make before it runs (unless it writes it into a buffer it reads, see :class:`_InPlace`) and
+    frees what they read last after it."""
     bw, ranks = joint.backward, reads.rank_of_backward
     live = side.tangent_bytes()
     start: list[int | None] = [None] * n_ops
@@ -169,6 +212,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     released: set[int] = set()
     total_flops = 0
     all_sizes = {**storages.size_of, **side.sizes}
+    in_place = _InPlace(bw, storages, side, reads)
 
     def readable(key: int) -> bool:
         return key in storages.produced_by or side.buffer(key)
@@ -179,7 +223,8 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                 start[ranks[k]] = before[ranks[k]] = after[ranks[k]] = live
         made = [key for k in segment for key in dict.fromkeys(storages.keys_of(bw[k]))
                 if side.born.get(key) == k and side.buffer(key)]
-        live += sum(side.sizes[key] for key in made)
+        taken = in_place.take(segment, made)
+        live += sum(side.sizes[key] for key in made if key not in taken or taken[key] in storages.produced_by)
         inside = live + max((scratch.get(bw[k], 0) for k in segment), default=0)
         for r in {ranks[k] for k in segment}:
             if r in released:
@@ -190,7 +235,8 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
         freed = {key for k in segment for arg in bw[k].all_input_nodes for key in storages.keys_of(arg)
                  if side.last.get(key) in members}
         freed |= {key for key in made if key not in side.last}
-        live -= sum(side.sizes[key] for key in freed if side.buffer(key) and key not in side.outputs)
+        live -= sum(side.sizes[key] for key in freed if side.buffer(key) and key not in side.outputs
+                    and key not in in_place.given)
         for k in segment:
             left[ranks[k]] = live
             if last_release.get(ranks[k]) == k:
@@ -207,7 +253,57 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
             carried = left[r]
     parameter_grads = sum(side.sizes[key] for key, kind in side.outputs.items() if kind == PARAMETER
                           and key in side.sizes)
-    return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads)
+    return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken)
+
+
+class _InPlace:
+    """Inductor writes a fused kernel's output into a buffer the kernel reads when that kernel is the buffer's only
+    reader and the sizes match: a buffer backward made, or a forward value backward alone reads (AOTAutograd donates
+    saved intermediates to backward); never a graph input (parameters, inputs, the outputs' gradients) or a value
+    forward returns. A taken gradient-side buffer passes its bytes on. A taken forward value is recorded
+    (``forward_taken``, with the rank): whether it is a buffer there depends on the plan (saved, or rebuilt into a
+    buffer, or fused into that kernel when recomputed), so the simulator ends it there, and the output counts on the
+    gradient side."""
+
+    def __init__(self, bw: list[fx.Node], storages: StepStorages, side: GradientSide, reads: StorageReads) -> None:
+        self.storages, self.side, self.reads = storages, side, reads
+        self.readers: dict[int, set[int]] = defaultdict(set)
+        for k, node in enumerate(bw):
+            for arg in node.all_input_nodes:
+                for key in storages.keys_of(arg):
+                    self.readers[key].add(k)
+        self.given: set[int] = set()  # gradient-side buffers an output took
+        self.forward_taken: dict[int, int] = {}
+
+    def _size(self, key: int) -> int | None:
+        if key in self.storages.produced_by:
+            return None if key in self.reads.output_use or key in self.forward_taken else self.storages.size_of[key]
+        born = self.side.born.get(key)
+        if born is None or born < 0 or key in self.given or not self.side.buffer(key) or key in self.side.outputs:
+            return None
+        return self.side.sizes[key]
+
+    def take(self, segment: list[int], made: list[int]) -> dict[int, int]:
+        """Per output of ``segment`` (one fused kernel) written in place: the input whose buffer it takes."""
+        bw = self.side.bw
+        if len(segment) == 1 and self.side.kinds.extern(bw[segment[0]]):
+            return {}
+        members = set(segment)
+        inputs = [key for key in dict.fromkeys(k2 for k in segment for arg in bw[k].all_input_nodes
+                                               for k2 in self.storages.keys_of(arg))
+                  if self.readers[key] and self.readers[key] <= members and self._size(key) is not None]
+        taken: dict[int, int] = {}
+        for out in made:
+            match = next((key for key in inputs if key not in taken.values() and key != out
+                          and self._size(key) == self.side.sizes[out]), None)
+            if match is None:
+                continue
+            taken[out] = match
+            if match in self.storages.produced_by:
+                self.forward_taken[match] = self.reads.rank_of_backward[self.reads.last_backward_read[match]]
+            else:
+                self.given.add(match)
+        return taken
 
 
 def _segments(nodes: list[fx.Node], kinds: InductorKinds) -> list[list[int]]:

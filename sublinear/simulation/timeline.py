@@ -208,6 +208,7 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads) 
     savers = profile.node_op[ranks]
     own = a.dropped[saved] & profile.reaches_output[savers]
     extend(a.block_of[savers[own]], saved[own], at.backward_slot[ranks[own]])
+    copy_stop = _taken_in_place(profile, at, copy_storage, copy_stop)
     counted = copy_stop > copy_start
     if len(profile.materialized_when_rebuilt):  # fused into the backward kernels that read it
         counted &= profile.materialized_when_rebuilt[copy_storage]
@@ -265,7 +266,20 @@ def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _
     outside = ~reads.inside
     held_until = until[reads.pair] if shared else at.frame_stop[at.c_blocks[reads.pair]]
     np.maximum.at(stop, reads.storage[outside], held_until[outside])
-    return stop
+    return _taken_in_place(profile, at, np.arange(len(stop)), stop)
+
+
+def _taken_in_place(profile: GraphProfile, at: _Layout, storages: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """``stops`` (slots after which ``storages`` or their copies are released), ended just before the backward of
+    the rank that writes its output into their buffer, where nothing holds them beyond that backward: the output
+    is counted on the gradient side from there."""
+    if not len(profile.storage_taken_at) or not len(storages):
+        return stops
+    rank = profile.storage_taken_at[storages]
+    taken = rank >= 0
+    slot = np.where(taken, at.backward_slot[np.maximum(rank, 0)], -1)
+    ends_there = taken & (stops >= slot) & (stops <= slot + 1)
+    return np.where(ends_there, slot - 1, stops)
 
 
 def _snapshots(profile: GraphProfile, a: PlanAnalysis, at: _Layout, held: np.ndarray) -> None:
