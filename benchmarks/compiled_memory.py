@@ -3,8 +3,8 @@
     python benchmarks/compiled_memory.py --jobs 2 --out docs/compiled_memory.md
     python benchmarks/compiled_memory.py --device cuda --jobs 8 --out docs/compiled_memory_cuda.md
 
-For each model (the third-party set of ``benchmarks/third_party.py``, random-initialised from small configs, and the
-zoo's ResNet-50), in its own subprocess with an empty inductor cache and one thread:
+For each model (the third-party set of ``benchmarks/third_party.py``, random-initialised from small configs, the
+zoo's ResNet-50, and two causal LMs whose vocabulary-sized head decides the peak), in its own subprocess with an empty inductor cache and one thread:
 
 1. eager's peak: one plain step (forward, loss, backward; gradients None before it) after a first one, the CPU
    allocator's count (:func:`sublinear.measure_cpu_allocator`);
@@ -48,11 +48,30 @@ import third_party  # noqa: E402
 
 FRACTIONS = (0.02, 0.35, 0.7)
 MODELS = ("custom", "bert", "gpt2", "llama", "t5", "llama_lora", "mixtral", "mamba", "timm_vit", "timm_convnext",
-          "timm_resnet", "unet", "autoencoder_kl", "resnet50")
+          "timm_resnet", "unet", "autoencoder_kl", "resnet50", "gpt2_head", "llama_head")
 TOLERANCE, FLOOR = 0.02, 256 * 1024
 
 
 DEVICE = "cpu"  # where the subprocess runs its model (--device)
+
+
+def _head_model(name: str):
+    """A causal LM whose vocabulary-sized values decide the step's peak (vocabulary 8,000, width 128, 4 layers,
+    4x128 tokens: each logits-sized buffer is 15.6 MiB), with HF's loss and the logits returned."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if name == "gpt2_head":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=8000, n_embd=128, n_layer=4, n_head=4, n_positions=128))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=8000, hidden_size=128, intermediate_size=256,
+                                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                             max_position_embeddings=128))
+    ids = torch.randint(3, 8000, (4, 128), generator=torch.Generator().manual_seed(0))
+    return model, (), {"input_ids": ids, "labels": ids.clone()}, None, lambda out, extra: out.loss
+
+
+HEAD_TITLES = {"gpt2_head": "GPT-2, vocabulary 8,000 (width 128, 4 layers, 4×128 tokens)",
+               "llama_head": "Llama, vocabulary 8,000 (width 128, 4 layers, 4×128 tokens)"}
 
 
 def _build(name: str):
@@ -68,6 +87,8 @@ def _build(name: str):
         model = get_model("resnet50").build()
         x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
         args, kwargs, extra, loss_fn = (x,), {}, None, lambda out, extra: default_loss(out)
+    elif name in HEAD_TITLES:
+        model, args, kwargs, extra, loss_fn = _head_model(name)
     else:
         model, batches, loss_fn = third_party.MODELS[name][2]()
         args, kwargs, extra = batches[0]
@@ -209,9 +230,7 @@ def _within(predicted: int, measured: int) -> bool:
 
 
 def _rows(res: dict) -> tuple[list[str], dict]:
-    title = res["model"] if res["model"] == "resnet50" else third_party.MODELS[res["model"]][0]
-    if res["model"] == "resnet50":
-        title = "ResNet-50 (zoo, 4×3×64×64)"
+    title = HEAD_TITLES.get(res["model"]) or third_party.MODELS.get(res["model"], ("ResNet-50 (zoo, 4×3×64×64)",))[0]
     checks = {"predicted": 0, "predicted_ok": 0, "budgets": 0, "met": 0, "one_compile": 0, "monotone": True}
     if res.get("error") and not res["points"]:
         return [f"| {title} | – | – | – | – | – | – | – | {res['error']} |"], checks
