@@ -4,7 +4,8 @@
     python benchmarks/compiled_memory.py --device cuda --jobs 8 --out docs/compiled_memory_cuda.md
 
 For each model (the third-party set of ``benchmarks/third_party.py``, random-initialised from small configs, the
-zoo's ResNet-50, and two causal LMs whose vocabulary-sized head decides the peak), in its own subprocess with an empty inductor cache and one thread:
+zoo's ResNet-50, and two causal LMs whose vocabulary-sized head decides the peak), in its own subprocess with an
+empty inductor cache and one thread:
 
 1. eager's peak: one plain step (forward, loss, backward; gradients None before it) after a first one, the CPU
    allocator's count (:func:`sublinear.measure_cpu_allocator`);

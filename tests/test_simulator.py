@@ -186,3 +186,18 @@ def test_a_storage_a_backward_kernel_writes_into_ends_as_that_backward_starts(pl
     expected = held.copy()
     expected[backward_of_rank_2] -= 100
     assert np.array_equal(held_taken, expected)
+
+
+@pytest.mark.parametrize("plan", [Plan.no_split(4), Plan.of([2], 4)], ids=["saved", "rebuilt"])
+def test_a_value_that_is_a_buffer_only_because_forward_saves_it_takes_none_where_the_plan_drops_it(plan):
+    p = chain(4)
+    ops = [dataclasses.replace(op, forward_extra_bytes=100 if op.index == 1 else 0) for op in p.ops]
+    p = dataclasses.replace(p, ops=ops)
+    fused = dataclasses.replace(p, saved_buffer=np.array([False, True, False, False]))
+    held, _, slot_ops, ranks = own_slots(p, plan)
+    held_fused, _, _, _ = own_slots(fused, plan)
+    retained = analyse(p, plan).state[1] == StorageState.RETAINED
+    expected = held.copy()
+    if not retained:  # op 1's forward slot and its recompute slot (its backward's slots are rank 1's)
+        expected[(slot_ops == 1) & (ranks != 1)] -= 100
+    assert np.array_equal(held_fused, expected)

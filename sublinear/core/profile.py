@@ -181,6 +181,9 @@ class GraphProfile:
     # whether a copy a recompute rebuilds takes memory (or is fused into the backward kernels that read it).
     materialized_in_forward: np.ndarray = field(default_factory=lambda: _empty(bool))
     materialized_when_rebuilt: np.ndarray = field(default_factory=lambda: _empty(bool))
+    # Per storage, for a compiled step: a buffer in forward only because forward saves it for backward (a fused
+    # value), counted in its op's forward bytes; a plan that does not retain it makes no buffer for it.
+    saved_buffer: np.ndarray = field(default_factory=lambda: _empty(bool))
     # Per storage, for a compiled step: the rank whose backward kernel writes its output into the storage's buffer,
     # the kernel being its last reader (-1: none; empty: none anywhere). While the storage is a buffer there, it ends
     # as that backward starts, its bytes counted on the gradient side from then on.

@@ -91,12 +91,14 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     measured = measure_scratch and device.type in ("cpu", "cuda")
     scratch = library_scratch(fw + bw, kinds, channels_last, kernel_memory(str(device)) if measured else None)
     materialized = materialized_predicate(storages, reads, kinds, fw)
-    extra, seconds, flops = forward_costs(fw, grouping, storages, reads, set(tracked), materialized, scratch, kinds,
-                                          rates)
+    extra, seconds, flops, in_place = forward_costs(fw, grouping, storages, reads, set(tracked), materialized,
+                                                    scratch, kinds, rates)
     side = GradientSide(joint, storages, kinds, granule, graph.kinds)
     backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
     record = _record(joint, graph, grouping, storages, reads, tracked, materialized, extra, seconds, flops, backward,
                      rates)
+    record.saved_buffer = {k for k in tracked if materialized(k) and not materialized(k, saved=False)
+                           and k not in in_place}
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports
 

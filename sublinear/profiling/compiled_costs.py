@@ -22,16 +22,16 @@ from sublinear.tensors import size_hint as hint
 # --- Forward: bytes inside each op, FLOPs and time -----------------------------------------------------------------
 
 def materialized_predicate(storages: StepStorages, reads: StorageReads, kinds: InductorKinds, fw: list[fx.Node]):
-    """The predicate ``materialized(key, rebuilt=False)``: whether a produced storage is a buffer in forward: a
-    library kernel or a reduction makes it, a library kernel reads it, the graph returns it, or backward reads it
-    (forward saves it; a fused pointwise value read only by fused forward kernels is not). ``rebuilt``: as
-    recomputed in backward, where neither the graph's returning it nor backward's reading it counts."""
+    """The predicate ``materialized(key, rebuilt=False, saved=True)``: whether a produced storage is a buffer in
+    forward: a library kernel or a reduction makes it, a library kernel reads it, the graph returns it, or (with
+    ``saved``) backward reads it, so that forward saves it; a fused pointwise value read only by fused forward
+    kernels is not. ``rebuilt``: as recomputed in backward, where neither returning nor saving counts."""
     fusible = {key: kinds.fusible(fw[i]) for key, i in storages.produced_by.items()}
 
-    def materialized(key: int, rebuilt: bool = False) -> bool:
+    def materialized(key: int, rebuilt: bool = False, saved: bool = True) -> bool:
         return key in storages.produced_by and (
             not fusible[key] or key in reads.needs_buffer
-            or (not rebuilt and (key in reads.output_use or key in reads.saved_at)))
+            or (not rebuilt and (key in reads.output_use or (saved and key in reads.saved_at))))
     return materialized
 
 
@@ -67,11 +67,13 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
         extra[o] = peak
     for o, nbytes in _fused_early(fw, grouping, storages, materialized, kinds).items():
         extra[o] += nbytes
-    for o, nbytes in _written_in_place(fw, grouping, storages, reads, materialized, kinds).items():
-        extra[o] = max(0, extra[o] - nbytes)
+    in_place = _written_in_place(fw, grouping, storages, reads, materialized, kinds)
+    for key in in_place:
+        o = grouping.op_of_node[produced[key]]
+        extra[o] = max(0, extra[o] - size_of[key])
     if storages.layout_copies:  # made by the forward's first kernel, beside what its first op makes
         extra[0] += sum(size_of[key] for key in storages.layout_copies)
-    return extra, seconds, flops
+    return extra, seconds, flops, in_place
 
 
 def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, materialized,
@@ -100,12 +102,12 @@ def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages
 
 
 def _written_in_place(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
-                      materialized, kinds: InductorKinds) -> dict[int, int]:
-    """Per op: the bytes of its outputs inductor writes into an earlier op's buffer that this op reads last and
-    alone (not saved for backward, not returned, the same size). That buffer is counted until this op ends, so
-    the op's own bytes leave them out."""
+                      materialized, kinds: InductorKinds) -> set[int]:
+    """The outputs inductor writes into an earlier op's buffer that their op reads last and alone (not saved for
+    backward, not returned, the same size). That buffer is counted until the op ends, so the op's own bytes leave
+    them out."""
     produced, op_of_node, size_of = storages.produced_by, grouping.op_of_node, storages.size_of
-    credit: dict[int, int] = defaultdict(int)
+    written: set[int] = set()
     taken: set[int] = set()
     for key, i in produced.items():
         o = op_of_node[i]
@@ -117,8 +119,8 @@ def _written_in_place(fw: list[fx.Node], grouping: OpGrouping, storages: StepSto
                      None)
         if match is not None:
             taken.add(match)
-            credit[o] += size_of[key]
-    return credit
+            written.add(key)
+    return written
 
 
 def _kernel_reads(node: fx.Node, storages: StepStorages, materialized, kinds: InductorKinds) -> list[int]:

@@ -62,6 +62,7 @@ class StepRecord:
     materialized_in_forward: set[int] | None = None  # None: every storage takes memory whenever it is live
     materialized_when_rebuilt: set[int] | None = None
     taken_at: dict[int, int] = field(default_factory=dict)  # storage -> rank writing its output into it
+    saved_buffer: set[int] | None = None  # a buffer in forward only because forward saves it
     recompute_shared: bool = False
 
 
@@ -111,6 +112,7 @@ def assemble(record: StepRecord) -> GraphProfile:
         output_uses=record.output_uses,
         materialized_in_forward=flags(record.materialized_in_forward),
         materialized_when_rebuilt=flags(record.materialized_when_rebuilt),
+        saved_buffer=flags(record.saved_buffer),
         storage_taken_at=np.array([record.taken_at.get(k, -1) for k in tracked], dtype=np.int64)
         if record.taken_at else np.zeros(0, dtype=np.int64),
         recompute_shared=record.recompute_shared,

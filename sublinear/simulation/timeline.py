@@ -132,16 +132,29 @@ def _layout(profile: GraphProfile, a: PlanAnalysis) -> _Layout:
     return _Layout(n, n + int(width.sum()), backward_slot, c_blocks, c_ops, c_ranks, c_slot, frame_stop)
 
 
-def _slot_terms(profile: GraphProfile, at: _Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per slot: bytes beside the storages (an op's own buffers and scratch, the gradient side), what happens, its
-    op and its rank (-1: none)."""
+def _forward_extra(profile: GraphProfile, a: PlanAnalysis) -> np.ndarray:
+    """Per op, its own bytes while it runs under the plan: a value that is a buffer only because forward saves it
+    takes none where the plan does not retain it (it is fused into its readers, in forward and when rebuilt)."""
+    extra = profile.forward_extra
+    if not len(profile.saved_buffer) or not profile.saved_buffer.any():
+        return extra
+    unsaved = profile.saved_buffer & ~a.retained
+    fused = np.bincount(profile.storage_producer[unsaved], weights=profile.storage_bytes[unsaved],
+                        minlength=profile.num_ops).astype(np.int64)
+    return np.maximum(0, extra - fused)
+
+
+def _slot_terms(profile: GraphProfile, at: _Layout, forward_extra: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per slot: bytes beside the storages (an op's own buffers and scratch under the plan, the gradient side), what
+    happens, its op and its rank (-1: none)."""
     n, end, node_op = at.n, at.end, profile.node_op
     extra = np.empty(end + 1, dtype=np.int64)
     kinds = np.empty(end + 1, dtype=np.int8)
     ops = np.empty(end + 1, dtype=np.int64)
     ranks = np.full(end + 1, -1, dtype=np.int64)
-    extra[:n], kinds[:n], ops[:n] = profile.forward_extra, _FORWARD, np.arange(n)
-    extra[at.c_slot] = profile.forward_extra[at.c_ops] + profile.grad_start[at.c_ranks]
+    extra[:n], kinds[:n], ops[:n] = forward_extra, _FORWARD, np.arange(n)
+    extra[at.c_slot] = forward_extra[at.c_ops] + profile.grad_start[at.c_ranks]
     kinds[at.c_slot], ops[at.c_slot], ranks[at.c_slot] = _RECOMPUTE, at.c_ops, at.c_ranks
     every_rank = np.arange(len(node_op))
     for slot, kind, side in ((at.backward_slot, _BACKWARD, profile.grad_peak),
@@ -308,7 +321,7 @@ def own_slots(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None
 
 def _own(profile: GraphProfile, a: PlanAnalysis):
     at = _layout(profile, a)
-    extra, kinds, ops, ranks = _slot_terms(profile, at)
+    extra, kinds, ops, ranks = _slot_terms(profile, at, _forward_extra(profile, a))
     reads = _rerun_reads(profile, a, at)
     copies = _copies(profile, a, at, reads)
     stop = _storage_stops(profile, a, at, reads, _rerun_until(profile, at, reads, copies))
