@@ -260,8 +260,8 @@ def test_a_compiled_step_above_its_budget_is_planned_again_on_what_it_held(monke
     step_memory = compiled_executor._step_memory
     extras = [budget - lowest.predicted_peak_bytes]  # the first compiled plan holds the whole headroom beyond it
 
-    def holding_more(graphs, sizes, device, origins):
-        memory = step_memory(graphs, sizes, device, origins)
+    def holding_more(graphs, sizes, device, origins, uses):
+        memory = step_memory(graphs, sizes, device, origins, uses)
         extra = extras.pop() if extras else 0
         trace = tuple(dataclasses.replace(p, live=p.live + extra) if p.phase == "backward" else p
                       for p in memory.trace)

@@ -249,3 +249,23 @@ def test_a_budget_sweep_is_met_by_every_compiled_step_with_one_compile_and_more_
         torch._dynamo.reset()
     assert points == sorted(points, reverse=True), points
     assert "planning again" not in caplog.text  # one search and one compile per budget
+
+
+class _HeadReturningLogits(_LanguageModelHead):
+    def forward(self, x):
+        logits = self.head(self.body(x))
+        targets = torch.arange(x.shape[1]).repeat(x.shape[0]) % logits.shape[-1]
+        return F.cross_entropy(logits.flatten(0, 1), targets), logits
+
+
+def test_the_walk_releases_an_output_the_call_drops_when_forward_returns():
+    torch.manual_seed(0)
+    model = _HeadReturningLogits().train()
+    x = torch.randn(4, 64, 64)
+    compiled = sublinear.compile(model, (x,), config=INDUCTOR)
+    compiled(x)[0].backward()
+    graph = next(iter(compiled.sublinear_backend.latest.values())).rewritten
+    held, dropped = graph.memory_for(("gradient", "held")), graph.memory_for(("gradient", "dropped"))
+    logits = 4 * 64 * 4000 * 4
+    assert held.backward_peak - dropped.backward_peak == logits  # the dropped logits are gone before backward
+    assert held.forward_peak == dropped.forward_peak

@@ -23,7 +23,7 @@ from sublinear.core.objective import Candidate
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, costs_of
 from sublinear.core.units import format_bytes
-from sublinear.execute.compiled import CompiledGraph
+from sublinear.execute.compiled import CompiledGraph, CompiledStepMemory
 from sublinear.planners import BudgetError
 from sublinear.planners.driver import step_floor
 from sublinear.runtime.variant import GraphVariant
@@ -79,11 +79,12 @@ class CompileCheck:
                 return variant
             graph.compile(values)  # nothing to do for a partition compiled before
             variant.checked = True
-            if graph.memory is None:
+            memory = graph.memory_for(variant.uses)
+            if memory is None:
                 return variant
-            self._teach(variant, graph)
-            if lowest is None or graph.memory.peak < lowest[0]:
-                lowest = (graph.memory.peak, variant)
+            self._teach(variant, memory)
+            if lowest is None or memory.peak < lowest[0]:
+                lowest = (memory.peak, variant)
             if variant.budget is None or variant.peak_bytes <= variant.budget:
                 return variant
             if round_ == COMPILED_ROUNDS:
@@ -95,11 +96,10 @@ class CompileCheck:
             variant = runtime.variants[key] = self.replan(runtime, values, key, False, variant.bound)
         return variant
 
-    def _teach(self, variant: GraphVariant, graph: CompiledGraph) -> None:
+    def _teach(self, variant: GraphVariant, memory: CompiledStepMemory) -> None:
         """Teach the variant's profile (and the cached profile of its signature) what its compiled code held."""
         lesson = variant.lesson
         profiled = lesson.profiled
-        memory = graph.memory
         forward, backward = trace_by_slot(((p.phase, p.live, p.nodes) for p in memory.trace),
                                           {name: profiled.profile.op_of_node[i]
                                            for i, name in enumerate(profiled.node_names)},

@@ -130,6 +130,8 @@ class CompiledGraph:
         self._admitted: dict[tuple, Callable[..., Any]] = {}  # binding -> the code serving it
         self.memory: CompiledStepMemory | None = None
         self.peak_bytes: int | None = None
+        self._walk: Callable[[tuple[str, ...]], CompiledStepMemory | None] | None = None
+        self._memory_by_uses: dict[tuple[str, ...], CompiledStepMemory | None] = {}
 
     @property
     def plan(self) -> Plan:
@@ -167,8 +169,18 @@ class CompiledGraph:
         if self.partitioner.applied is False:
             log.warning("sublinear: the graph inductor traced to compile differs from the one planned; it runs with "
                         "torch.compile's own partition (exact gradients, the plan's memory not guaranteed)")
-        self.memory = _step_memory(graphs, sizes, _device(values), self.scheduling.origins)
+        self._walk = functools.partial(_step_memory, graphs, sizes, _device(values), self.scheduling.origins)
+        self.memory = self.memory_for(self.analysis.profile.output_uses)
         self.peak_bytes = self.memory.peak if self.memory is not None else None
+
+    def memory_for(self, uses: Sequence[str]) -> CompiledStepMemory | None:
+        """The compiled step's memory when the call does ``uses`` with the graph's outputs (variants planned for
+        other uses share one partition, and so its code); None before compiling or for code the walk cannot
+        read."""
+        uses = tuple(uses)
+        if self._walk is not None and uses not in self._memory_by_uses:
+            self._memory_by_uses[uses] = self._walk(uses)
+        return self._memory_by_uses.get(uses, self.memory)
 
     def _compile(self, values: Sequence[Any], bound: Binding) -> tuple[Callable[..., Any], list, tuple, dict]:
         """Code for ``values``' shapes, or for every size when ``bound`` is given; the forward and backward graphs
@@ -204,15 +216,16 @@ class CompiledGraph:
 
 
 def _step_memory(graphs: list[tuple[bool, fx.GraphModule, str | None]], sizes: dict[str, int],
-                 device: torch.device, origins) -> CompiledStepMemory | None:
+                 device: torch.device, origins, uses: Sequence[str]) -> CompiledStepMemory | None:
     """The memory of one training step from the compiled forward and backward (:mod:`.step_memory`), library calls
-    measured on ``device``, with its trace by node. ``sizes``: the value of each size symbol the wrappers name."""
+    measured on ``device``, with its trace by node. ``sizes``: the value of each size symbol the wrappers name;
+    ``uses``: what the call does with each tensor output."""
     forward = [g for g in graphs if not g[0]]
     backward = [g for g in graphs if g[0]]
     if len(forward) != 1 or len(backward) != 1 or forward[0][2] is None or backward[0][2] is None:
         return None
     kernels = kernel_memory(str(device)) if device.type in ("cpu", "cuda") else None
-    return compiled_step_memory(forward[0][1:], backward[0][1:], sizes, kernels, origins)
+    return compiled_step_memory(forward[0][1:], backward[0][1:], sizes, kernels, origins, uses)
 
 
 def _device(values: Sequence[Any]) -> torch.device:

@@ -19,10 +19,11 @@ import torch
 from torch import fx
 
 from sublinear.execute.compiled.wrapper import (
-    CallMemory, Layout, LibraryCall, Statement, StepWalk, parse_wrapper,
+    RETURNED, CallMemory, Layout, LibraryCall, Statement, StepWalk, parse_wrapper,
 )
 from sublinear.tensors import size_hint as hint
 from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout
+from sublinear.training import DROPPED
 
 __all__ = ["CompiledStepMemory", "TracePoint", "compiled_step_memory"]
 
@@ -72,12 +73,13 @@ Origins = Mapping[str, Mapping[str, Sequence[str]]]  # per phase: buffer name ->
 
 def compiled_step_memory(forward: tuple[fx.GraphModule, str], backward: tuple[fx.GraphModule, str],
                          sizes: Mapping[str, int] | None = None, kernels: KernelMemory | None = None,
-                         origins: Origins | None = None) -> CompiledStepMemory | None:
+                         origins: Origins | None = None, uses: Sequence[str] = ()) -> CompiledStepMemory | None:
     """The step's memory from the compiled forward and backward (each its graph and wrapper source). ``sizes``: the
     value of each size symbol the wrappers name. ``kernels``: where library calls are measured (None: they hold
     nothing beyond their results). ``origins``: per phase, the nodes each buffer computes; given, the result's
-    ``trace`` says what is live at every statement. None when a wrapper is not in the form :func:`parse_wrapper`
-    reads."""
+    ``trace`` says what is live at every statement. ``uses``: per tensor output of the graph, what the call does
+    with it; one it drops is released when forward returns (the others are held through backward). None when a
+    wrapper is not in the form :func:`parse_wrapper` reads."""
     (fw_gm, fw_source), (bw_gm, bw_source) = forward, backward
     fw_statements, bw_statements = parse_wrapper(fw_source), parse_wrapper(bw_source)
     if fw_statements is None or bw_statements is None:
@@ -88,11 +90,11 @@ def compiled_step_memory(forward: tuple[fx.GraphModule, str], backward: tuple[fx
         runs = _runs(fw_gm, fw_statements, bw_gm, bw_statements, sizes)
         kernels.measure(runs)
         measure = _lookup(kernels, sizes)
-    return _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins)
+    return _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins, uses)
 
 
-def _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins: Origins | None = None
-          ) -> CompiledStepMemory:
+def _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins: Origins | None = None,
+          uses: Sequence[str] = ()) -> CompiledStepMemory:
     trace: list[TracePoint] = []
     phase = ["forward"]
 
@@ -119,6 +121,7 @@ def _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins: O
     tangents = [n for n in inputs if n.name.startswith("tangents")]
     saved = len(inputs) - len(tangents)
     returned = list(zip(fw.returned, fw.returned_layouts))[len(fw.returned) - saved:] if saved else []
+    _drop_outputs(walk, fw.returned[:len(fw.returned) - saved], uses, {key for key, _ in returned})
     bw_arguments, handed = [], []
     for node, (key, layout) in zip(inputs[:saved], returned):
         bw_arguments.append((key, layout or _layout(node.meta.get("val"), sizes)))
@@ -139,6 +142,15 @@ def _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins: O
     peak, where, at = max((fw.peak, "forward", fw.peak_at), (bw.peak, "backward", bw.peak_at),
                           (gradients, "gradients", ""))
     return CompiledStepMemory(peak, where, fw.peak, fw.end, bw.peak, bw.end, at, tuple(trace))
+
+
+def _drop_outputs(walk: StepWalk, outputs: Sequence[int | None], uses: Sequence[str], saved: set[int]) -> None:
+    """Release the user outputs the call drops (the last ``len(uses)`` tensors before the saved values) unless
+    backward gets them too."""
+    tensors = [key for key in outputs if key is not None]
+    for key, use in zip(tensors[len(tensors) - len(uses):] if uses else [], uses):
+        if use == DROPPED and key not in saved:
+            walk.release(key, RETURNED)
 
 
 def _layout_copies(primals: Sequence[fx.Node], gradients: Sequence[Layout | None],
