@@ -67,8 +67,8 @@ def _head_model(name: str):
         model = LlamaForCausalLM(LlamaConfig(vocab_size=8000, hidden_size=128, intermediate_size=256,
                                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                                              max_position_embeddings=128))
-    ids = torch.randint(3, 8000, (4, 128), generator=torch.Generator().manual_seed(0))
-    return model, (), {"input_ids": ids, "labels": ids.clone()}, None, lambda out, extra: out.loss
+    ids = third_party._ids(torch.Generator().manual_seed(0), 4, 128, vocab=8000)
+    return model, (), {"input_ids": ids, "labels": ids.clone()}, None, third_party._hf_loss
 
 
 HEAD_TITLES = {"gpt2_head": "GPT-2, vocabulary 8,000 (width 128, 4 layers, 4×128 tokens)",

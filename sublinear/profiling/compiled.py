@@ -95,10 +95,8 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
                                                     scratch, kinds, rates)
     side = GradientSide(joint, storages, kinds, granule, graph.kinds)
     backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
-    record = _record(joint, graph, grouping, storages, reads, tracked, materialized, extra, seconds, flops, backward,
-                     rates)
-    record.saved_buffer = {k for k in tracked if materialized(k) and not materialized(k, saved=False)
-                           and k not in in_place}
+    record = _record(joint, graph, grouping, storages, reads, tracked, materialized, in_place, extra, seconds, flops,
+                     backward, rates)
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports
 
@@ -118,8 +116,8 @@ def _tracked(grouping: OpGrouping, storages: StepStorages, reads: StorageReads) 
 
 
 def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
-            tracked: list[int], materialized, extra: list[int], seconds: list[float], flops: list[int],
-            backward: BackwardWalk, rates: DeviceRates) -> StepRecord:
+            tracked: list[int], materialized, in_place: set[int], extra: list[int], seconds: list[float],
+            flops: list[int], backward: BackwardWalk, rates: DeviceRates) -> StepRecord:
     fw, n_ops = joint.forward, len(grouping.nodes)
     op_of_node, produced = grouping.op_of_node, storages.produced_by
     captured = list(graph.graph_module.graph.nodes)
@@ -158,6 +156,7 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         cost_source=f"estimated for inductor's kernels on {rates.describe()}", output_uses=reads.uses,
         materialized_in_forward={k for k in tracked if materialized(k)},
         materialized_when_rebuilt={k for k in tracked if materialized(k, rebuilt=True)},
+        saved_buffer={k for k in tracked if materialized(k) and not materialized(k, saved=False) and k not in in_place},
         taken_at=backward.taken_at,
         recompute_shared=True,
     )

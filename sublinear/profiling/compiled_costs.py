@@ -175,6 +175,7 @@ class GradientSide:
                 self.sizes.setdefault(storage_key_of(t), -(-hint(t.untyped_storage().nbytes()) // granule) * granule)
                 self.born.setdefault(storage_key_of(t), -1)
         self.needs_buffer: set[int] = set()
+        self.first: dict[int, int] = {}  # per storage backward reads: its first and last reading node
         self.last: dict[int, int] = {}
         for k, node in enumerate(bw):
             for t in tensor_leaves(node.meta.get("val")):
@@ -184,6 +185,7 @@ class GradientSide:
                     self.sizes[key] = -(-hint(t.untyped_storage().nbytes()) // granule) * granule
             for arg in node.all_input_nodes:
                 for key in storages.keys_of(arg):
+                    self.first.setdefault(key, k)
                     self.last[key] = k
                     if kinds.extern(node):
                         self.needs_buffer.add(key)
@@ -214,7 +216,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     released: set[int] = set()
     total_flops = 0
     all_sizes = {**storages.size_of, **side.sizes}
-    in_place = _InPlace(bw, storages, side, reads)
+    in_place = _InPlace(storages, side, reads)
 
     def readable(key: int) -> bool:
         return key in storages.produced_by or side.buffer(key)
@@ -267,13 +269,8 @@ class _InPlace:
     buffer, or fused into that kernel when recomputed), so the simulator ends it there, and the output counts on the
     gradient side."""
 
-    def __init__(self, bw: list[fx.Node], storages: StepStorages, side: GradientSide, reads: StorageReads) -> None:
+    def __init__(self, storages: StepStorages, side: GradientSide, reads: StorageReads) -> None:
         self.storages, self.side, self.reads = storages, side, reads
-        self.readers: dict[int, set[int]] = defaultdict(set)
-        for k, node in enumerate(bw):
-            for arg in node.all_input_nodes:
-                for key in storages.keys_of(arg):
-                    self.readers[key].add(k)
         self.given: set[int] = set()  # gradient-side buffers an output took
         self.forward_taken: dict[int, int] = {}
 
@@ -286,14 +283,15 @@ class _InPlace:
         return self.side.sizes[key]
 
     def take(self, segment: list[int], made: list[int]) -> dict[int, int]:
-        """Per output of ``segment`` (one fused kernel) written in place: the input whose buffer it takes."""
-        bw = self.side.bw
-        if len(segment) == 1 and self.side.kinds.extern(bw[segment[0]]):
+        """Per output of ``segment`` (one fused kernel, consecutive backward nodes) written in place: the input whose
+        buffer it takes."""
+        side = self.side
+        if len(segment) == 1 and side.kinds.extern(side.bw[segment[0]]):
             return {}
-        members = set(segment)
-        inputs = [key for key in dict.fromkeys(k2 for k in segment for arg in bw[k].all_input_nodes
+        first, last = segment[0], segment[-1]
+        inputs = [key for key in dict.fromkeys(k2 for k in segment for arg in side.bw[k].all_input_nodes
                                                for k2 in self.storages.keys_of(arg))
-                  if self.readers[key] and self.readers[key] <= members and self._size(key) is not None]
+                  if first <= side.first[key] and side.last[key] <= last and self._size(key) is not None]
         taken: dict[int, int] = {}
         for out in made:
             match = next((key for key in inputs if key not in taken.values() and key != out
