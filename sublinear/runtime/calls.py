@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from sublinear.core.profile import StepContext
 from sublinear.runtime.step import (
-    GraphRun, contexts_by_graph, output_uses, planned_knowing_later, step_contexts, widest_context,
+    GraphRun, contexts_by_graph, output_uses, uses_after_backward, planned_knowing_later, step_contexts, widest_context,
 )
 from sublinear.runtime.variant import GraphVariant
 from sublinear.training import DROPPED, GRADIENT, HELD
@@ -35,10 +35,12 @@ class CallTracker:
         self.previous: list[GraphRun] = []
         self.latest: dict[str, GraphVariant] = {}
         self.uses: dict[str, tuple[str, ...]] = {}
+        self.unlearned: list[tuple[GraphRun, tuple[str, ...]]] = []  # the last call's runs, awaiting backward
         self.explicit = False
 
     def begin(self) -> None:
         self.current = []
+        self._learn_after_backward()
 
     def record(self, run: GraphRun) -> None:
         """A graph of the current call ran."""
@@ -111,16 +113,33 @@ class CallTracker:
 
     def _learn_output_uses(self, runs: Sequence[GraphRun], returned: Any) -> list[GraphRuntime]:
         """Record what the call did with each graph's outputs; forget the variants profiled otherwise and return
-        their graphs. A graph that runs several times gets, per output, the most demanding use of its runs."""
+        their graphs. Where backward has yet to reach a graph, what the caller still holds then is known only after
+        the call: the call's uses are then learned when the next call begins (:meth:`begin`), before its graphs
+        run."""
         if returned is UNSEEN:
             return []
+        uses = output_uses(runs, returned)
+        if any(r.returned.awaits_backward and r.returned.alive_at_backward is None for r in runs if r.returned):
+            self.unlearned = list(zip(runs, uses))
+            return []
+        return self._learn([(run, uses_after_backward(u, run.returned)) for run, u in zip(runs, uses)])
+
+    def _learn_after_backward(self) -> None:
+        """Learn the last call's uses now that its backward ran: an output held when the call returned but let go
+        before backward reached its graph is dropped."""
+        learned, self.unlearned = self.unlearned, []
+        if learned:
+            self._learn([(run, uses_after_backward(uses, run.returned)) for run, uses in learned])
+
+    def _learn(self, learned_uses: list[tuple[GraphRun, tuple[str, ...]]]) -> list[GraphRuntime]:
+        """A graph that runs several times gets, per output, the most demanding use of its runs."""
         learned: dict[str, tuple[str, ...]] = {}
-        for run, uses in zip(runs, output_uses(runs, returned)):
+        for run, uses in learned_uses:
             code = run.runtime.graph.code
             old = learned.get(code, uses)
             learned[code] = tuple(min(a, b, key=_USE_ORDER.index) for a, b in zip(old, uses))
         stale = []
-        for run in runs:
+        for run, _uses in learned_uses:
             code = run.runtime.graph.code
             if run.variant.uses != learned[code] and run.runtime not in stale:
                 self.uses[code] = learned[code]

@@ -162,7 +162,7 @@ class GraphRuntime:
             session.progress.end(lambda: str(variant.summary))
         run = GraphRun.of(self, variant, values)
         out = variant.rewritten(*values)
-        run.record(GraphOutputs.of(out))
+        run.record(GraphOutputs.of(out, watch_backward=True))
         session.calls.record(run)
         return out
 

@@ -142,6 +142,15 @@ def output_uses(runs: Sequence[GraphRun], returned: Any) -> list[tuple[str, ...]
     return uses
 
 
+def uses_after_backward(uses: tuple[str, ...], outputs: GraphOutputs) -> tuple[str, ...]:
+    """``uses`` as learned when the call returned, with each output held then but let go before backward reached
+    its graph (a loss computed from it, then the output dropped) made dropped: backward runs without it."""
+    alive = outputs.alive_at_backward
+    if alive is None:
+        return uses
+    return tuple(DROPPED if use == HELD and not held else use for use, held in zip(uses, alive))
+
+
 def planned_knowing_later(variant: GraphVariant, context: StepContext | None) -> bool:
     """Whether ``variant`` was planned knowing the graphs after it, where ``context`` says there are some."""
     return context is None or context.later_beyond_held is None or (
