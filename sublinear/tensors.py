@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._pytree import tree_leaves
 
 from sublinear.core.profile import AutocastState
@@ -27,14 +28,23 @@ def size_hint(size: int | torch.SymInt) -> int:
     return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
 
 
-def stand_in_for_grad(empty: torch.Tensor, requires_grad: bool, is_leaf: bool) -> torch.Tensor:
-    """``empty`` (a data-less tensor) as a graph input that requires grad as the real one does. An input computed
-    by earlier code (an activation of the previous graph) is not a leaf, so the graph may write into it in place, as
-    it may into the real one: it stands in as a copy of a leaf (its history, like the real one's, lies outside)."""
-    if not requires_grad:
+def stand_in_for_grad(empty: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``empty`` (a data-less tensor laid out as ``like``) as a graph input that requires grad as ``like`` does. An
+    input computed by earlier code (an activation of the previous graph) is not a leaf, so the graph may write into
+    it in place, as it may into the real one: it stands in as a copy of a leaf (its history, like the real one's, lies
+    outside), with ``like``'s strides: code compiled for it asserts them. A clone of a tensor with gaps or overlaps
+    (a slice of a wider one, an expanded one) is contiguous, so there the copy is of the whole storage and the stand-in
+    a view of it."""
+    if not like.requires_grad:
         return empty
     leaf = empty.requires_grad_(True)
-    return leaf if is_leaf else leaf.clone()
+    if like.is_leaf:
+        return leaf
+    if is_non_overlapping_and_dense_or_false(like) or like.numel() == 0:
+        return leaf.clone()
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(empty.shape, empty.stride()))
+    storage = torch.empty(extent, dtype=empty.dtype, device=empty.device, requires_grad=True)
+    return storage.clone().as_strided(empty.shape, empty.stride())
 
 
 def storage_key(t: torch.Tensor) -> int | None:

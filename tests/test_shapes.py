@@ -312,3 +312,50 @@ def test_torch_compile_around_apply_trains_over_changing_batch_sizes_like_torch_
     assert planned.sublinear_plan is not None and planned.calls == reference.calls == len(batches)
     assert all(torch.allclose(a, b, atol=1e-5) for got, ref in zip(grads, ref_grads) for a, b in zip(got, ref))
     assert torch.equal(rng, ref_rng)
+
+
+def _laid_out(layout: str, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A leaf, and an activation made from it (not a leaf) of ``rows`` rows laid out as ``layout``."""
+    g = torch.Generator().manual_seed(seed)
+    if layout in ("channels_last", "nchw"):
+        leaf = torch.randn(rows, 3, 8, 8, generator=g).requires_grad_()
+        form = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+        return leaf, (leaf * 1).contiguous(memory_format=form)
+    shape = {"slice": (rows, 64), "transpose": (32, rows), "expand": (1, 32), "offset": (rows + 1, 32)}
+    leaf = torch.randn(*shape.get(layout, (rows, 32)), generator=g).requires_grad_()
+    x = leaf * 1
+    views = {"slice": lambda: x[:, :32], "transpose": lambda: x.t(), "expand": lambda: x.expand(rows, 32),
+             "offset": lambda: x[1:]}
+    return leaf, views.get(layout, lambda: x)()
+
+
+def _gradients_over_layouts(model: nn.Module, layout: str) -> list[list[torch.Tensor]]:
+    """The input's and parameters' gradients of steps that alternate a dense input with ``layout`` over changing
+    row counts (TorchDynamo makes the graph dynamic, strides included, at the second call)."""
+    dense = "nchw" if layout == "channels_last" else "dense"
+    grads = []
+    for seed, (form, rows) in enumerate([(dense, 8), (layout, 12), (layout, 20), (dense, 16), (layout, 12)]):
+        leaf, x = _laid_out(form, rows, seed)
+        model(x).square().mean().backward()
+        grads.append([leaf.grad, *(p.grad for p in model.parameters())])
+        model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("layout", ["slice", "expand", pytest.param("transpose", marks=pytest.mark.slow),
+                                    pytest.param("offset", marks=pytest.mark.slow),
+                                    pytest.param("channels_last", marks=pytest.mark.slow)])
+def test_inputs_laid_out_unlike_the_first_call_train_like_eager(layout, compiler):
+    """Code compiled for a family asserts its inputs' strides: a stand-in for an input with gaps or overlaps
+    between its elements (a slice of a wider tensor, an expanded one) keeps them (a clone made it dense)."""
+    torch.manual_seed(0)
+    if layout == "channels_last":
+        base = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 4, 3))
+    else:
+        base = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    reference = _gradients_over_layouts(copy.deepcopy(base), layout)
+    planned = sublinear.compile(copy.deepcopy(base), config=dataclasses.replace(PLAIN, compiler=compiler))
+    for got, expected in zip(_gradients_over_layouts(planned, layout), reference):
+        for a, b in zip(got, expected):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7) if compiler == "inductor" else torch.equal(a, b)

@@ -348,7 +348,7 @@ class FakeTwin:
         with self.mode:
             empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device or t.device)
             fake = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else \
-                stand_in_for_grad(empty, t.requires_grad, t.is_leaf)
+                stand_in_for_grad(empty, t)
         for mark in _DYNAMIC_MARKS:  # dimensions the caller marked dynamic stay so
             if hasattr(t, mark):
                 setattr(fake, mark, set(getattr(t, mark)))

@@ -132,7 +132,7 @@ class SymbolicSizes:
                                             [_evaluate(s, binding) for s in spec.strides], dtype=spec.dtype,
                                             device=value.device)
                     out.append(torch.nn.Parameter(t, spec.requires_grad) if spec.parameter
-                               else stand_in_for_grad(t, spec.requires_grad, value.is_leaf))
+                               else stand_in_for_grad(t, value))
             else:
                 out.append(value)
         return out
@@ -180,7 +180,7 @@ class SymbolicSizes:
             with mode:
                 t = torch.empty_strided(shape, stride, dtype=dtype, device=value.device)
                 out.append(torch.nn.Parameter(t, requires_grad) if parameter
-                           else stand_in_for_grad(t, requires_grad, value.is_leaf))
+                           else stand_in_for_grad(t, value))
         return out, renamed
 
 
