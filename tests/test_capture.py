@@ -219,6 +219,18 @@ def test_a_model_on_the_meta_device_is_captured_and_planned_as_meta():
     assert "(3, 4):float32@meta" in str(compiled.sublinear_plan)
 
 
+def test_a_tensor_made_from_data_on_meta_in_a_call_is_refused_with_what_to_turn_off(caplog):
+    """Planning ahead captures a meta model on CPU stand-ins; a training call on meta tensors runs TorchDynamo on
+    them, where torch.tensor(..., device="meta") escapes its fake tensors: the call runs eagerly and says why."""
+    with torch.device("meta"):
+        model = GrowingCache()
+    compiled = sublinear.compile(model, config=PLAIN)
+    with caplog.at_level(logging.WARNING, logger="sublinear"):
+        out = compiled(torch.empty(3, 4, device="meta"))
+    assert out.device.type == "meta" and compiled.sublinear_plan is None
+    assert "on the meta device" in caplog.text and "use_cache = False" in caplog.text
+
+
 class TwoLayers(nn.Module):
     def __init__(self):
         super().__init__()

@@ -254,6 +254,15 @@ def capture_error(exc: BaseException, what: str) -> CaptureError:
         return NeedsData(f"{what}{f' at {where}' if where else ''} needs tensor values ({type(exc).__name__}: "
                          f"{first}) in code TorchDynamo runs eagerly between graphs; a data-less capture cannot run "
                          "it, so the model is planned at its first training call, on real inputs.")
+    if "device='meta'" in str(exc) and "convert all Tensors to FakeTensors" in str(exc):
+        # torch.tensor(data, device="meta") builds an empty meta tensor without the dispatcher, so TorchDynamo's
+        # fake tensor mode never sees it: plain torch.compile fails on such code as well.
+        return CaptureError(f"TorchDynamo could not capture {what}{f' at {where}' if where else ''} on the meta "
+                            "device: a tensor made there from data (torch.tensor(..., device='meta'), as "
+                            "transformers' DynamicCache makes its empty KV cache) escapes TorchDynamo's fake tensors "
+                            "(plain torch.compile fails the same way). Turn that code off when planning on meta "
+                            "(Hugging Face models: config.use_cache = False, as training does), or plan on CPU or "
+                            "CUDA tensors")
     return CaptureError(f"TorchDynamo could not capture {what}{f' at {where}' if where else ''}: "
                         f"{type(exc).__name__}: {first}. Make that code traceable (or move it out of forward); "
                         "sublinear plans only what TorchDynamo captures.")
