@@ -3,7 +3,7 @@
     python benchmarks/third_party.py --out docs/models.md
 
 Every model is built from a small config (2 layers, hidden size 32-64, short inputs, random weights; nothing is
-downloaded) and trained for 5 SGD steps (lr 0.05) on CPU, from the same initial weights and the same seeds, in five
+downloaded) and trained for 5 SGD steps (lr 0.05) on CPU, from the same initial weights and the same seeds, in eight
 modes, each in its own subprocess with an empty inductor cache (so Dynamo's caches, compile times and the RNG start
 fresh):
 
@@ -11,15 +11,20 @@ fresh):
 - ``dynamo-eager``: ``torch.compile(model, backend="eager")``, TorchDynamo's graphs run by eager kernels;
 - ``sublinear-eager``: ``sublinear.apply(model, SublinearMemoryConfig(compiler="eager", cache_dir=""))``;
 - ``torch.compile``: ``torch.compile(model)`` (inductor);
-- ``sublinear-inductor``: ``sublinear.apply(model, SublinearMemoryConfig(compiler="inductor", cache_dir=""))``.
+- ``sublinear-inductor``: ``sublinear.apply(model, SublinearMemoryConfig(compiler="inductor", cache_dir=""))``;
+- ``sublinear-eager-budget``, ``sublinear-inductor-budget``: the same with a ``memory_budget`` halfway from the lowest
+  peak any plan reaches to eager's predicted peak (each read off a copy of the model planned ahead on the first batch);
+- ``sublinear-inductor-meta-inputs``: ``sublinear.compile(model, ...)`` planned ahead on meta tensors shaped as the
+  first batch (as the guide shows), then trained on the real batches.
 
-Both inductor modes set ``torch._inductor.config.fallback_random = True``, so inductor draws its random numbers from
+Every inductor mode sets ``torch._inductor.config.fallback_random = True``, so inductor draws its random numbers from
 aten's RNG and its dropout masks can be compared. Each run records the loss and every parameter's gradient at every
 step, the parameters, buffers and ``torch.get_rng_state()`` at the end, the wall time of every step (zero_grad,
 forward, loss, backward and ``optimizer.step()``), and for the sublinear modes the plan (``model.sublinear_plan``).
 The report compares sublinear-eager with eager (bit for bit: "exact" means every loss, gradient, parameter and
 buffer is equal and the RNG state is the same), and where they differ, with dynamo-eager (a difference TorchDynamo's
-capture makes by itself); and sublinear-inductor with torch.compile and with eager.
+capture makes by itself); sublinear-inductor with torch.compile and with eager; the budget modes with eager and
+torch.compile, and the meta-inputs mode with torch.compile.
 
 ``--modes`` runs a subset of the modes, ``--models`` a subset of the models. Each subprocess uses one thread.
 """
@@ -41,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODES = ("eager", "dynamo-eager", "sublinear-eager", "torch.compile", "sublinear-inductor")
+MODES = ("eager", "dynamo-eager", "sublinear-eager", "torch.compile", "sublinear-inductor", "sublinear-eager-budget",
+         "sublinear-inductor-budget", "sublinear-inductor-meta-inputs")
 STEPS = 5
 PLANNING_STEPS = 2  # steps 1 and 2 capture, plan and compile (step 2: graphs that TorchDynamo captures again)
 LR = 0.05
@@ -144,6 +150,36 @@ def vit():
     return ViTForImageClassification(cfg), batches, _hf_loss
 
 
+def vit_mae():
+    from transformers import ViTMAEConfig, ViTMAEForPreTraining
+    cfg = ViTMAEConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
+                       patch_size=8, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                       decoder_num_attention_heads=4, decoder_intermediate_size=64, mask_ratio=0.5)
+    g = _gen()
+    batches = [((), {"pixel_values": torch.randn(4, 3, 32, 32, generator=g)}, {}) for _ in range(STEPS)]
+    return ViTMAEForPreTraining(cfg), batches, _hf_loss
+
+
+def convnextv2():
+    from transformers import ConvNextV2Config, ConvNextV2ForImageClassification
+    cfg = ConvNextV2Config(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], patch_size=4, image_size=32,
+                           drop_path_rate=0.1, num_labels=10)
+    g = _gen()
+    batches = [((), {"pixel_values": torch.randn(4, 3, 32, 32, generator=g),
+                     "labels": torch.randint(0, 10, (4,), generator=g)}, {}) for _ in range(STEPS)]
+    return ConvNextV2ForImageClassification(cfg), batches, _hf_loss
+
+
+def swin():
+    from transformers import SwinConfig, SwinForImageClassification
+    cfg = SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
+                     mlp_ratio=2.0, drop_path_rate=0.1, num_labels=10)
+    g = _gen()
+    batches = [((), {"pixel_values": torch.randn(4, 3, 32, 32, generator=g),
+                     "labels": torch.randint(0, 10, (4,), generator=g)}, {}) for _ in range(STEPS)]
+    return SwinForImageClassification(cfg), batches, _hf_loss
+
+
 def whisper():
     from transformers import WhisperConfig, WhisperForConditionalGeneration
     cfg = WhisperConfig(vocab_size=100, num_mel_bins=16, encoder_layers=2, decoder_layers=2, d_model=32,
@@ -194,6 +230,62 @@ def deepseek_v3():
                            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                            max_position_embeddings=64, rope_scaling=None)
     return DeepseekV3ForCausalLM(cfg), _lm_batches(), _hf_loss
+
+
+def mixtral_eager_experts():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        router_jitter_noise=0.1, output_router_logits=True, max_position_embeddings=64)
+    cfg._experts_implementation = "eager"  # transformers' Python loop over the experts a batch hits
+    return MixtralForCausalLM(cfg), _lm_batches(batch=2, seq=32), _hf_loss
+
+
+def gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    cfg = Gemma2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+                       max_position_embeddings=64, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0)
+    return Gemma2ForCausalLM(cfg), _lm_batches(), _hf_loss
+
+
+def gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+                           max_position_embeddings=64, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"])
+    return Gemma3ForCausalLM(cfg), _lm_batches(), _hf_loss
+
+
+def qwen2_vl():
+    """One 16x16 image per sequence: 4x4 patches of 4x4 pixels (2 frames each, Qwen2-VL's temporal patch), merged
+    2x2 into 4 image tokens between the vision start and end tokens; the image tokens are not predicted."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    image, video, start, end = 99, 98, 97, 96
+    text = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=4, temporal_patch_size=2,
+                  spatial_merge_size=2)
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=image, video_token_id=video,
+                        vision_start_token_id=start, vision_end_token_id=end)
+    batch, grid = 2, (1, 4, 4)
+    patches = grid[0] * grid[1] * grid[2]
+    tokens = patches // 4  # spatial_merge_size 2
+    g = _gen()
+    batches = []
+    for _ in range(STEPS):
+        ids = torch.cat([_ids(g, batch, 4, start), torch.full((batch, 1), start), torch.full((batch, tokens), image),
+                         torch.full((batch, 1), end), _ids(g, batch, 6, start)], dim=1)
+        labels = ids.masked_fill(ids == image, -100)
+        batches.append(((), {"input_ids": ids, "labels": labels,
+                             "mm_token_type_ids": (ids == image).to(torch.int32),
+                             "pixel_values": torch.randn(batch * patches, 3 * 2 * 4 * 4, generator=g),
+                             "image_grid_thw": torch.tensor([grid] * batch)}, {}))
+    return Qwen2VLForConditionalGeneration(cfg), batches, _hf_loss
 
 
 def mamba():
@@ -416,9 +508,14 @@ MODELS = {
     "llama": ("Llama (LlamaForCausalLM)", "transformers", llama),
     "t5": ("T5 (T5ForConditionalGeneration)", "transformers", t5),
     "vit": ("ViT (ViTForImageClassification)", "transformers", vit),
+    "vit_mae": ("ViT-MAE (ViTMAEForPreTraining, mask ratio 0.5)", "transformers", vit_mae),
+    "convnextv2": ("ConvNeXt V2 (drop_path 0.1)", "transformers", convnextv2),
+    "swin": ("Swin (shifted windows, drop_path 0.1)", "transformers", swin),
     "whisper": ("Whisper (WhisperForConditionalGeneration)", "transformers", whisper),
     "clip": ("CLIP (CLIPModel, return_loss)", "transformers", clip),
     "mixtral": ("Mixtral (MoE, router jitter 0.1, router logits)", "transformers", mixtral),
+    "mixtral_eager_experts": ("Mixtral, eager experts (Python loop over experts)", "transformers",
+                              mixtral_eager_experts),
     "qwen2_moe": ("Qwen2-MoE (router logits)", "transformers", qwen2_moe),
     "deepseek_v3": ("DeepSeek-V3 (MLA, MoE)", "transformers", deepseek_v3),
     "mamba": ("Mamba (use_mambapy=False)", "transformers", mamba),
@@ -426,6 +523,9 @@ MODELS = {
     "jamba": ("Jamba (Mamba + attention + MoE)", "transformers", jamba),
     "falcon_mamba": ("FalconMamba (use_mambapy=False)", "transformers", falcon_mamba),
     "recurrent_gemma": ("RecurrentGemma", "transformers", recurrent_gemma),
+    "gemma2": ("Gemma 2 (logit soft-capping, sliding window 8 < 16)", "transformers", gemma2),
+    "gemma3": ("Gemma 3 (Gemma3ForCausalLM, sliding window 8 < 16)", "transformers", gemma3),
+    "qwen2_vl": ("Qwen2-VL (image + text, M-RoPE)", "transformers", qwen2_vl),
     "bart": ("BART (BartForConditionalGeneration)", "transformers", bart),
     "llama_lora": ("LoRA on Llama (r 4, dropout 0.1, q_proj/v_proj)", "peft", llama_lora),
     "unet": ("UNet2DConditionModel", "diffusers", unet),
@@ -454,7 +554,7 @@ def run_one(name: str, mode: str, path: str) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     res = {"model": name, "mode": mode, "phase": "build", "error": None, "skipped": None, "losses": [], "grads": [],
            "times": [], "params": {}, "buffers": {}, "rng": None, "plan": None, "graphs": None, "breaks": None,
-           "predicted_peak_bytes": None, "baseline_peak_bytes": None}
+           "predicted_peak_bytes": None, "baseline_peak_bytes": None, "budget_bytes": None}
     model = None
     try:
         torch.manual_seed(INIT_SEED)
@@ -466,7 +566,7 @@ def run_one(name: str, mode: str, path: str) -> None:
         model.train()
         res["phase"] = "setup"
         run = model
-        if mode in ("torch.compile", "sublinear-inductor"):
+        if mode == "torch.compile" or mode.startswith("sublinear-inductor"):
             import torch._inductor.config as inductor_config
             inductor_config.fallback_random = True
         if mode == "torch.compile":
@@ -474,9 +574,7 @@ def run_one(name: str, mode: str, path: str) -> None:
         elif mode == "dynamo-eager":
             run = torch.compile(model, backend="eager")
         elif mode.startswith("sublinear-"):
-            import sublinear
-            config = sublinear.SublinearMemoryConfig(compiler=mode.split("-")[1], cache_dir="")
-            run = sublinear.apply(model, config)
+            run = _sublinear_run(model, mode, batches[0], res)
         elif mode != "eager":
             raise ValueError(f"unknown mode {mode!r}")
         names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -500,7 +598,9 @@ def run_one(name: str, mode: str, path: str) -> None:
     if model is not None:
         res["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         res["buffers"] = {n: b.detach().clone() for n, b in model.named_buffers()}
-        plan = model.__dict__.get("sublinear_plan") if mode.startswith("sublinear-") else None
+        plan = None
+        if mode.startswith("sublinear-"):  # apply() sets it on the model, compile() on what it returns
+            plan = model.__dict__.get("sublinear_plan") or getattr(run, "sublinear_plan", None)
         if plan is not None:
             res["plan"] = str(plan)
             res["graphs"] = len(plan.graphs)
@@ -509,6 +609,36 @@ def run_one(name: str, mode: str, path: str) -> None:
             res["baseline_peak_bytes"] = plan.baseline_peak_bytes
     res["rng"] = torch.get_rng_state()
     torch.save(res, path)
+
+
+def _sublinear_run(model: nn.Module, mode: str, first: tuple, res: dict) -> nn.Module:
+    """The model as sublinear runs it in ``mode``: ``sublinear.apply`` with the executor the mode names;
+    ``-budget``: with a memory budget halfway from the lowest peak any plan reaches to eager's predicted peak (each
+    read off a copy of the model planned ahead on the first batch); ``-meta-inputs``: ``sublinear.compile`` planned
+    ahead on meta tensors shaped as the first batch, as the guide shows."""
+    import copy
+    import dataclasses
+
+    import sublinear
+    from torch.utils._pytree import tree_map
+
+    config = sublinear.SublinearMemoryConfig(compiler=mode.split("-")[1], cache_dir="")
+    args, kwargs, _extra = first
+    if mode.endswith("-budget"):
+        planned = sublinear.compile(copy.deepcopy(model), args, kwargs, config=config).sublinear_plan
+        eager_peak = planned.baseline_peak_bytes
+        try:
+            sublinear.compile(copy.deepcopy(model), args, kwargs, config=dataclasses.replace(config, memory_budget=1))
+            lowest = eager_peak
+        except sublinear.BudgetError as exc:
+            lowest = exc.smallest
+        res["budget_bytes"] = int(lowest + 0.5 * max(0, eager_peak - lowest))
+        config = dataclasses.replace(config, memory_budget=res["budget_bytes"])
+    if mode.endswith("-meta-inputs"):
+        meta_args, meta_kwargs = tree_map(lambda v: torch.empty_like(v, device="meta")
+                                          if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        return sublinear.compile(model, meta_args, meta_kwargs, config=config)
+    return sublinear.apply(model, config)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -557,6 +687,18 @@ def _diff_text(r: dict | None, ref: dict | None, rng: bool = True) -> str:
     text = f"Δ {diff:.1e}" if diff > 0 else "Δ 0"
     if rng and not rng_equal:
         text += ", RNG differs"
+    return text
+
+
+def _budget_cell(r: dict | None, ref: dict | None) -> str:
+    """The budget a run planned for, whether its plan's predicted peak is above it, and its training against
+    ``ref``."""
+    from sublinear.core.units import format_bytes
+
+    text = _diff_text(r, ref)
+    if r is not None and r["budget_bytes"]:
+        over = r["predicted_peak_bytes"] is None or r["predicted_peak_bytes"] > r["budget_bytes"]
+        text = f"{format_bytes(r['budget_bytes'])}{' (plan over it)' if over else ''}: {text}"
     return text
 
 
@@ -658,7 +800,11 @@ def main() -> None:
         "graphs run by eager kernels), `sublinear-eager` (`sublinear.apply(model, "
         "SublinearMemoryConfig(compiler=\"eager\", cache_dir=\"\"))`), `torch.compile` (inductor) and "
         "`sublinear-inductor` (`sublinear.apply(model, SublinearMemoryConfig(compiler=\"inductor\", "
-        "cache_dir=\"\"))`); both inductor modes set `torch._inductor.config.fallback_random = True`, so their random "
+        "cache_dir=\"\"))`); the same two with a `memory_budget` halfway from the lowest peak any plan reaches to "
+        "eager's predicted peak (`-budget`, each read off a copy of the model planned ahead on the first batch), and "
+        "`sublinear-inductor-meta-inputs` (`sublinear.compile(model, meta tensors shaped as the first batch)`: "
+        "planned ahead as the guide shows, then trained on the real batches); every inductor mode sets "
+        "`torch._inductor.config.fallback_random = True`, so their random "
         "numbers come from aten's RNG. \"exact\" means every loss and gradient at every step, every parameter and "
         "buffer after the last step and `torch.get_rng_state()` are bit for bit equal; otherwise Δ is the largest "
         "absolute difference over losses, gradients, parameters and buffers. Graphs (breaks) and the predicted peak "
@@ -676,9 +822,11 @@ def main() -> None:
         f"{' (step times taken with runs overlapping)' if options.jobs > 1 else ''}. "
         f"Total run time {total / 60:.1f} min.", "",
         "| model | library | graphs (breaks) | sublinear-eager vs eager | sublinear-inductor vs torch.compile "
-        "(vs eager) | predicted peak vs eager (sublinear-eager / sublinear-inductor) | "
-        f"steps 1-2 s ({' / '.join(timed)}) | later steps ms, median ({' / '.join(timed)}) |",
-        "|---|---|---|---|---|---|---|---|",
+        "(vs eager) | with a budget: sublinear-eager vs eager / sublinear-inductor vs torch.compile | "
+        "planned ahead on meta inputs: sublinear-inductor vs torch.compile | predicted peak vs eager "
+        f"(sublinear-eager / sublinear-inductor) | steps 1-2 s ({' / '.join(timed)}) | later steps ms, median "
+        f"({' / '.join(timed)}) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for name in names:
@@ -686,7 +834,7 @@ def main() -> None:
         runs = results[name]
         first = next(iter(runs.values()))
         if first["skipped"]:
-            lines.append(f"| {label} | {library} | skipped | | | | | |")
+            lines.append(f"| {label} | {library} | skipped | | | | | | | |")
             notes.append(f"{label}: skipped, {first['skipped']}")
             continue
         se, si = runs.get("sublinear-eager"), runs.get("sublinear-inductor")
@@ -699,9 +847,13 @@ def main() -> None:
         si_cell = _diff_text(si, runs.get("torch.compile"))
         if si is not None and "eager" in runs:
             si_cell += f" ({_diff_text(si, runs['eager'], rng=False)})"
+        budget = (f"{_budget_cell(runs.get('sublinear-eager-budget'), runs.get('eager'))} / "
+                  f"{_budget_cell(runs.get('sublinear-inductor-budget'), runs.get('torch.compile'))}")
+        meta = _diff_text(runs.get("sublinear-inductor-meta-inputs"), runs.get("torch.compile"))
         peak = f"{_peak_cell(se)} / {_peak_cell(si)}"
         first_s, later_ms = _time_cells(runs, timed)
-        lines.append(f"| {label} | {library} | {graphs} | {se_cell} | {si_cell} | {peak} | {first_s} | {later_ms} |")
+        lines.append(f"| {label} | {library} | {graphs} | {se_cell} | {si_cell} | {budget} | {meta} | {peak} | "
+                     f"{first_s} | {later_ms} |")
         for mode, r in runs.items():
             if r["error"]:
                 notes.append(f"{label}, {mode}: failed at {r['phase']}: `{r['error']}`")
