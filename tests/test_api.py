@@ -807,3 +807,34 @@ def test_compile_with_a_budget_runs_exactly_and_within_it():
     assert abs(measured - compiled.sublinear_plan.predicted_peak_bytes) / measured < 0.03
     model.zero_grad(set_to_none=True)
     assert_same_training(train_steps(reference, args), train_steps(compiled, args))  # dropout replayed exactly
+
+
+class _SometimesReadsItsSecondOutput(nn.Module):
+    """Two graphs: the second reads the first's auxiliary output only on calls that ask for it (as an MoE's routing
+    decides which expert graphs read what)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, with_aux: bool):
+        h, aux = self.a(x).relu(), self.b(x).tanh()
+        torch._dynamo.graph_break()
+        out = self.c(h).sum()
+        return out + aux.sum() if with_aux else out
+
+
+def test_a_graph_whose_outputs_calls_use_differently_is_planned_for_the_most_demanding_use(caplog):
+    torch.manual_seed(0)
+    compiled = sublinear.compile(_SometimesReadsItsSecondOutput(), config=PLAIN)
+    x = torch.randn(8, 16)
+    plans = []
+    with caplog.at_level(logging.INFO, logger="sublinear"):
+        for call in range(8):
+            caplog.clear()
+            compiled(x, call % 2 == 1).backward()
+            plans.append(sum(r.getMessage().startswith(("sublinear: planned graph", "sublinear: reused the plan"))
+                             for r in caplog.records))
+    assert sum(plans[4:]) == 0, plans  # settled: alternating calls no longer plan the first graph again
+    first = next(v for v in compiled.sublinear_backend.latest.values() if len(v.uses) == 2)
+    assert first.uses == ("gradient", "gradient")

@@ -36,6 +36,8 @@ class CallTracker:
         self.latest: dict[str, GraphVariant] = {}
         self.uses: dict[str, tuple[str, ...]] = {}
         self.unlearned: list[tuple[GraphRun, tuple[str, ...]]] = []  # the last call's runs, awaiting backward
+        self.from_calls: dict[str, tuple[str, ...]] = {}  # per graph, the uses calls showed (not planning ahead)
+        self.ahead = False  # the calls being finished are planning ahead on a data-less twin
         self.explicit = False
 
     def begin(self) -> None:
@@ -132,12 +134,18 @@ class CallTracker:
             self._learn([(run, uses_after_backward(uses, run.returned)) for run, uses in learned])
 
     def _learn(self, learned_uses: list[tuple[GraphRun, tuple[str, ...]]]) -> list[GraphRuntime]:
-        """A graph that runs several times gets, per output, the most demanding use of its runs."""
+        """A graph that runs several times gets, per output, the most demanding use of its runs; and of the calls
+        learned from so far (what later graphs read can change from call to call, as an MoE's routing does), so a
+        graph is planned again only when a call shows a more demanding use."""
         learned: dict[str, tuple[str, ...]] = {}
         for run, uses in learned_uses:
             code = run.runtime.graph.code
-            old = learned.get(code, uses)
-            learned[code] = tuple(min(a, b, key=_USE_ORDER.index) for a, b in zip(old, uses))
+            learned[code] = _most_demanding(learned.get(code, uses), uses)
+        for code in learned:
+            if code in self.from_calls:
+                learned[code] = _most_demanding(self.from_calls[code], learned[code])
+            if not self.ahead:
+                self.from_calls[code] = learned[code]
         stale = []
         for run, _uses in learned_uses:
             code = run.runtime.graph.code
@@ -146,3 +154,7 @@ class CallTracker:
                 run.runtime.forget(run.variant)
                 stale.append(run.runtime)
         return stale
+
+
+def _most_demanding(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(min(x, y, key=_USE_ORDER.index) for x, y in zip(a, b))

@@ -165,15 +165,19 @@ def _plan_captured(module: nn.Module, backend_: SublinearBackend, args: Sequence
                     "plans it: %s", type(module).__name__, exc)
         return
     runtimes = [backend_.add_graph(graph) for graph in captured.graphs]
-    for _round in range(PLAN_AHEAD_ROUNDS):
-        backend_.begin_call()
-        for runtime in runtimes:
-            run = GraphRun.of(runtime, runtime.variant_for(runtime.graph.example_values, dry_run=True),
-                              runtime.graph.example_values)
-            run.record(runtime.graph.example_outputs)
-            backend_.calls.record(run)
-        if not backend_.finish_call(captured.returned):
-            break
+    backend_.calls.ahead = True  # what these calls show of the outputs' uses is a guess the real calls replace
+    try:
+        for _round in range(PLAN_AHEAD_ROUNDS):
+            backend_.begin_call()
+            for runtime in runtimes:
+                run = GraphRun.of(runtime, runtime.variant_for(runtime.graph.example_values, dry_run=True),
+                                  runtime.graph.example_values)
+                run.record(runtime.graph.example_outputs)
+                backend_.calls.record(run)
+            if not backend_.finish_call(captured.returned):
+                break
+    finally:
+        backend_.calls.ahead = False
     backend_.note_breaks(captured.breaks)
     backend_.say_breaks(type(module).__name__)
     unfit = [v for v in backend_.latest.values() if not v.accepted]
