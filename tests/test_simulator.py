@@ -173,6 +173,22 @@ def test_the_other_graphs_of_a_call_are_added_where_they_are_live():
     assert len(timeline(last, plan)[0]) == len(alone)  # no graph runs after the last one
 
 
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 10**6), st.integers(0, 10**6), st.one_of(st.none(), st.integers(0, 10**7)),
+       st.lists(st.integers(1, 10), max_size=4, unique=True))
+def test_a_plan_simulated_once_is_simulated_in_any_context_as_from_scratch(forward, backward, later, points):
+    from sublinear.core import StepContext
+    from sublinear.simulation.timeline import own_timeline, peak_beside, simulate_beside
+
+    p = chain(12)
+    plan = Plan.of(sorted(points), p.num_ops)
+    in_context = dataclasses.replace(p, step_context=StepContext(forward, backward, later))
+    expected = simulate(in_context, plan)
+    own = own_timeline(dataclasses.replace(p, step_context=StepContext(7, 9, 11)), plan)
+    assert simulate_beside(in_context, own, simulate(p, plan)) == expected
+    assert peak_beside(in_context, own) == expected.peak_bytes
+
+
 @pytest.mark.parametrize("plan", [Plan.no_split(4), Plan.of([2], 4)], ids=["saved", "rebuilt"])
 def test_a_storage_a_backward_kernel_writes_into_ends_as_that_backward_starts(plan):
     """Inductor writes a backward kernel's output into the buffer of a saved value the kernel reads last (the

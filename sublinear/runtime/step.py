@@ -12,10 +12,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, GraphOutputs
-from sublinear.core.plan import Plan
 from sublinear.core.profile import StepContext
 from sublinear.training import DROPPED, GRADIENT, HELD
-from sublinear.simulation.timeline import simulate
 from sublinear.runtime.variant import GraphVariant
 
 if TYPE_CHECKING:
@@ -108,9 +106,7 @@ def step_contexts(runs: Sequence[GraphRun], first: int = 0, eager: bool = False)
         contexts[i] = dataclasses.replace(contexts[i], later_beyond_held=None if later_peak is None
                                           else later_peak - held)
         if i > first:
-            profile_ = runs[i].variant.profile
-            plan = Plan.no_split(profile_.num_ops) if eager else runs[i].variant.plan
-            peak = simulate(dataclasses.replace(profile_, step_context=contexts[i]), plan).peak_bytes
+            peak = runs[i].variant.peak_beside(contexts[i], eager)
             later_peak = peak if later_peak is None else max(later_peak, peak)
     return contexts
 

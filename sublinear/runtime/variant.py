@@ -14,7 +14,7 @@ from sublinear.core.profile import GraphProfile, StepContext
 from sublinear.execute.compiled import CompiledGraph
 from sublinear.execute.eager import RewrittenGraph
 from sublinear.runtime.plans import GraphPlan
-from sublinear.simulation.timeline import simulate
+from sublinear.simulation.timeline import OwnTimeline, own_timeline, peak_beside, simulate, simulate_beside
 
 
 @dataclass
@@ -51,11 +51,10 @@ class GraphVariant:
         """Simulate the plan beside the call's other graphs as ``context`` says, and (for the report) eager beside
         the other graphs unplanned as ``eager_context`` says: eager's peak is the same whatever the plans."""
         self.profile = dataclasses.replace(self.profile, step_context=context)
-        self.simulation = simulate(self.profile, self.plan)
-        eager = simulate(dataclasses.replace(self.profile, step_context=eager_context),
-                         Plan.no_split(self.profile.num_ops))
+        self.simulation = (simulate_beside(self.profile, self._own_timeline, self.simulation) if self.profile.num_ops
+                           else simulate(self.profile, self.plan))
         self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.peak_bytes,
-                                           baseline_peak_bytes=eager.peak_bytes)
+                                           baseline_peak_bytes=self.peak_beside(eager_context, eager=True))
 
     @functools.cached_property
     def eager_held(self) -> int:
@@ -63,9 +62,27 @@ class GraphVariant:
         alone = dataclasses.replace(self.profile, step_context=None)
         return simulate(alone, Plan.no_split(alone.num_ops)).held_after_forward_bytes
 
+    def peak_beside(self, context: StepContext | None, eager: bool = False) -> int:
+        """The step's predicted peak with the call's other graphs as ``context`` says, under the plan or, with
+        ``eager``, unplanned; the graph's own timeline is simulated once for every context."""
+        profile = dataclasses.replace(self.profile, step_context=context)
+        if profile.num_ops == 0:
+            return simulate(profile, self.plan).peak_bytes
+        return peak_beside(profile, self._eager_timeline if eager else self._own_timeline)
+
+    @functools.cached_property
+    def _own_timeline(self) -> OwnTimeline:
+        return own_timeline(self.profile, self.plan)
+
+    @functools.cached_property
+    def _eager_timeline(self) -> OwnTimeline:
+        return own_timeline(self.profile, Plan.no_split(self.profile.num_ops))
+
     def note_compiled(self, peak_alone: int, taught: GraphProfile) -> None:
         """The compiled code holds ``peak_alone`` at its peak in a step of this graph alone; ``taught`` is the
         profile taught what it held (in this variant's context)."""
+        self.__dict__.pop("_own_timeline", None)  # taught: the graph's own bytes changed
+        self.__dict__.pop("_eager_timeline", None)
         self.profile = taught
         self.simulation = simulate(taught, self.plan)
         self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.peak_bytes,

@@ -22,8 +22,8 @@ from sublinear.core.objective import Simulation
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, ShardedParameters
 
-__all__ = ["BACKWARD_SLOTS", "FORWARD_SLOT", "Simulation", "StepTerms", "forward_release", "own_slots", "simulate",
-           "step_terms", "timeline"]
+__all__ = ["BACKWARD_SLOTS", "FORWARD_SLOT", "OwnTimeline", "Simulation", "StepTerms", "forward_release", "own_slots",
+           "own_timeline", "peak_beside", "simulate", "simulate_beside", "step_terms", "timeline"]
 
 
 def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
@@ -33,17 +33,29 @@ def simulate(profile: GraphProfile, plan: Plan) -> Simulation:
         base = profile.baseline_bytes + profile.gradient_bytes
         return Simulation(base, 0, 0.0, profile.step_seconds, base, base, "empty graph", 0)
     a = analyse(profile, plan)
-    totals, slots, held_after_forward = _timeline(profile, plan, a)
+    return _simulation(profile, own_timeline(profile, plan, a), a.recompute_flops(profile),
+                       a.recompute_seconds(profile))
+
+
+def simulate_beside(profile: GraphProfile, own: OwnTimeline, simulation: Simulation) -> Simulation:
+    """``simulation`` of a plan (in any step context) in ``profile``'s context, from the plan's ``own`` timeline:
+    what :func:`simulate` gives, without simulating the graph again."""
+    return _simulation(profile, own, simulation.recompute_flops, simulation.recompute_seconds)
+
+
+def _simulation(profile: GraphProfile, own: OwnTimeline, recompute_flops: int, recompute_seconds: float) -> Simulation:
+    n = profile.num_ops
+    totals, slots = _totals(profile, own)
     peak_at = int(np.argmax(totals))
     return Simulation(
         peak_bytes=int(totals[peak_at]),
-        recompute_flops=a.recompute_flops(profile),
-        recompute_seconds=a.recompute_seconds(profile),
+        recompute_flops=recompute_flops,
+        recompute_seconds=recompute_seconds,
         eager_seconds=profile.step_seconds,
         forward_peak_bytes=int(totals[:n].max()),
         backward_peak_bytes=int(totals[n:].max()),
         peak_slot=_describe(slots, peak_at, profile),
-        held_after_forward_bytes=held_after_forward,
+        held_after_forward_bytes=own.held_after_forward,
     )
 
 
@@ -338,12 +350,42 @@ def _own(profile: GraphProfile, a: PlanAnalysis):
     return live, extra, kinds, ops, ranks, at
 
 
+@dataclass(frozen=True)
+class OwnTimeline:
+    """A graph's own bytes per slot under one plan (its storages and what each slot adds, without the baseline, the
+    call's other graphs or FSDP's layout): the same in every step context, so one serves every context a call puts
+    the graph in (:func:`peak_beside`)."""
+
+    own: np.ndarray
+    kinds: np.ndarray
+    ops: np.ndarray
+    n: int  # slots of forward
+    end: int  # the end-of-step slot
+    held_after_forward: int  # activation bytes still held when backward starts
+
+
+def own_timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -> OwnTimeline:
+    live, extra, kinds, ops, _, at = _own(profile, a or analyse(profile, plan))
+    return OwnTimeline(live + extra, kinds, ops, at.n, at.end, int(live[at.n]))
+
+
+def peak_beside(profile: GraphProfile, own: OwnTimeline) -> int:
+    """:func:`simulate`'s peak in ``profile``'s step context, from ``own`` (the same graph and plan, in any
+    context) without simulating the graph again."""
+    return int(_totals(profile, own)[0].max())
+
+
 def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.ndarray, Slots, int]:
     """The timeline with what happens at each slot, and the activation bytes still held when backward starts."""
-    live, extra, kinds, slot_ops, _, at = _own(profile, a)
-    n, end = at.n, at.end
-    own = live + extra
-    held_after_forward = int(live[n])
+    own = own_timeline(profile, plan, a)
+    totals, labels = _totals(profile, own)
+    return totals, labels, own.held_after_forward
+
+
+def _totals(profile: GraphProfile, timeline_: OwnTimeline) -> tuple[np.ndarray, Slots]:
+    """The step's bytes per slot: the graph's own, the step's plan-independent terms added, with their labels."""
+    own, kinds, slot_ops, n, end = timeline_.own, timeline_.kinds, timeline_.ops, timeline_.n, timeline_.end
+    held_after_forward = timeline_.held_after_forward
     terms = step_terms(profile)
     ending = terms.end(int(own[end]))
     parts = [(np.array(terms.head, dtype=np.int64), _special(_GATHER) if terms.head else _none()),
@@ -357,7 +399,7 @@ def _timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis) -> tuple[np.nd
     if terms.later is not None:
         parts.append((np.array([held_after_forward + terms.later]), _special(_LATER)))
     totals = np.concatenate([values for values, _ in parts]).astype(np.int64)
-    return totals, _joined(*(labels for _, labels in parts)), held_after_forward
+    return totals, _joined(*(labels for _, labels in parts))
 
 
 @dataclass(frozen=True)
