@@ -85,7 +85,11 @@ class CallTracker:
                 continue
             if eager_contexts is None:
                 eager_contexts = contexts_by_graph(runs, eager=True)
-            variant.set_context(context, eager_contexts.get(code))
+            eager_context = eager_contexts.get(code)
+            if variant.bound and context is not None and eager_context is not None:
+                # eager beside the call's other graphs unplanned, in a context at least as wide as the plan's
+                eager_context = widest_context(eager_context, context)
+            variant.set_context(context, eager_context)
             unknown_later = variant.objective.memory_budget is not None and not planned_knowing_later(variant, context)
             if variant.settling or not variant.accepted or unknown_later:
                 run.runtime.forget(variant)
