@@ -1,6 +1,7 @@
 """Capture: TorchDynamo graphs of the forward, taken on a data-less twin; what they hold and what capture says."""
 
 import gc
+import dataclasses
 import logging
 import re
 import weakref
@@ -353,3 +354,35 @@ def test_an_in_place_write_into_an_activation_after_a_break_trains_like_eager():
     compiled = sublinear.compile(copy.deepcopy(base), config=PLAIN)
     assert_same_training(eager, train_steps(compiled, (x,), steps=2))
     assert len(compiled.sublinear_plan.graphs) == 2
+
+
+class RandomlyMasked(nn.Module):
+    """Masks a random half of its tokens in forward, drawing the noise with torch.rand (as ViT-MAE does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        noise = torch.rand(x.shape[0], x.shape[1])
+        keep = noise.argsort(dim=1)[:, : x.shape[1] // 2]
+        h = self.embed(x).gather(1, keep.unsqueeze(-1).expand(-1, -1, 16))
+        return self.head(h.relu()).mean()
+
+
+def test_capturing_a_data_less_twin_leaves_the_random_stream_as_it_was():
+    """The twin's graph runs on fakes, but torch.rand (no tensor argument) makes a real tensor there: planning
+    ahead under a budget drew from the user's generator, so the first step masked other tokens than eager."""
+    import copy
+
+    from conftest import assert_same_training, train_steps
+
+    torch.manual_seed(0)
+    model, x = RandomlyMasked(), torch.randn(4, 10, 8)
+    before = torch.get_rng_state()
+    capture(model, (x,))
+    assert torch.equal(torch.get_rng_state(), before)
+    budget = dataclasses.replace(PLAIN, memory_budget=10**9)  # a budget plans ahead on the twin at the first call
+    planned = copy.deepcopy(model)
+    assert_same_training(train_steps(copy.deepcopy(model), (x,)),
+                         train_steps(sublinear.apply(planned, budget), (x,)))

@@ -592,17 +592,20 @@ def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] 
                                       (tuple(args), dict(kwargs or {})))
     recorder = _Recorder()
     compiled = compile_entry(copy_, type(module).__name__, dynamic=None)
-    try:
-        with graph_breaks() as breaks, receiving(recorder), \
-                torch._dynamo.config.patch(recompile_limit=10**6, accumulated_recompile_limit=10**6):
-            returned = compiled(*fake_args, **fake_kwargs)
-    except CaptureError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - Dynamo's and the model's errors, with the user's line
-        error = capture_error(exc, f"{type(module).__name__}.forward")
-        if not isinstance(error, NeedsData):  # the twin is a copy: running it again touches nothing of the user's
-            eager_or_model_error(copy_, fake_args, fake_kwargs)
-        raise error from exc
+    # A random op with no tensor argument (torch.rand in ViT-MAE's masking) makes a real tensor when the captured
+    # graph runs on the twin's fakes, drawing from the global generator: the user's RNG stream is kept as it was.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            with graph_breaks() as breaks, receiving(recorder), \
+                    torch._dynamo.config.patch(recompile_limit=10**6, accumulated_recompile_limit=10**6):
+                returned = compiled(*fake_args, **fake_kwargs)
+        except CaptureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Dynamo's and the model's errors, with the user's line
+            error = capture_error(exc, f"{type(module).__name__}.forward")
+            if not isinstance(error, NeedsData):  # the twin is a copy: running it again touches nothing of the user's
+                eager_or_model_error(copy_, fake_args, fake_kwargs)
+            raise error from exc
     graphs = [dataclasses.replace(g, model_device=str(device)) for g in recorder.graphs]
     log.debug("captured %s: %d graph(s), %d graph break(s)", type(module).__name__, len(graphs), len(breaks))
     return Capture(graphs, list(breaks), returned)
