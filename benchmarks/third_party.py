@@ -766,28 +766,60 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     parser.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses one thread)")
+    parser.add_argument("--report-from", default=None, metavar="FOLDER",
+                        help="run nothing: report the runs that finished in FOLDER (the temporary folder of a run "
+                             "stopped part-way, copied); the others are listed as not run")
+    parser.add_argument("--commit", default=None, help="with --report-from: the commit the runs were made at")
     options = parser.parse_args()
     modes = [m for m in MODES if m in options.modes.split(",")]
     names = [n for n in options.models.split(",") if n]
     for n in names:
         if n not in MODELS:
             parser.error(f"unknown model {n!r}")
-    import transformers
+    if options.report_from:
+        results, total = _finished_runs(options.report_from, names, modes), None
+    else:
+        results, total = _run_all(names, modes, options.jobs, options.timeout)
+    text = _report(results, names, modes, options.jobs, total, options.commit or _commit())
+    print(text)
+    if options.out:
+        with open(options.out, "w") as f:
+            f.write(text)
 
+
+def _run_all(names: list[str], modes: list[str], jobs: int, timeout: float) -> tuple[dict, float]:
+    """Every (model, mode) run in its own subprocess, ``jobs`` at a time: results by model and mode, and the wall
+    time of it all."""
     started = time.perf_counter()
     results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="third_party_") as folder:
         def one(key: tuple[str, str]) -> tuple[tuple[str, str], dict]:
-            return key, run_subprocess(*key, folder, options.timeout)
+            return key, run_subprocess(*key, folder, timeout)
 
         keys = [(name, mode) for name in names for mode in modes]
-        with ThreadPoolExecutor(max_workers=max(1, options.jobs)) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             for (name, mode), r in pool.map(one, keys):
                 results.setdefault(name, {})[mode] = r
                 status = r["skipped"] and f"skipped: {r['skipped']}" or r["error"] or "ok"
                 times = " ".join(f"{t:.3f}" for t in r["times"])
                 print(f"{name:20s} {mode:20s} {r['wall']:6.1f} s  steps {times}  {status}", flush=True)
-    total = time.perf_counter() - started
+    return results, time.perf_counter() - started
+
+
+def _finished_runs(folder: str, names: list[str], modes: list[str]) -> dict:
+    """The results a run of this script left in ``folder`` (its ``MODEL.MODE.pt`` files), for the runs that
+    finished."""
+    results: dict[str, dict[str, dict]] = {}
+    for name in names:
+        for mode in modes:
+            path = os.path.join(folder, f"{name}.{mode}.pt")
+            if os.path.exists(path):
+                results.setdefault(name, {})[mode] = torch.load(path, weights_only=False)
+    return results
+
+
+def _report(results: dict, names: list[str], modes: list[str], jobs: int, total: float | None, commit: str) -> str:
+    import transformers
 
     command = "python benchmarks/third_party.py " + " ".join(sys.argv[1:])
     timed = [m for m in ("eager", "sublinear-eager", "sublinear-inductor") if m in modes]
@@ -818,9 +850,10 @@ def main() -> None:
         f"Command: `{command}`", "",
         f"{platform.machine()} CPU, {os.cpu_count()} cores, 1 thread per run (`torch.set_num_threads(1)`), "
         f"torch {torch.__version__}, transformers {transformers.__version__}, {_versions()}. "
-        f"sublinear at commit {_commit()}. Modes run: {', '.join(modes)}. {options.jobs} run(s) at a time"
-        f"{' (step times taken with runs overlapping)' if options.jobs > 1 else ''}. "
-        f"Total run time {total / 60:.1f} min.", "",
+        f"sublinear at commit {commit}. Modes run: {', '.join(modes)}. {jobs} run(s) at a time"
+        f"{' (step times taken with runs overlapping)' if jobs > 1 else ''}. "
+        + (f"Total run time {total / 60:.1f} min." if total is not None else
+           "Reported from the runs that finished before the run was stopped (`--report-from`)."), "",
         "| model | library | graphs (breaks) | sublinear-eager vs eager | sublinear-inductor vs torch.compile "
         "(vs eager) | with a budget: sublinear-eager vs eager / sublinear-inductor vs torch.compile | "
         "planned ahead on meta inputs: sublinear-inductor vs torch.compile | predicted peak vs eager "
@@ -831,7 +864,10 @@ def main() -> None:
     notes = []
     for name in names:
         label, library, _ = MODELS[name]
-        runs = results[name]
+        runs = results.get(name)
+        if not runs:
+            lines.append(f"| {label} | {library} | not run | | | | | | | |")
+            continue
         first = next(iter(runs.values()))
         if first["skipped"]:
             lines.append(f"| {label} | {library} | skipped | | | | | | | |")
@@ -869,11 +905,7 @@ def main() -> None:
               "[compiled_memory.md](compiled_memory.md) (`python benchmarks/compiled_memory.py --jobs 2 --out",
               "docs/compiled_memory.md`).", "", "## Notes", ""]
     lines += [f"- {n}" for n in notes] or ["- No run failed and every sublinear-eager run was exact."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if options.out:
-        with open(options.out, "w") as f:
-            f.write(text)
+    return "\n".join(lines) + "\n"
 
 
 def _commit() -> str:
