@@ -12,8 +12,9 @@ fresh):
 - ``sublinear-eager``: ``sublinear.apply(model, SublinearMemoryConfig(compiler="eager", cache_dir=""))``;
 - ``torch.compile``: ``torch.compile(model)`` (inductor);
 - ``sublinear-inductor``: ``sublinear.apply(model, SublinearMemoryConfig(compiler="inductor", cache_dir=""))``;
-- ``sublinear-eager-budget``, ``sublinear-inductor-budget``: the same with a ``memory_budget`` halfway from the lowest
-  peak any plan reaches to eager's predicted peak (each read off a copy of the model planned ahead on the first batch);
+- ``sublinear-eager-budget``, ``sublinear-inductor-budget``: the same with a ``memory_budget`` halfway from the
+  lowest predicted peak of any plan to eager's (read off copies of the model planned ahead on the first batch; for a
+  model that cannot be planned ahead, from the default plan's predicted peak, planned by a training call of a copy);
 - ``sublinear-inductor-meta-inputs``: ``sublinear.compile(model, ...)`` planned ahead on meta tensors shaped as the
   first batch (as the guide shows), then trained on the real batches.
 
@@ -613,9 +614,10 @@ def run_one(name: str, mode: str, path: str) -> None:
 
 def _sublinear_run(model: nn.Module, mode: str, first: tuple, res: dict) -> nn.Module:
     """The model as sublinear runs it in ``mode``: ``sublinear.apply`` with the executor the mode names;
-    ``-budget``: with a memory budget halfway from the lowest peak any plan reaches to eager's predicted peak (each
-    read off a copy of the model planned ahead on the first batch); ``-meta-inputs``: ``sublinear.compile`` planned
-    ahead on meta tensors shaped as the first batch, as the guide shows."""
+    ``-budget``: with a memory budget halfway from the lowest predicted peak of any plan to eager's (read off copies
+    of the model planned ahead on the first batch; where the code between its graphs reads tensor values, so that it
+    cannot be planned ahead, from the default plan's peak, made by a training call of a copy); ``-meta-inputs``:
+    ``sublinear.compile`` planned ahead on meta tensors shaped as the first batch, as the guide shows."""
     import copy
     import dataclasses
 
@@ -625,11 +627,10 @@ def _sublinear_run(model: nn.Module, mode: str, first: tuple, res: dict) -> nn.M
     config = sublinear.SublinearMemoryConfig(compiler=mode.split("-")[1], cache_dir="")
     args, kwargs, _extra = first
     if mode.endswith("-budget"):
-        planned = sublinear.compile(copy.deepcopy(model), args, kwargs, config=config).sublinear_plan
-        eager_peak = planned.baseline_peak_bytes
-        try:
+        planned = _planned_copy(model, first, config)
+        lowest, eager_peak = planned.predicted_peak_bytes, planned.baseline_peak_bytes
+        try:  # planned ahead, a budget no plan meets names the step's lowest predicted peak
             sublinear.compile(copy.deepcopy(model), args, kwargs, config=dataclasses.replace(config, memory_budget=1))
-            lowest = eager_peak
         except sublinear.BudgetError as exc:
             lowest = exc.smallest
         res["budget_bytes"] = int(lowest + 0.5 * max(0, eager_peak - lowest))
@@ -688,6 +689,20 @@ def _diff_text(r: dict | None, ref: dict | None, rng: bool = True) -> str:
     if rng and not rng_equal:
         text += ", RNG differs"
     return text
+
+
+def _planned_copy(model: nn.Module, first: tuple, config):
+    """The plan of a copy of ``model`` for the first batch: planned ahead, or, where the code between its graphs
+    reads tensor values (no data-less plan), planned by one training call of the copy."""
+    import copy
+
+    import sublinear
+
+    args, kwargs, _extra = first
+    planned = sublinear.compile(copy.deepcopy(model), args, kwargs, config=config)
+    if planned.sublinear_plan is None:
+        planned(*args, **kwargs)
+    return planned.sublinear_plan
 
 
 def _budget_cell(r: dict | None, ref: dict | None) -> str:
@@ -832,8 +847,9 @@ def _report(results: dict, names: list[str], modes: list[str], jobs: int, total:
         "graphs run by eager kernels), `sublinear-eager` (`sublinear.apply(model, "
         "SublinearMemoryConfig(compiler=\"eager\", cache_dir=\"\"))`), `torch.compile` (inductor) and "
         "`sublinear-inductor` (`sublinear.apply(model, SublinearMemoryConfig(compiler=\"inductor\", "
-        "cache_dir=\"\"))`); the same two with a `memory_budget` halfway from the lowest peak any plan reaches to "
-        "eager's predicted peak (`-budget`, each read off a copy of the model planned ahead on the first batch), and "
+        "cache_dir=\"\"))`); the same two with a `memory_budget` halfway from the lowest predicted peak of any plan "
+        "to eager's (`-budget`; read off copies of the model planned ahead on the first batch, or, for a model that "
+        "cannot be planned ahead, from the default plan's peak, planned by one call of a copy), and "
         "`sublinear-inductor-meta-inputs` (`sublinear.compile(model, meta tensors shaped as the first batch)`: "
         "planned ahead as the guide shows, then trained on the real batches); every inductor mode sets "
         "`torch._inductor.config.fallback_random = True`, so their random "
