@@ -37,11 +37,10 @@ def stand_in_for_grad(empty: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     a view of it."""
     if not like.requires_grad:
         return empty
-    leaf = empty.requires_grad_(True)
     if like.is_leaf:
-        return leaf
+        return empty.requires_grad_(True)
     if is_non_overlapping_and_dense_or_false(like) or like.numel() == 0:
-        return leaf.clone()
+        return empty.requires_grad_(True).clone()
     extent = 1 + sum((size - 1) * stride for size, stride in zip(empty.shape, empty.stride()))
     storage = torch.empty(extent, dtype=empty.dtype, device=empty.device, requires_grad=True)
     return storage.clone().as_strided(empty.shape, empty.stride())

@@ -128,22 +128,23 @@ class CallTracker:
         if any(r.returned.awaits_backward and r.returned.alive_at_backward is None for r in runs if r.returned):
             self.unlearned = list(zip(runs, uses))
             return []
-        return self._learn([(run, uses_after_backward(u, run.returned)) for run, u in zip(runs, uses)])
+        return self._learn(list(zip(runs, uses)))
 
     def _learn_after_backward(self) -> None:
         """Learn the last call's uses now that its backward ran: an output held when the call returned but let go
         before backward reached its graph is dropped."""
         learned, self.unlearned = self.unlearned, []
         if learned:
-            self._learn([(run, uses_after_backward(uses, run.returned)) for run, uses in learned])
+            self._learn(learned)
 
     def _learn(self, learned_uses: list[tuple[GraphRun, tuple[str, ...]]]) -> list[GraphRuntime]:
-        """A graph that runs several times gets, per output, the most demanding use of its runs; and of the calls
+        """Per run, the uses the call returning showed, as backward then found them (:func:`uses_after_backward`).
+        A graph that runs several times gets, per output, the most demanding use of its runs; and of the calls
         learned from so far (what later graphs read can change from call to call, as an MoE's routing does), so a
         graph is planned again only when a call shows a more demanding use."""
         learned: dict[str, tuple[str, ...]] = {}
-        for run, uses in learned_uses:
-            code = run.runtime.graph.code
+        for run, at_return in learned_uses:
+            code, uses = run.runtime.graph.code, uses_after_backward(at_return, run.returned)
             learned[code] = _most_demanding(learned.get(code, uses), uses)
         for code in learned:
             if code in self.from_calls:
