@@ -14,7 +14,8 @@ fresh):
 - ``sublinear-inductor``: ``sublinear.apply(model, SublinearMemoryConfig(compiler="inductor", cache_dir=""))``;
 - ``sublinear-eager-budget``, ``sublinear-inductor-budget``: the same with a ``memory_budget`` halfway from the
   lowest predicted peak of any plan to eager's (read off copies of the model planned ahead on the first batch; for a
-  model that cannot be planned ahead, from the default plan's predicted peak, planned by a training call of a copy);
+  model that cannot be planned ahead, from the default plan's predicted peak, planned by three training calls of a
+  copy);
 - ``sublinear-inductor-meta-inputs``: ``sublinear.compile(model, ...)`` planned ahead on meta tensors shaped as the
   first batch (as the guide shows), then trained on the real batches.
 
@@ -575,7 +576,7 @@ def run_one(name: str, mode: str, path: str) -> None:
         elif mode == "dynamo-eager":
             run = torch.compile(model, backend="eager")
         elif mode.startswith("sublinear-"):
-            run = _sublinear_run(model, mode, batches[0], res)
+            run = _sublinear_run(model, mode, batches[0], loss_fn, res)
         elif mode != "eager":
             raise ValueError(f"unknown mode {mode!r}")
         names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -612,11 +613,11 @@ def run_one(name: str, mode: str, path: str) -> None:
     torch.save(res, path)
 
 
-def _sublinear_run(model: nn.Module, mode: str, first: tuple, res: dict) -> nn.Module:
+def _sublinear_run(model: nn.Module, mode: str, first: tuple, loss_fn, res: dict) -> nn.Module:
     """The model as sublinear runs it in ``mode``: ``sublinear.apply`` with the executor the mode names;
     ``-budget``: with a memory budget halfway from the lowest predicted peak of any plan to eager's (read off copies
     of the model planned ahead on the first batch; where the code between its graphs reads tensor values, so that it
-    cannot be planned ahead, from the default plan's peak, made by a training call of a copy); ``-meta-inputs``:
+    cannot be planned ahead, from the default plan's peak, made by three training calls of a copy); ``-meta-inputs``:
     ``sublinear.compile`` planned ahead on meta tensors shaped as the first batch, as the guide shows."""
     import copy
     import dataclasses
@@ -627,7 +628,7 @@ def _sublinear_run(model: nn.Module, mode: str, first: tuple, res: dict) -> nn.M
     config = sublinear.SublinearMemoryConfig(compiler=mode.split("-")[1], cache_dir="")
     args, kwargs, _extra = first
     if mode.endswith("-budget"):
-        planned = _planned_copy(model, first, config)
+        planned = _planned_copy(model, first, loss_fn, config)
         lowest, eager_peak = planned.predicted_peak_bytes, planned.baseline_peak_bytes
         try:  # planned ahead, a budget no plan meets names the step's lowest predicted peak
             sublinear.compile(copy.deepcopy(model), args, kwargs, config=dataclasses.replace(config, memory_budget=1))
@@ -691,17 +692,18 @@ def _diff_text(r: dict | None, ref: dict | None, rng: bool = True) -> str:
     return text
 
 
-def _planned_copy(model: nn.Module, first: tuple, config):
+def _planned_copy(model: nn.Module, first: tuple, loss_fn, config):
     """The plan of a copy of ``model`` for the first batch: planned ahead, or, where the code between its graphs
-    reads tensor values (no data-less plan), planned by one training call of the copy."""
+    reads tensor values (no data-less plan), planned by training calls of the copy."""
     import copy
 
     import sublinear
 
-    args, kwargs, _extra = first
+    args, kwargs, extra = first
     planned = sublinear.compile(copy.deepcopy(model), args, kwargs, config=config)
-    if planned.sublinear_plan is None:
-        planned(*args, **kwargs)
+    if planned.sublinear_plan is None:  # three calls: the uses of the outputs learned, the graphs planned together
+        for _ in range(3):
+            loss_fn(planned(*args, **kwargs), extra).backward()
     return planned.sublinear_plan
 
 
@@ -849,7 +851,7 @@ def _report(results: dict, names: list[str], modes: list[str], jobs: int, total:
         "`sublinear-inductor` (`sublinear.apply(model, SublinearMemoryConfig(compiler=\"inductor\", "
         "cache_dir=\"\"))`); the same two with a `memory_budget` halfway from the lowest predicted peak of any plan "
         "to eager's (`-budget`; read off copies of the model planned ahead on the first batch, or, for a model that "
-        "cannot be planned ahead, from the default plan's peak, planned by one call of a copy), and "
+        "cannot be planned ahead, from the default plan's peak, planned by three training calls of a copy), and "
         "`sublinear-inductor-meta-inputs` (`sublinear.compile(model, meta tensors shaped as the first batch)`: "
         "planned ahead as the guide shows, then trained on the real batches); every inductor mode sets "
         "`torch._inductor.config.fallback_random = True`, so their random "

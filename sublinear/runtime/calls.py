@@ -102,13 +102,14 @@ class CallTracker:
     def context_for(self, runtime: GraphRuntime, values: Sequence[Any]) -> tuple[StepContext | None, bool]:
         """The context of ``runtime``'s graph about to run next in the current call: this call's earlier graphs as
         they ran, the later ones as the previous call ran them (None when it runs alone); and whether the call is
-        settled: every earlier graph of it was planned knowing the later ones. A graph planned in an unsettled
-        call may yet fit once the earlier graphs are planned for it."""
+        settled: every other graph of it runs its final plan (each earlier one planned knowing the graphs after it,
+        each later one too, and none of them taking its lowest peak for now). A graph planned in an unsettled call
+        may yet fit once the others are planned for it: what the earlier ones hold and the later ones' peaks are
+        their plans'."""
         position, earlier, previous = len(self.current), self.current, self.previous
         same_place = len(previous) > position and previous[position].runtime.graph.code == runtime.graph.code
         later = previous[position + 1:] if same_place else []
-        settled = all(r.variant is not None and r.variant.planned_in is not None
-                      and r.variant.planned_in.later_beyond_held is not None for r in earlier)
+        settled = all(_final(r, last=r is later[-1] if later else False) for r in [*earlier, *later])
         if not earlier and not later:
             return None, settled
         upcoming = GraphRun.of(runtime, None, values)
@@ -159,6 +160,14 @@ class CallTracker:
                 run.runtime.forget(run.variant)
                 stale.append(run.runtime)
         return stale
+
+
+def _final(run: GraphRun, last: bool) -> bool:
+    """Whether ``run``'s variant is its graph's plan for good: planned knowing the graphs after it (``last``: there
+    are none), not a lowest peak taken until the others are planned for it, and still its graph's variant."""
+    variant = run.variant
+    return variant is not None and not variant.settling and variant in run.runtime.variants.values() and (
+        last or variant.planned_in is not None and variant.planned_in.later_beyond_held is not None)
 
 
 def _most_demanding(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:

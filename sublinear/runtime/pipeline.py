@@ -118,7 +118,8 @@ class PlanPipeline:
                 store_key: tuple, disk_key: str, settled: bool) -> _Choice:
         """The plan to run: the user's (``use()``), this session's or the disk's when it still meets the objective,
         the previous variant's when it does, else a search (stored on disk). Under a budget, a graph of an
-        unsettled call that fits no plan yet runs its lowest-peak plan until the earlier graphs are planned for it."""
+        unsettled call that fits no plan yet runs its lowest-peak plan until the call's other graphs are planned for
+        it."""
         code = runtime.graph.code
         cached = self.plans.recall(store_key)
         plan, result = (cached[1], cached[2]) if cached is not None else \
@@ -143,10 +144,10 @@ class PlanPipeline:
         except BudgetError as exc:
             if settled:
                 raise
-            log.info("sublinear: graph %d does not fit beside the earlier graphs' plans yet; they are planned again "
-                     "for it", runtime.index)
-            return _Choice(exc.lowest.plan, None, "lowest peak, until the earlier graphs are planned for it", False,
-                           settling=True)
+            log.info("sublinear: graph %d does not fit beside the call's other graphs' plans yet; they are planned "
+                     "again for it", runtime.index)
+            return _Choice(exc.lowest.plan, None, "lowest peak, until the call's other graphs are planned for it",
+                           False, settling=True)
         self.plans.store(disk_key, _entry(profile_, result.plan,
                                           [[c.simulation.peak_bytes, c.simulation.time_ratio] for c in result.history]))
         return _Choice(result.plan, result, result.origin, False, searched=True)

@@ -33,7 +33,7 @@ class GraphVariant:
     planned_in: StepContext | None  # the context the plan was searched in
     uses: tuple[str, ...]  # what the profiled step did with each output
     budget: int | None  # the memory budget the step must fit
-    settling: bool = False  # the lowest peak taken while earlier graphs of the call were not planned for this one
+    settling: bool = False  # the lowest peak taken while the call's other graphs were not planned for this one
     bound: Binding = field(default_factory=dict)  # a dynamic graph's sizes its plan was made for (and serves below)
     checked: bool = False  # compiled, and what the compiled code holds read back
     lesson: Any = None  # what the compile check needs to teach the profile (the pipeline's record)
