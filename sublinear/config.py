@@ -54,6 +54,11 @@ class SublinearMemoryConfig:
         $SUBLINEAR_COMPILER when set, else inductor where it can compile for the device (CPU: a C++ compiler;
         CUDA: triton), else eager.
     cache_dir: plan cache folder; None uses $SUBLINEAR_CACHE_DIR or the user cache dir; "" disables it.
+    chunk_lm_heads: an LM head (a linear to a vocabulary larger than its input) and its cross-entropy are computed in
+        chunks of tokens, never holding the logits' log-softmax or gradient whole (``sublinear.capture.lm_head``);
+        equal to the unchunked loss and gradients to float rounding, not bit for bit. None (default): on where
+        inductor runs the graph and when planning on the meta device, off on sublinear's eager executor (which trains
+        bit for bit like eager); True or False: on or off everywhere.
     max_sizes: the largest shape of the forward's tensor arguments, by argument name (``{"input_ids": (32, 512)}``;
         None for a dimension left to TorchDynamo). Every dimension of the arguments is then dynamic from the first
         call, and the one plan is made for these sizes, so it serves every smaller shape. Without it a size that
@@ -74,6 +79,7 @@ class SublinearMemoryConfig:
     seed: int = 0
     compiler: str = "auto"
     cache_dir: str | None = None
+    chunk_lm_heads: bool | None = None
     max_sizes: Mapping[str, Sequence[int | None]] | None = None
 
     def __post_init__(self) -> None:
@@ -117,6 +123,9 @@ class SublinearMemoryConfig:
         _int_at_least("seed", self.seed, 0)
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}; got {self.compiler!r}")
+        if self.chunk_lm_heads is not None and not isinstance(self.chunk_lm_heads, bool):
+            raise ValueError(f"chunk_lm_heads must be True, False or None (on where inductor runs the graph); "
+                             f"got {self.chunk_lm_heads!r}")
         if self.max_sizes is not None:
             object.__setattr__(self, "max_sizes", _max_sizes(self.max_sizes))
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):

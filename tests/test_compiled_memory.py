@@ -186,18 +186,24 @@ class _LanguageModelHead(nn.Module):
 
 
 CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "attention": (_Attention, (4, 128, 64)),
-         "pointwise": (_pointwise_chain, (256, 128)), "head": (_LanguageModelHead, (4, 64, 64))}
+         "pointwise": (_pointwise_chain, (256, 128)), "head": (_LanguageModelHead, (4, 64, 64)),
+         "unchunked-head": (_LanguageModelHead, (4, 64, 64))}
 
 
 @pytest.mark.parametrize("case", [pytest.param("convolution"), pytest.param("head"),
+                                  pytest.param("unchunked-head", marks=pytest.mark.slow),
                                   pytest.param("attention", marks=pytest.mark.slow),
                                   pytest.param("pointwise", marks=pytest.mark.slow)])
 def test_the_compiled_step_is_predicted_before_compiling_and_measured_as_the_cpu_allocator_counts(case):
+    """"head": the head and its loss chunked (a custom op inductor calls as it is); "unchunked-head": the
+    cross-entropy as inductor compiles it."""
     build, shape = CASES[case]
     torch.manual_seed(0)
     model = build().train()
     x = torch.randn(*shape)
-    compiled = sublinear.compile(model, (x,), config=INDUCTOR)
+    config = dataclasses.replace(INDUCTOR, chunk_lm_heads=case != "unchunked-head")
+    compiled = sublinear.compile(model, (x,), config=config)
+    assert len(compiled.sublinear_plan.graphs[0].lm_heads) == (case == "head")
     profile = compiled.sublinear_profile
     plan = Plan.of(range(1, profile.num_ops, 3), profile.num_ops)
     before = simulate(profile, plan).peak_bytes

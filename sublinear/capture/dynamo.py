@@ -109,6 +109,7 @@ class CapturedGraph:
     example_outputs: GraphOutputs | None = None  # what it returned on the example values, when captured by capture()
     model_device: str | None = None  # set by capture(): the device the example values stand for (meta: fake CPU)
     sizes: SymbolicSizes | None = None  # a dynamic graph's symbolic input sizes (None: every size is static)
+    lm_heads: tuple = ()  # the cross-entropies found, chunked or left alone (sublinear.capture.lm_head.LMHead)
 
     @staticmethod
     def from_dynamo(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CapturedGraph:

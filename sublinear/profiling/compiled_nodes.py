@@ -59,9 +59,12 @@ class InductorKinds:
         return torch.Tag.pointwise in target.tags or target in self.fusible_ops or target.is_view
 
     def extern(self, node: fx.Node) -> bool:
+        """Whether inductor calls a kernel of its own for ``node``: a library call, or a custom op (an operator
+        outside aten and prims, which inductor runs as the op itself)."""
         target = node.target
         return isinstance(target, torch._ops.OpOverload) and (
-            target in self.realized_inputs or target in self.fallbacks or target in self.extern_ops)
+            target in self.realized_inputs or target in self.fallbacks or target in self.extern_ops
+            or target.namespace not in ("aten", "prims", "inductor_prims", "prim"))
 
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:

@@ -78,6 +78,7 @@ class GraphPlan:
     compiled_peak_bytes: int | None = None  # the graph alone, as its compiled forward and backward hold memory
     predicted_before_compile_bytes: int | None = None  # the predicted peak before its code was compiled and read
     executor: str = ""  # what runs the graph: "inductor", or "sublinear's eager executor (why)"
+    lm_heads: tuple[str, ...] = ()  # each cross-entropy found: its LM head chunked, or why it was left alone
 
     @property
     def num_blocks(self) -> int:
@@ -98,7 +99,8 @@ class GraphPlan:
                 f"predicted peak {format_bytes(self.predicted_peak_bytes)}{compiled} vs eager "
                 f"{format_bytes(self.baseline_peak_bytes)}, step time x{self.time_ratio:.3f} (FLOPs "
                 f"x{self.flops_ratio:.3f}); {self.objective}; by {self.origin}{' (cache)' if self.from_cache else ''}"
-                + (f"; runs on {self.executor}" if self.executor else ""))
+                + (f"; runs on {self.executor}" if self.executor else "")
+                + "".join(f"; {head}" for head in self.lm_heads))
 
     def describe(self) -> str:
         return "\n".join([str(self), *(f"  {b}" for b in self.blocks)])
@@ -201,4 +203,4 @@ def summarise_plan(index: int, values: Sequence[Any], graph: CapturedGraph, prof
                      objective=objective.describe(), origin=origin, cost_source=profile_.cost_source,
                      history=history, planning_seconds=planning_seconds,
                      search_seconds=result.seconds if result is not None and not from_cache else 0.0,
-                     from_cache=from_cache)
+                     from_cache=from_cache, lm_heads=tuple(str(head) for head in graph.lm_heads))

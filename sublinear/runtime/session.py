@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from sublinear.capture.dynamo import CapturedGraph, GraphBreak, InputSignature, SharedGraph
+from sublinear.capture.lm_head import device_type, with_lm_heads_chunked
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core.plan import Plan
 from sublinear.core.profile import ShardedParameters
+from sublinear.execute.compiled import resolve_compiler
 from sublinear.progress import PlanningProgress
 from sublinear.runtime.calls import UNSEEN, CallTracker
 from sublinear.runtime.graph import GraphRuntime
@@ -55,18 +57,28 @@ class SublinearBackend:
         self.on_plan: Callable[[SublinearPlan | None], None] | None = None  # told what each finished call ran
         self.uncapturable: dict[InputSignature, str] = {}  # call signatures TorchDynamo cannot capture -> why
         self.ran_graph = False
-        self._shared: dict[int, GraphRuntime] = {}
+        self._shared: dict[int, tuple[CapturedGraph, GraphRuntime]] = {}  # by graph: the captured one, its runtime
         self._warned: set[str] = set()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         return self.add_graph(CapturedGraph.from_dynamo(gm, example_inputs))
 
     def add_graph(self, graph: CapturedGraph) -> GraphRuntime:
-        """A captured graph this session runs from now on."""
+        """A captured graph this session runs from now on, its LM heads chunked where the config says."""
+        if self._chunks_lm_heads(graph):
+            graph = with_lm_heads_chunked(graph)
         runtime = GraphRuntime(graph, self, len(self.graphs))
         self.graphs.append(runtime)
         log.debug("captured graph %d: %s", runtime.index, graph.describe())
         return runtime
+
+    def _chunks_lm_heads(self, graph: CapturedGraph) -> bool:
+        """``chunk_lm_heads``, and where it is None: whether inductor runs the graph or it is planned on meta."""
+        setting = self.config.chunk_lm_heads
+        if setting is not None:
+            return setting
+        device = device_type(graph)
+        return device == "meta" or resolve_compiler(self.config.compiler, device)[0] == "inductor"
 
     def forget_graphs(self) -> None:
         """Drop the captured graphs (the plans stay in the pipeline's store for the graphs captured next)."""
@@ -75,9 +87,10 @@ class SublinearBackend:
     def run_graph(self, shared: SharedGraph, values: Sequence[Any]) -> Any:
         """Run a graph from TorchDynamo's shared cache (see :data:`sublinear.capture.dynamo.DISPATCH`) as this
         session's."""
-        runtime = self._shared.get(id(shared))
-        if runtime is None or runtime.graph is not shared.graph:
-            runtime = self._shared[id(shared)] = self.add_graph(shared.graph)
+        captured, runtime = self._shared.get(id(shared), (None, None))
+        if runtime is None or captured is not shared.graph:
+            runtime = self.add_graph(shared.graph)
+            self._shared[id(shared)] = (shared.graph, runtime)
         self.ran_graph = True
         return runtime(*values)
 

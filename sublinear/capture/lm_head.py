@@ -1,0 +1,284 @@
+"""LM heads and their losses in a captured graph, computed in chunks (:func:`chunk_lm_heads`).
+
+A head is a linear (tokens x hidden -> tokens x vocabulary), its output soft-capped (``cap * tanh(logits / cap)``,
+Gemma 2) or a bias vector added (BART's ``final_logits_bias``) or neither, whose output reaches ``F.cross_entropy``
+through ops that only regroup or select its rows or change its dtype: views and reshapes that keep the last
+dimension, row slices (the label shift of older Hugging Face code), ``contiguous``, ``float`` / ``to(dtype)`` (the
+upcast). The cross-entropy is replaced by :func:`~sublinear.capture.lm_head_op.linear_cross_entropy` on the linear's
+input rows, selected and regrouped as the logits were: its chunks never hold more than a chunk of tokens x vocabulary
+values, and nothing vocabulary-sized is saved for backward. When the step uses the logits otherwise (the model
+returns them), the linear still computes them and the chunks read them, so they are not computed twice; they are
+then held only as long as the caller holds them.
+
+A cross-entropy is left alone, and the reason recorded, when its input is not such a head, when it has class
+weights, ``reduction="none"`` or class-probability targets, or when the vocabulary is no larger than the hidden size
+(a classifier, where chunking saves nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from sublinear.capture.dynamo import CapturedGraph, describe_node, module_path
+from sublinear.capture.lm_head_op import REDUCTIONS, chunked_linear_cross_entropy
+
+__all__ = ["LMHead", "chunk_lm_heads", "device_type", "with_lm_heads_chunked"]
+
+_CROSS_ENTROPY = (F.cross_entropy,)
+_LINEAR = (F.linear, torch._C._nn.linear)
+_REGROUP = ("view", "reshape", "flatten")
+_SAME_VALUES = ("contiguous",)
+_DTYPE = ("float", "to", "type")
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
+ROW_MULTIPLE = 8  # chunks of whole multiples of 8 rows keep the matmuls aligned
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """A cross-entropy found in a graph: chunked (``rows`` tokens per chunk) or left alone (``reason``)."""
+
+    where: str  # the head's module path, or the cross-entropy's node and source line
+    vocabulary: int = 0
+    hidden: int = 0
+    tokens: int = 0
+    rows: int = 0
+    reads_logits: bool = False  # the chunks read the logits the step computes anyway
+    softcap: float = 0.0  # logits soft-capped as cap * tanh(logits / cap) (0: none)
+    reason: str = ""
+
+    @property
+    def chunked(self) -> bool:
+        return not self.reason
+
+    def __str__(self) -> str:
+        if not self.chunked:
+            return f"cross-entropy at {self.where} left alone: {self.reason}"
+        source = "reading the logits the model returns" if self.reads_logits else "computing each chunk's logits"
+        capped = f", soft-capped at {self.softcap:g}" if self.softcap else ""
+        return (f"LM head {self.where} (vocabulary {self.vocabulary:,}, hidden {self.hidden}{capped}) and its "
+                f"cross-entropy computed in chunks of {self.rows} of {self.tokens} tokens, {source}")
+
+
+def with_lm_heads_chunked(graph: CapturedGraph) -> CapturedGraph:
+    """``graph`` with its LM heads' cross-entropies chunked (:func:`chunk_lm_heads`) in a copy of its module, and
+    every cross-entropy found in ``lm_heads``; ``graph`` itself when it has no cross-entropy."""
+    if not any(n.op == "call_function" and n.target in _CROSS_ENTROPY for n in graph.graph_module.graph.nodes):
+        return graph
+    copied = fx.Graph()
+    output = copied.graph_copy(graph.graph_module.graph, {})
+    copied.output(output)
+    module = fx.GraphModule(graph.graph_module, copied)
+    heads = chunk_lm_heads(module)
+    if not any(head.chunked for head in heads):
+        return dataclasses.replace(graph, lm_heads=tuple(heads))
+    return dataclasses.replace(graph, graph_module=module, lm_heads=tuple(heads))
+
+
+def device_type(graph: CapturedGraph) -> str:
+    """The device type the graph's tensors are on (the model's, for a data-less capture)."""
+    if graph.model_device:
+        return torch.device(graph.model_device).type
+    for node in graph.graph_module.graph.nodes:
+        value = _value(node) if node.op == "placeholder" else None
+        if value is not None:
+            return value.device.type
+    return "cpu"
+
+
+def chunk_lm_heads(gm: fx.GraphModule) -> list[LMHead]:
+    """Replace, in place, each LM head's cross-entropy in ``gm`` by its chunked form; every cross-entropy found,
+    chunked or left alone with its reason."""
+    found = []
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _CROSS_ENTROPY:
+            found.append(_chunk(gm.graph, node))
+    if any(head.chunked for head in found):
+        gm.graph.lint()
+        gm.recompile()
+    return found
+
+
+def _chunk(graph: fx.Graph, node: fx.Node) -> LMHead:
+    where = describe_node(node)
+    bound = _CE_SIGNATURE.bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    options = bound.arguments
+    logits, target = options["input"], options["target"]
+    if options["weight"] is not None or options["size_average"] is not None or options["reduce"] is not None:
+        return LMHead(where, reason="class weights or the legacy size_average/reduce arguments")
+    if options["reduction"] not in REDUCTIONS:
+        return LMHead(where, reason=f"reduction={options['reduction']!r} (a loss per token)")
+    if not isinstance(options["label_smoothing"], (int, float)) or not isinstance(options["ignore_index"], int):
+        return LMHead(where, reason="label_smoothing or ignore_index is not a constant")
+    value, target_value = _value(logits), _value(target)
+    if value is None or target_value is None or value.dim() != 2 or target_value.dim() != 1 or \
+            target_value.is_floating_point():
+        return LMHead(where, reason="not (tokens, classes) logits with class-index targets")
+    chain = _chain_to_head(logits)
+    if isinstance(chain, str):
+        return LMHead(where, reason=chain)
+    top, steps = chain
+    head = _head_at(top)
+    hidden, weight, bias = _linear_arguments(head.linear)
+    vocabulary, width = (int(d) for d in _value(weight).shape)
+    if vocabulary <= width:
+        return LMHead(where, reason=f"{vocabulary} classes, no more than the hidden size {width}: nothing to save")
+    tokens = _hint(value.shape[0])
+    rows = min(tokens, max(ROW_MULTIPLE, math.ceil(tokens * width / vocabulary / ROW_MULTIPLE) * ROW_MULTIPLE))
+    reads_logits = len(top.users) > 1 and all(s.target != operator.getitem for s in steps)
+    with graph.inserting_before(node):
+        rows_in, weight_in, bias_in = _head_inputs(graph, head, hidden, weight, bias, steps, width)
+        logits_in = _replay(graph, top, steps, vocabulary) if reads_logits else None
+        loss = graph.call_function(chunked_linear_cross_entropy, (
+            rows_in, weight_in, bias_in, options["target"], logits_in, options["ignore_index"], options["reduction"],
+            float(options["label_smoothing"]), value.dtype, rows, head.softcap))
+    loss.meta = dict(node.meta)
+    node.replace_all_uses_with(loss)
+    for dead in [node, *reversed(steps), *head.nodes]:  # the loss, the steps, the head's nodes, outermost first
+        if not dead.users:
+            graph.erase_node(dead)
+    return LMHead(_where(head.linear), vocabulary, width, tokens, rows, reads_logits, head.softcap)
+
+
+@dataclass(frozen=True)
+class _Head:
+    """A head's nodes, outermost first, ending at its linear; its soft-cap (0: none) and a bias vector added to the
+    linear's output (Hugging Face BART's ``final_logits_bias``)."""
+
+    nodes: tuple[fx.Node, ...]
+    softcap: float = 0.0
+    added_bias: fx.Node | None = None
+
+    @property
+    def linear(self) -> fx.Node:
+        return self.nodes[-1]
+
+
+def _head_at(node: fx.Node) -> _Head | None:
+    """The head whose output is ``node``: a linear, ``cap * tanh(linear / cap)`` (Gemma 2's logit soft-capping) or
+    ``linear + vector``, each node read by the next alone; else None."""
+    if _is_linear(node):
+        return _Head((node,))
+    if node.op != "call_function" or len(node.args) != 2:
+        return None
+    if node.target is operator.add:
+        linear, vector = node.args if _is_linear(node.args[0]) else node.args[::-1]
+        value = _value(vector)
+        if _is_linear(linear) and len(linear.users) == 1 and value is not None and \
+                value.shape[-1:] == _value(linear).shape[-1:] and value.numel() == value.shape[-1]:
+            return _Head((node, linear), added_bias=vector)
+        return None
+    tanh, cap = node.args
+    if not (node.target is operator.mul and isinstance(cap, (int, float)) and isinstance(tanh, fx.Node)
+            and len(tanh.users) == 1 and (tanh.target is torch.tanh or tanh.target == "tanh")):
+        return None
+    divide = tanh.args[0]
+    if not (isinstance(divide, fx.Node) and divide.target is operator.truediv and len(divide.users) == 1
+            and divide.args[1] == cap and _is_linear(divide.args[0]) and len(divide.args[0].users) == 1):
+        return None
+    return _Head((node, tanh, divide, divide.args[0]), softcap=float(cap))
+
+
+def _is_linear(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in _LINEAR
+
+
+def _head_inputs(graph: fx.Graph, head: _Head, hidden: fx.Node, weight: fx.Node, bias: fx.Node | None,
+                 steps: list[fx.Node], width: int) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+    """The op's hidden rows (selected and regrouped as the logits were), weight and bias (the linear's and the added
+    vector's), in the dtype the linear ran in (under autocast, not the inputs')."""
+    rows = _replay(graph, hidden, steps, width)
+    if head.added_bias is not None:
+        added = graph.call_method("reshape", (head.added_bias, -1))
+        bias = added if bias is None else graph.call_function(operator.add, (bias, added))
+    dtype = _value(head.linear).dtype
+    if _value(hidden).dtype != dtype:
+        rows = graph.call_method("to", (rows, dtype))
+        weight = graph.call_method("to", (weight, dtype))
+        bias = graph.call_method("to", (bias, dtype)) if bias is not None else None
+    return rows, weight, bias
+
+
+def _chain_to_head(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | str:
+    """The head ``node`` comes from (a linear, or a soft-capped linear), and the row-wise steps from it to ``node``
+    (in order); or why there is none. Every step but the head has ``node``'s chain as its only user."""
+    steps = []
+    while _head_at(node) is None:
+        if node.op == "placeholder":
+            return "the logits are an input of this graph (a graph break between the head and its loss)"
+        if not _row_wise(node):
+            return f"its input comes from {node.op} {getattr(node.target, '__name__', node.target)}, not an LM head"
+        if len(node.users) > 1:
+            return f"the logits' {node.name} is used elsewhere too"
+        steps.append(node)
+        node = node.args[0]
+        if not isinstance(node, fx.Node):
+            return "its input is not a tensor of the graph"
+    return node, steps[::-1]
+
+
+def _row_wise(node: fx.Node) -> bool:
+    """Whether ``node`` keeps each row's values (the last dimension) and only regroups, selects or casts rows."""
+    value, source = _value(node), _value(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+    if value is None or source is None or value.dim() == 0 or source.dim() == 0:
+        return False
+    if value.shape[-1] != source.shape[-1]:
+        return False
+    if node.op == "call_method" and node.target in (*_REGROUP, *_SAME_VALUES):
+        return True
+    if node.op == "call_method" and node.target in _DTYPE:
+        return value.is_floating_point() and value.device == source.device
+    if node.op == "call_function" and node.target is operator.getitem:
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if not all(isinstance(i, slice) or i is Ellipsis for i in index):
+            return False
+        covers_last = Ellipsis in index or len(index) == source.dim()
+        return not covers_last or index[-1] == slice(None)
+    return False
+
+
+def _replay(graph: fx.Graph, base: fx.Node, steps: list[fx.Node], width: int) -> fx.Node:
+    """``base`` (rows of ``width`` values) regrouped and selected as ``steps`` did to the logits, as
+    (tokens, width)."""
+    node = base
+    for step in steps:
+        if step.target is operator.getitem:
+            node = graph.call_function(operator.getitem, (node, step.args[1]))
+        elif step.target in _REGROUP and step.target != "flatten":
+            node = graph.call_method("reshape", (node, *_with_last(step.args[1:], width)))
+        elif step.target == "flatten":
+            node = graph.call_method("flatten", (node, *step.args[1:]), dict(step.kwargs))
+    return graph.call_method("reshape", (node, -1, width))
+
+
+def _with_last(shape: tuple, width: int) -> tuple:
+    """A view's shape arguments with the last dimension (the vocabulary) made ``width``."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        return (tuple(_with_last(tuple(shape[0]), width)),)
+    return (*shape[:-1], width) if shape else shape
+
+
+def _linear_arguments(linear: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+    args = list(linear.args) + [None] * (3 - len(linear.args))
+    return args[0], linear.kwargs.get("weight", args[1]), linear.kwargs.get("bias", args[2])
+
+
+def _value(node) -> torch.Tensor | None:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _hint(size) -> int:
+    return size if isinstance(size, int) else int(size.node.hint)
+
+
+def _where(node: fx.Node) -> str:
+    return module_path(node) or describe_node(node)

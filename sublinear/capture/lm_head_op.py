@@ -1,0 +1,108 @@
+"""The chunked linear cross-entropy an LM head and its loss are replaced by (:mod:`sublinear.capture.lm_head`).
+
+``sublinear::linear_cross_entropy`` takes the head's input rows (tokens x hidden), its weight and bias, the targets,
+and optionally the head's logits when the step computes them anyway (the model returns them); it returns the loss
+and the gradients of the loss with respect to the hidden rows, the weight and the bias. The rows are processed in
+chunks: a chunk's logits (computed from the hidden rows, or read from the given logits), their log-sum-exp, the
+loss and the logits' gradient, which goes at once into the hidden rows' and the weight's gradients. So no more than
+one chunk of tokens x vocabulary values is ever held, and nothing vocabulary-sized is saved for backward: the
+gradients are computed in forward and backward scales them by the loss's gradient. The FLOPs are those of the
+unchunked step (no recompute).
+
+The arithmetic is that of ``F.cross_entropy(F.linear(hidden, weight, bias).to(dtype), target, ...)`` (the linear's
+output soft-capped first where asked): the loss of a
+row is ``lse - z[target]`` (with label smoothing ``(1 - e) (lse - z[target]) + e (lse - mean(z))``), rows whose
+target is ``ignore_index`` count for nothing, the mean divides by the rows that count; the logits' gradient is
+``softmax(z) - (1 - e) onehot - e / V`` times the reduction's scale, cast to the weight's dtype before the matmuls,
+as autograd casts it back through the upcast. The weight's and bias's gradients accumulate over chunks in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["chunked_linear_cross_entropy", "linear_cross_entropy"]
+
+REDUCTIONS = ("mean", "sum")
+
+
+@torch.library.custom_op("sublinear::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, logits: Tensor | None,
+                         ignore_index: int, reduction: str, label_smoothing: float, dtype: torch.dtype,
+                         rows: int, softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, d loss / d hidden, d loss / d weight, d loss / d bias (empty without a bias)); ``hidden`` is
+    (tokens, hidden), ``weight`` (vocabulary, hidden), ``target`` (tokens,), ``logits`` None or (tokens,
+    vocabulary, soft-capped already); ``dtype`` the logits' dtype the loss is computed in; ``rows`` the tokens per
+    chunk; ``softcap``: the logits are ``softcap * tanh(linear / softcap)`` (0: the linear's output)."""
+    valid = target != ignore_index
+    count = valid.sum()
+    scale = 1.0 / count.to(torch.float32) if reduction == "mean" else torch.ones((), device=target.device)
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    grad_bias = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=torch.float32, device=weight.device)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], rows):
+        end = min(start + rows, hidden.shape[0])
+        z = logits[start:end] if logits is not None else _capped(F.linear(hidden[start:end], weight, bias), softcap)
+        z = z.to(dtype)
+        keep = valid[start:end]
+        picked_at = target[start:end].masked_fill(~keep, 0)[:, None]
+        lse = torch.logsumexp(z, dim=-1)
+        loss_rows = lse - z.gather(1, picked_at)[:, 0]
+        if label_smoothing:
+            loss_rows = (1 - label_smoothing) * loss_rows + label_smoothing * (lse - z.mean(dim=-1))
+        total += loss_rows.masked_fill(~keep, 0).sum(dtype=torch.float32)
+        grad = (z - lse[:, None]).exp_()
+        grad.scatter_add_(1, picked_at, torch.full_like(picked_at, -(1 - label_smoothing), dtype=grad.dtype))
+        if label_smoothing:
+            grad.sub_(label_smoothing / z.shape[-1])
+        grad.mul_((keep * scale).to(grad.dtype)[:, None])
+        if softcap:  # through cap * tanh(x / cap): times 1 - tanh^2
+            grad.mul_(1 - (z / softcap).square())
+        grad = grad.to(weight.dtype)
+        torch.mm(grad, weight, out=grad_hidden[start:end])
+        if grad_weight.dtype == grad.dtype:
+            grad_weight.addmm_(grad.t(), hidden[start:end])
+        else:  # a half-precision chunk's product, accumulated in float32
+            grad_weight.add_(torch.mm(grad.t(), hidden[start:end]))
+        if bias is not None:
+            grad_bias.add_(grad.sum(dim=0, dtype=torch.float32))
+    loss = (total * scale).to(dtype)
+    return loss, grad_hidden, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
+
+
+def _capped(logits: Tensor, softcap: float) -> Tensor:
+    return logits if not softcap else torch.tanh(logits / softcap) * softcap
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, bias, target, logits, ignore_index, reduction, label_smoothing, dtype, rows, softcap):
+    return (hidden.new_empty((), dtype=dtype), torch.empty_like(hidden), torch.empty_like(weight),
+            weight.new_empty(weight.shape[0] if bias is not None else 0))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _loss, grad_hidden, grad_weight, grad_bias = output
+    ctx.has_bias = inputs[2] is not None
+    ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias)
+    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+
+
+def _backward(ctx, grad_loss, *_unused):
+    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    return (grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype),
+            grad_bias * grad_loss.to(grad_bias.dtype) if ctx.has_bias else None,
+            None, None, None, None, None, None, None, None)
+
+
+linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+def chunked_linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                                 logits: Tensor | None, ignore_index: int, reduction: str, label_smoothing: float,
+                                 dtype: torch.dtype, rows: int, softcap: float = 0.0) -> Tensor:
+    """The loss of :func:`linear_cross_entropy`, as the rewritten graph calls it."""
+    return linear_cross_entropy(hidden, weight, bias, target, logits, ignore_index, reduction, label_smoothing, dtype,
+                                rows, softcap)[0]

@@ -1,0 +1,268 @@
+"""LM heads and their losses found in captured graphs and computed in chunks (sublinear.capture.lm_head and
+lm_head_op): equal to the unchunked step to float rounding, on both executors, under changing lengths and padding,
+with the logits the model returns intact, and the memory the chunks save seen by the prediction."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sublinear
+from sublinear.capture.lm_head_op import chunked_linear_cross_entropy
+from sublinear.measurement import measure_cpu_allocator
+
+from conftest import PLAIN
+
+CHUNKED = dataclasses.replace(PLAIN, chunk_lm_heads=True, memory_budget=None)
+INDUCTOR = dataclasses.replace(CHUNKED, compiler="inductor")
+RTOL = 1e-5
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to float rounding: within RTOL of the reference's largest magnitude, or 1e-9 for a value that is zero
+    but for rounding noise (attention's key bias gets no gradient in theory)."""
+    return bool((a - b).abs().max() <= RTOL * b.abs().max() + 1e-9)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1], ids=["hard", "smoothed"])
+@pytest.mark.parametrize("reads_logits", [False, True], ids=["computes-logits", "reads-logits"])
+@pytest.mark.parametrize("softcap", [0.0, 2.0], ids=["linear", "soft-capped"])
+def test_the_chunked_loss_and_gradients_equal_the_unchunked(bias, reduction, label_smoothing, reads_logits, softcap):
+    torch.manual_seed(0)
+    tokens, width, vocabulary = 37, 16, 50  # 37 rows in chunks of 8: a short last chunk
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    weight = torch.randn(vocabulary, width, requires_grad=True)
+    b = torch.randn(vocabulary, requires_grad=True) if bias else None
+    target = torch.randint(0, vocabulary, (tokens,))
+    target[::5] = -100  # padding
+    leaves = [t for t in (hidden, weight, b) if t is not None]
+
+    def head() -> torch.Tensor:
+        logits = F.linear(hidden, weight, b)
+        return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+    expected = F.cross_entropy(head(), target, reduction=reduction, label_smoothing=label_smoothing)
+    expected_grads = torch.autograd.grad(expected * 1.7, leaves)
+    logits = head().detach() if reads_logits else None
+    loss = chunked_linear_cross_entropy(hidden, weight, b, target, logits, -100, reduction, label_smoothing,
+                                        torch.float32, 8, softcap)
+    grads = torch.autograd.grad(loss * 1.7, leaves)
+    assert _close(loss, expected)
+    assert all(_close(g, e) for g, e in zip(grads, expected_grads))
+
+
+def _llama(vocabulary: int = 1000, hidden: int = 32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocabulary, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+    return LlamaForCausalLM(config).train()
+
+
+def _batches(lengths: list[int], vocabulary: int = 1000) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for length in lengths:
+        ids = torch.randint(0, vocabulary, (3, length), generator=g)
+        labels = ids.clone()
+        labels[0, length // 2:] = -100  # a padded sequence
+        batches.append((ids, labels))
+    return batches
+
+
+def _train(run, model, batches, keep_logits=False):
+    """Per step the loss, the returned logits (when kept) and every gradient."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    torch.manual_seed(2)  # dropout draws alike
+    for ids, labels in batches:
+        out = run(input_ids=ids, labels=labels)
+        loss, logits = out.loss, out.logits.detach() if keep_logits else None
+        del out
+        loss.backward()
+        steps.append((loss.detach(), logits, {k: p.grad.clone() for k, p in model.named_parameters()}))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return steps
+
+
+def _assert_trains_alike(got, expected) -> None:
+    for (loss, logits, grads), (ref_loss, ref_logits, ref_grads) in zip(got, expected, strict=True):
+        assert _close(loss, ref_loss), (loss, ref_loss)
+        assert logits is None or _close(logits, ref_logits)
+        assert all(_close(grads[k], ref_grads[k]) for k in ref_grads)
+
+
+@pytest.mark.parametrize("config", [CHUNKED, pytest.param(INDUCTOR, marks=pytest.mark.slow)],
+                         ids=["eager-executor", "inductor"])
+def test_an_hf_causal_lm_head_is_chunked_and_trains_like_eager_over_changing_lengths_with_padding(config):
+    model = _llama()
+    batches = _batches([16, 16, 24])
+    reference = copy.deepcopy(model)
+    expected = _train(reference, reference, batches, keep_logits=True)
+    run = sublinear.apply(model, config)
+    got = _train(run, model, batches, keep_logits=True)  # the caller reads the logits: they are the model's
+    _assert_trains_alike(got, expected)
+    graph = model.sublinear_plan.graphs[0]
+    assert len(graph.lm_heads) == 1 and graph.lm_heads[0].startswith("LM head lm_head (vocabulary 1,000, hidden 32)")
+    assert "reading the logits the model returns" in graph.lm_heads[0]
+
+
+class _Head(nn.Module):
+    """A body, a head of ``classes`` outputs and its loss inside forward, returning the loss alone (or with a print
+    between the head and the loss: a graph break)."""
+
+    def __init__(self, classes: int, width: int = 32, broken: bool = False):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        self.head = nn.Linear(width, classes)
+        self.broken = broken
+
+    def forward(self, x, target):
+        logits = self.head(self.body(x))
+        if self.broken:
+            print(end="")
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=0.1)
+
+
+def _step(run, x, target):
+    run(x, target).backward()
+
+
+def test_a_head_whose_logits_nothing_else_reads_computes_each_chunks_logits_and_holds_less():
+    torch.manual_seed(0)
+    model = _Head(classes=4000)
+    x, target = torch.randn(4, 64, 32), torch.randint(0, 4000, (4, 64))
+    reference = copy.deepcopy(model)
+    eager_peak = measure_cpu_allocator(_step, reference, x, target).peak_bytes
+    run = sublinear.compile(model, (x, target), config=CHUNKED)
+    for _ in range(2):
+        _step(run, x, target)
+        model.zero_grad(set_to_none=True)
+    measured = measure_cpu_allocator(_step, run, x, target).peak_bytes
+    plan = run.sublinear_plan
+    assert "computing each chunk's logits" in plan.graphs[0].lm_heads[0]
+    logits = 4 * 64 * 4000 * 4
+    assert measured < eager_peak - 2 * logits  # neither the log-softmax nor the logits' gradient is held whole
+    assert abs(plan.predicted_peak_bytes - measured) <= max(0.02 * measured, 256 * 1024), \
+        (plan.predicted_peak_bytes, measured)
+    reference.zero_grad(set_to_none=True)
+    _step(reference, x, target)
+    model.zero_grad(set_to_none=True)
+    _step(run, x, target)
+    assert all(_close(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize(("classes", "broken", "reason"), [
+    (10, False, "10 classes, no more than the hidden size 32"),
+    (4000, True, "the logits are an input of this graph (a graph break between the head and its loss)"),
+], ids=["classifier", "loss-after-a-graph-break"])
+def test_a_cross_entropy_that_is_no_head_in_its_graph_is_left_alone_and_the_plan_says_why(classes, broken, reason):
+    torch.manual_seed(0)
+    model = _Head(classes, broken=broken)
+    x, target = torch.randn(2, 8, 32), torch.randint(0, classes, (2, 8))
+    expected = model(x, target)
+    run = sublinear.compile(model, config=CHUNKED)
+    loss = run(x, target)
+    loss.backward()
+    heads = [h for g in run.sublinear_plan.graphs for h in g.lm_heads]
+    assert len(heads) == 1 and "left alone" in heads[0] and reason in heads[0], heads
+    assert torch.equal(loss, expected)  # left alone: bit for bit the cross-entropy it was
+
+
+class _ShiftedHead(nn.Module):
+    """An LM written by hand: the logits' last position sliced off (the label shift of older code), made contiguous,
+    flattened and upcast; the head tied to the embedding or a linear with a bias; the loss summed and divided by the
+    tokens that count, or a mean, with label smoothing."""
+
+    def __init__(self, tied: bool, vocabulary: int = 500, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, width)
+        self.body = nn.Sequential(nn.Linear(width, width), nn.GELU())
+        self.head = None if tied else nn.Linear(width, vocabulary)
+        self.vocabulary = vocabulary
+
+    def forward(self, ids, labels, summed: bool):
+        h = self.body(self.embed(ids))
+        logits = F.linear(h, self.embed.weight) if self.head is None else self.head(h)
+        shifted = logits[:, :-1, :].contiguous().view(-1, self.vocabulary).float()
+        targets = labels[:, 1:].reshape(-1)
+        if summed:
+            return F.cross_entropy(shifted, targets, reduction="sum", label_smoothing=0.1) / (targets >= 0).sum()
+        return F.cross_entropy(shifted, targets, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "linear"])
+@pytest.mark.parametrize("summed", [True, False], ids=["sum", "mean"])
+def test_a_shifted_upcast_head_tied_or_not_summed_or_averaged_is_chunked_alike(tied, summed):
+    torch.manual_seed(0)
+    model = _ShiftedHead(tied)
+    ids = torch.randint(0, 500, (3, 40))
+    labels = ids.masked_fill(torch.rand(3, 40) < 0.2, -100)
+    reference = copy.deepcopy(model)
+    expected = reference(ids, labels, summed)
+    expected.backward()
+    run = sublinear.compile(model, (ids, labels), {"summed": summed}, config=CHUNKED)
+    loss = run(ids, labels, summed=summed)
+    loss.backward()
+    heads = run.sublinear_plan.graphs[0].lm_heads
+    assert len(heads) == 1 and "computed in chunks" in heads[0] and "computing each chunk's logits" in heads[0]
+    assert _close(loss, expected)
+    assert all(_close(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.slow
+def test_hf_num_items_in_batch_sums_the_chunked_loss_and_divides_it():
+    model = _llama()
+    (ids, labels), = _batches([20])
+    items = (labels[:, 1:] != -100).sum()
+    reference = copy.deepcopy(model)
+    expected = reference(input_ids=ids, labels=labels, num_items_in_batch=items).loss
+    expected.backward()
+    run = sublinear.apply(model, CHUNKED)
+    loss = run(input_ids=ids, labels=labels, num_items_in_batch=items).loss
+    loss.backward()
+    assert "computed in chunks" in model.sublinear_plan.graphs[0].lm_heads[0]
+    assert _close(loss, expected)
+    assert all(_close(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.slow
+def test_a_soft_capped_gemma2_head_is_chunked_and_trains_like_eager():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=30.0,
+                          sliding_window=8, use_cache=False)
+    model = Gemma2ForCausalLM(config).train()
+    batches = _batches([16, 24])
+    reference = copy.deepcopy(model)
+    expected = _train(reference, reference, batches, keep_logits=True)
+    run = sublinear.apply(model, CHUNKED)
+    _assert_trains_alike(_train(run, model, batches, keep_logits=True), expected)
+    head = model.sublinear_plan.graphs[0].lm_heads[0]
+    assert "soft-capped at 30" in head and "reading the logits the model returns" in head
+
+
+@pytest.mark.slow
+def test_a_bart_head_with_its_final_logits_bias_is_chunked_and_trains_like_eager():
+    from transformers import BartConfig, BartForConditionalGeneration
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=1000, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+    model = BartForConditionalGeneration(config).train()
+    with torch.no_grad():
+        model.final_logits_bias.normal_()  # zeros would hide a bias left out
+    batches = _batches([16, 24])
+    reference = copy.deepcopy(model)
+    expected = _train(reference, reference, batches, keep_logits=True)
+    run = sublinear.apply(model, CHUNKED)
+    _assert_trains_alike(_train(run, model, batches, keep_logits=True), expected)
+    assert any("computed in chunks" in head for g in model.sublinear_plan.graphs for head in g.lm_heads)
