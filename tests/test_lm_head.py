@@ -70,7 +70,7 @@ def _batches(lengths: list[int], vocabulary: int = 1000) -> list[tuple[torch.Ten
     g = torch.Generator().manual_seed(1)
     batches = []
     for length in lengths:
-        ids = torch.randint(0, vocabulary, (3, length), generator=g)
+        ids = torch.randint(0, vocabulary, (4, length), generator=g)
         labels = ids.clone()
         labels[0, length // 2:] = -100  # a padded sequence
         batches.append((ids, labels))
@@ -162,8 +162,9 @@ def test_a_head_whose_logits_nothing_else_reads_computes_each_chunks_logits_and_
 
 @pytest.mark.parametrize(("classes", "broken", "reason"), [
     (10, False, "10 classes, no more than the hidden size 32"),
+    (4000, False, "16 tokens, fewer than twice the hidden size 32"),
     (4000, True, "the logits are an input of this graph (a graph break between the head and its loss)"),
-], ids=["classifier", "loss-after-a-graph-break"])
+], ids=["classifier", "few-tokens", "loss-after-a-graph-break"])
 def test_a_cross_entropy_that_is_no_head_in_its_graph_is_left_alone_and_the_plan_says_why(classes, broken, reason):
     torch.manual_seed(0)
     model = _Head(classes, broken=broken)

@@ -41,6 +41,14 @@ _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 ROW_MULTIPLE = 8  # chunks of whole multiples of 8 rows keep the matmuls aligned
 
 
+def chunk_rows(tokens: int, width: int, vocabulary: int) -> int:
+    """Tokens per chunk: a chunk's logits as many values as the hidden rows, but at least a quarter of the hidden size
+    in rows (each chunk adds its product to the whole weight gradient, vocabulary x hidden: fewer rows and that
+    traffic outweighs the chunk's matmuls), in whole multiples of 8 rows."""
+    rows = max(tokens * width / vocabulary, width / 4, ROW_MULTIPLE)
+    return min(tokens, math.ceil(rows / ROW_MULTIPLE) * ROW_MULTIPLE)
+
+
 @dataclass(frozen=True)
 class LMHead:
     """A cross-entropy found in a graph: chunked (``rows`` tokens per chunk) or left alone (``reason``)."""
@@ -132,7 +140,10 @@ def _chunk(graph: fx.Graph, node: fx.Node) -> LMHead:
     if vocabulary <= width:
         return LMHead(where, reason=f"{vocabulary} classes, no more than the hidden size {width}: nothing to save")
     tokens = _hint(value.shape[0])
-    rows = min(tokens, max(ROW_MULTIPLE, math.ceil(tokens * width / vocabulary / ROW_MULTIPLE) * ROW_MULTIPLE))
+    if tokens < 2 * width:
+        return LMHead(where, reason=f"{tokens} tokens, fewer than twice the hidden size {width}: the weight's "
+                                    "gradient, computed in forward, would hold about as much as the logits")
+    rows = chunk_rows(tokens, width, vocabulary)
     reads_logits = len(top.users) > 1 and all(s.target != operator.getitem for s in steps)
     with graph.inserting_before(node):
         rows_in, weight_in, bias_in = _head_inputs(graph, head, hidden, weight, bias, steps, width)
