@@ -267,3 +267,23 @@ def test_a_bart_head_with_its_final_logits_bias_is_chunked_and_trains_like_eager
     run = sublinear.apply(model, CHUNKED)
     _assert_trains_alike(_train(run, model, batches, keep_logits=True), expected)
     assert any("computed in chunks" in head for g in model.sublinear_plan.graphs for head in g.lm_heads)
+
+
+def test_under_bf16_autocast_the_chunks_run_in_the_dtype_the_head_ran_in():
+    """The rewrite casts the op's inputs as autocast cast the linear's; the chunks' bf16 products of the weight
+    gradient are summed in float32, so it equals the unchunked step to bf16 rounding."""
+    torch.manual_seed(0)
+    model = _ShiftedHead(tied=False)
+    ids = torch.randint(0, 500, (3, 40))
+    reference = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(ids, ids, False)
+        run = sublinear.compile(model, (ids, ids), {"summed": False}, config=CHUNKED)
+        loss = run(ids, ids, summed=False)
+    expected.backward()
+    loss.backward()
+    assert "computed in chunks" in run.sublinear_plan.graphs[0].lm_heads[0]
+    assert _close(loss, expected)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.grad.dtype == q.grad.dtype == torch.float32
+        assert (p.grad - q.grad).abs().max() <= 2 ** -6 * q.grad.abs().max()  # bf16 keeps 8 bits

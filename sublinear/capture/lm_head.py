@@ -211,11 +211,13 @@ def _head_inputs(graph: fx.Graph, head: _Head, hidden: fx.Node, weight: fx.Node,
         added = graph.call_method("reshape", (head.added_bias, -1))
         bias = added if bias is None else graph.call_function(operator.add, (bias, added))
     dtype = _value(head.linear).dtype
-    if _value(hidden).dtype != dtype:
-        rows = graph.call_method("to", (rows, dtype))
-        weight = graph.call_method("to", (weight, dtype))
-        bias = graph.call_method("to", (bias, dtype)) if bias is not None else None
-    return rows, weight, bias
+
+    def cast(node: fx.Node | None, source: fx.Node | None) -> fx.Node | None:
+        value = _value(source)
+        return graph.call_method("to", (node, dtype)) if node is not None and (value is None or value.dtype != dtype) \
+            else node
+
+    return cast(rows, hidden), cast(weight, weight), cast(bias, bias if head.added_bias is None else None)
 
 
 def _chain_to_head(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | str:

@@ -36,6 +36,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
     (tokens, hidden), ``weight`` (vocabulary, hidden), ``target`` (tokens,), ``logits`` None or (tokens,
     vocabulary, soft-capped already); ``dtype`` the logits' dtype the loss is computed in; ``rows`` the tokens per
     chunk; ``softcap``: the logits are ``softcap * tanh(linear / softcap)`` (0: the linear's output)."""
+    with torch.autocast(hidden.device.type, enabled=False):  # the inputs come in the dtype the linear ran in
+        return _chunked(hidden, weight, bias, target, logits, ignore_index, reduction, label_smoothing, dtype, rows,
+                        softcap)
+
+
+def _chunked(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, logits: Tensor | None,
+             ignore_index: int, reduction: str, label_smoothing: float, dtype: torch.dtype, rows: int,
+             softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     valid = target != ignore_index
     count = valid.sum()
     scale = 1.0 / count.to(torch.float32) if reduction == "mean" else torch.ones((), device=target.device)
