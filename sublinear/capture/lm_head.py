@@ -29,6 +29,7 @@ from torch import fx
 
 from sublinear.capture.dynamo import CapturedGraph, describe_node, module_path
 from sublinear.capture.lm_head_op import REDUCTIONS, chunked_linear_cross_entropy
+from sublinear.tensors import size_hint
 
 __all__ = ["LMHead", "chunk_lm_heads", "device_type", "with_lm_heads_chunked"]
 
@@ -133,13 +134,13 @@ def _chunk(graph: fx.Graph, node: fx.Node) -> LMHead:
     chain = _chain_to_head(logits)
     if isinstance(chain, str):
         return LMHead(where, reason=chain)
-    top, steps = chain
-    head = _head_at(top)
+    head, steps = chain
+    top = head.nodes[0]
     hidden, weight, bias = _linear_arguments(head.linear)
     vocabulary, width = (int(d) for d in _value(weight).shape)
     if vocabulary <= width:
         return LMHead(where, reason=f"{vocabulary} classes, no more than the hidden size {width}: nothing to save")
-    tokens = _hint(value.shape[0])
+    tokens = size_hint(value.shape[0])
     if tokens < 2 * width:
         return LMHead(where, reason=f"{tokens} tokens, fewer than twice the hidden size {width}: the weight's "
                                     "gradient, computed in forward, would hold about as much as the logits")
@@ -149,7 +150,7 @@ def _chunk(graph: fx.Graph, node: fx.Node) -> LMHead:
         rows_in, weight_in, bias_in = _head_inputs(graph, head, hidden, weight, bias, steps, width)
         logits_in = _replay(graph, top, steps, vocabulary) if reads_logits else None
         loss = graph.call_function(chunked_linear_cross_entropy, (
-            rows_in, weight_in, bias_in, options["target"], logits_in, options["ignore_index"], options["reduction"],
+            rows_in, weight_in, bias_in, target, logits_in, options["ignore_index"], options["reduction"],
             float(options["label_smoothing"]), value.dtype, rows, head.softcap))
     loss.meta = dict(node.meta)
     node.replace_all_uses_with(loss)
@@ -220,11 +221,11 @@ def _head_inputs(graph: fx.Graph, head: _Head, hidden: fx.Node, weight: fx.Node,
     return cast(rows, hidden), cast(weight, weight), cast(bias, bias if head.added_bias is None else None)
 
 
-def _chain_to_head(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | str:
-    """The head ``node`` comes from (a linear, or a soft-capped linear), and the row-wise steps from it to ``node``
-    (in order); or why there is none. Every step but the head has ``node``'s chain as its only user."""
+def _chain_to_head(node: fx.Node) -> tuple[_Head, list[fx.Node]] | str:
+    """The head ``node`` comes from (a linear, soft-capped or with a bias vector added), and the row-wise steps from
+    it to ``node`` (in order); or why there is none. Every step but the head has ``node``'s chain as its only user."""
     steps = []
-    while _head_at(node) is None:
+    while (head := _head_at(node)) is None:
         if node.op == "placeholder":
             return "the logits are an input of this graph (a graph break between the head and its loss)"
         if not _row_wise(node):
@@ -235,7 +236,7 @@ def _chain_to_head(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | str:
         node = node.args[0]
         if not isinstance(node, fx.Node):
             return "its input is not a tensor of the graph"
-    return node, steps[::-1]
+    return head, steps[::-1]
 
 
 def _row_wise(node: fx.Node) -> bool:
@@ -287,10 +288,6 @@ def _linear_arguments(linear: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None
 def _value(node) -> torch.Tensor | None:
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
-
-
-def _hint(size) -> int:
-    return size if isinstance(size, int) else int(size.node.hint)
 
 
 def _where(node: fx.Node) -> str:
