@@ -5,7 +5,8 @@
 A Llama-shaped model (Hugging Face ``LlamaForCausalLM``, random-initialised: 2 layers, hidden 512, intermediate
 1,376, 8 heads) over ``--batch`` sequences of 512 tokens with labels, at vocabularies of 32,000 and 128,256
 (``--vocabularies``), its step (forward, loss, backward) on CPU in float32. The peak includes the parameters and
-their gradients (the embedding and the head are vocabulary x 512 each). Each mode runs in its own subprocess
+their gradients (the embedding and the head are vocabulary x 512 each); ``--device cuda`` runs it on the GPU, the
+peak being CUDA's caching allocator's (``torch.cuda.max_memory_allocated``). Each mode runs in its own subprocess
 (fresh allocator and inductor cache, ``--threads`` threads):
 
 - ``eager``: ``model(input_ids=..., labels=...).loss.backward()``;
@@ -19,8 +20,9 @@ their gradients (the embedding and the head are vocabulary x 512 each). Each mod
 - ``sublinear-x1.1``: the defaults with ``max_time_ratio=1.1`` (less recompute in the layers).
 
 Two steps warm up (capture, plan, compile); the third step's peak is the CPU allocator's count
-(:func:`sublinear.measure_cpu_allocator`, gradients None before it) and the time is the median of steps 4-6. For
-the sublinear modes the plan's predicted peak is reported beside it.
+(:func:`sublinear.measure_cpu_allocator`, gradients None before it) and the time is the median of steps 4-6 (4-8
+on CUDA). For the sublinear modes the plan's predicted peak is reported beside it; the first step's loss and
+gradient norm show that every mode trains the same model alike.
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ VOCABULARIES = (32000, 128256)
 TOKENS = 512
 
 
-def build(vocabulary: int, batch: int):
+def build(vocabulary: int, batch: int, device: str = "cpu"):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocabulary, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=TOKENS)
-    model = LlamaForCausalLM(config).train()
-    ids = torch.randint(0, vocabulary, (batch, TOKENS), generator=torch.Generator().manual_seed(1))
+    model = LlamaForCausalLM(config).train().to(device)
+    ids = torch.randint(0, vocabulary, (batch, TOKENS), generator=torch.Generator().manual_seed(1)).to(device)
     return model, ids
 
 
@@ -60,13 +62,14 @@ def _runner(mode: str, model, ids):
     if mode == "linear_cross_entropy":
         from torch.nn import LinearCrossEntropyOptions
         options = LinearCrossEntropyOptions()
-        labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1).reshape(-1)
+        labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100, device=ids.device)], dim=1).reshape(-1)
 
         def step():
             hidden = model.model(input_ids=ids).last_hidden_state
             loss = F.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, labels,
                                           ignore_index=-100, options=options)
             loss.backward()
+            return loss
         return step, model
     run = model
     if mode in ("torch.compile", "auto-chunker"):
@@ -82,29 +85,53 @@ def _runner(mode: str, model, ids):
             max_time_ratio=1.1 if mode == "sublinear-x1.1" else 1.35))
 
     def step():
-        run(input_ids=ids, labels=ids).loss.backward()
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
     return step, run
 
 
-def run_one(mode: str, vocabulary: int, batch: int, threads: int) -> dict:
-    """One mode at one vocabulary, in this process."""
+def _peak_bytes(step, model, device: str) -> int:
+    """The step's peak: the CPU allocator's count, or CUDA's caching allocator's (parameters and inputs included)."""
     import sublinear
 
+    if device == "cpu":
+        return sublinear.measure_cpu_allocator(lambda _m: step(), model).peak_bytes
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def _gradient_norm(model) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()
+                                                       if p.grad is not None])))
+
+
+def run_one(mode: str, vocabulary: int, batch: int, threads: int, device: str = "cpu") -> dict:
+    """One mode at one vocabulary, in this process."""
     torch.set_num_threads(threads)
-    model, ids = build(vocabulary, batch)
+    model, ids = build(vocabulary, batch, device)
     step, run = _runner(mode, model, ids)
     result = {"mode": mode, "vocabulary": vocabulary}
     started = time.perf_counter()
-    for _ in range(2):
-        step()
-        model.zero_grad(set_to_none=True)
+    result["loss"] = float(step().detach())
+    result["gradient_norm"] = _gradient_norm(model)
+    model.zero_grad(set_to_none=True)
+    step()
+    model.zero_grad(set_to_none=True)
     result["warmup_s"] = time.perf_counter() - started
-    result["peak_bytes"] = sublinear.measure_cpu_allocator(lambda _m: step(), model).peak_bytes
+    result["peak_bytes"] = _peak_bytes(step, model, device)
     model.zero_grad(set_to_none=True)
     times = []
-    for _ in range(3):
+    for _ in range(5 if device == "cuda" else 3):
+        if device == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
+        if device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     result["step_s"] = statistics.median(times)
@@ -115,26 +142,32 @@ def run_one(mode: str, vocabulary: int, batch: int, threads: int) -> dict:
     return result
 
 
-def report(results: list[dict], command: str, threads: int, batch: int) -> str:
+def _machine(device: str, threads: int) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()}"
+    return f"{platform.machine()} CPU, {threads} thread(s) per run"
+
+
+def report(results: list[dict], command: str, threads: int, batch: int, device: str = "cpu") -> str:
     from sublinear.core.units import format_bytes
 
     lines = ["# The LM head and its loss", "", __doc__.split("\n\n", 2)[2].strip(), "",
              f"Command: `{command}`", "",
-             f"{platform.machine()} CPU, {threads} thread(s) per run, torch {torch.__version__}, float32, "
-             f"{batch} x {TOKENS} tokens.", ""]
+             f"{_machine(device, threads)}, torch {torch.__version__}, float32, {batch} x {TOKENS} tokens.", ""]
     for vocabulary in dict.fromkeys(r["vocabulary"] for r in results):
         rows = [r for r in results if r["vocabulary"] == vocabulary]
         compiled = next((r for r in rows if r["mode"] == "torch.compile" and "error" not in r), None)
         lines += [f"## Vocabulary {vocabulary:,}", "",
-                  "| mode | peak | step s | step vs torch.compile | predicted peak |", "|---|---|---|---|---|"]
+                  "| mode | peak | step s | step vs torch.compile | predicted peak | first loss | gradient norm |",
+                  "|---|---|---|---|---|---|---|"]
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['mode']} | failed: {r['error'][:120]} | | | |")
+                lines.append(f"| {r['mode']} | failed: {r['error'][:120]} | | | | | |")
                 continue
             ratio = f"x{r['step_s'] / compiled['step_s']:.2f}" if compiled else "–"
             predicted = format_bytes(r["predicted_bytes"]) if "predicted_bytes" in r else "–"
             lines.append(f"| {r['mode']} | {format_bytes(r['peak_bytes'])} | {r['step_s']:.3f} | {ratio} | "
-                         f"{predicted} |")
+                         f"{predicted} | {r['loss']:.6f} | {r['gradient_norm']:.6f} |")
         heads = next((r["heads"] for r in rows if r["mode"] == "sublinear" and r.get("heads")), None)
         if heads:
             lines += ["", f"sublinear's plan: {'; '.join(heads)}."]
@@ -149,12 +182,13 @@ def main() -> None:
     parser.add_argument("--vocabularies", default=",".join(map(str, VOCABULARIES)))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1, help="sequences of 512 tokens per step")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--one", nargs=3, metavar=("MODE", "VOCABULARY", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         mode, vocabulary, path = args.one
         try:
-            result = run_one(mode, int(vocabulary), args.batch, args.threads)
+            result = run_one(mode, int(vocabulary), args.batch, args.threads, args.device)
         except Exception as exc:  # noqa: BLE001 - every failure is reported in its row
             result = {"mode": mode, "vocabulary": int(vocabulary), "error": f"{type(exc).__name__}: {exc}"}
         with open(path, "w") as f:
@@ -167,13 +201,14 @@ def main() -> None:
                 path = os.path.join(folder, f"{mode}-{vocabulary}.json")
                 env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, f"inductor-{mode}-{vocabulary}")}
                 subprocess.run([sys.executable, __file__, "--threads", str(args.threads), "--batch", str(args.batch),
-                                "--one", mode, str(vocabulary), path], env=env, check=False, timeout=1800)
+                                "--device", args.device, "--one", mode, str(vocabulary), path],
+                               env=env, check=False, timeout=1800)
                 result = json.load(open(path)) if os.path.exists(path) else \
                     {"mode": mode, "vocabulary": vocabulary, "error": "the run died"}
                 print(json.dumps(result), flush=True)
                 results.append(result)
     command = "python benchmarks/lm_head.py" + "".join(f" {a}" for a in sys.argv[1:])
-    text = report(results, command, args.threads, args.batch)
+    text = report(results, command, args.threads, args.batch, args.device)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")

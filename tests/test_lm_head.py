@@ -77,16 +77,18 @@ def _batches(lengths: list[int], vocabulary: int = 1000) -> list[tuple[torch.Ten
     return batches
 
 
-def _train(run, model, batches, keep_logits=False):
-    """Per step the loss, the returned logits (when kept) and every gradient."""
+def _train(run, model, batches, keep_logits=False, through_logits=False):
+    """Per step the loss, the returned logits (when kept) and every gradient; ``through_logits``: a second loss
+    on the returned logits is backpropagated with the model's."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = []
     torch.manual_seed(2)  # dropout draws alike
     for ids, labels in batches:
         out = run(input_ids=ids, labels=labels)
         loss, logits = out.loss, out.logits.detach() if keep_logits else None
+        total = loss + out.logits.float().square().mean() if through_logits else loss
         del out
-        loss.backward()
+        total.backward()
         steps.append((loss.detach(), logits, {k: p.grad.clone() for k, p in model.named_parameters()}))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -100,19 +102,41 @@ def _assert_trains_alike(got, expected) -> None:
         assert all(_close(grads[k], ref_grads[k]) for k in ref_grads)
 
 
+@pytest.mark.parametrize("through_logits", [False, True], ids=["loss", "loss-and-logits"])
 @pytest.mark.parametrize("config", [CHUNKED, pytest.param(INDUCTOR, marks=pytest.mark.slow)],
                          ids=["eager-executor", "inductor"])
-def test_an_hf_causal_lm_head_is_chunked_and_trains_like_eager_over_changing_lengths_with_padding(config):
+def test_an_hf_causal_lm_head_is_chunked_and_trains_like_eager_over_changing_lengths_with_padding(config,
+                                                                                                   through_logits):
+    """The caller reads the logits (they are the model's) and, in one case, backpropagates a loss on them too:
+    the graph returns them detached and their gradient reaches the model through the head outside it."""
     model = _llama()
     batches = _batches([16, 16, 24])
     reference = copy.deepcopy(model)
-    expected = _train(reference, reference, batches, keep_logits=True)
+    expected = _train(reference, reference, batches, keep_logits=True, through_logits=through_logits)
     run = sublinear.apply(model, config)
-    got = _train(run, model, batches, keep_logits=True)  # the caller reads the logits: they are the model's
+    got = _train(run, model, batches, keep_logits=True, through_logits=through_logits)
     _assert_trains_alike(got, expected)
     graph = model.sublinear_plan.graphs[0]
     assert len(graph.lm_heads) == 1 and graph.lm_heads[0].startswith("LM head lm_head (vocabulary 1,000, hidden 32)")
     assert "reading the logits the model returns" in graph.lm_heads[0]
+
+
+@pytest.mark.slow
+def test_returned_logits_no_gradient_reaches_cost_no_matmul_in_the_compiled_backward():
+    """AOTAutograd gives an output no gradient reaches a zero gradient: had the graph returned the logits attached,
+    its backward would run the head's two matmuls on it in every step."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = _llama()
+    run = sublinear.apply(model, INDUCTOR)
+    ids, labels = _batches([64])[0]
+    for _ in range(3):
+        out = run(input_ids=ids, labels=labels)
+        with FlopCounterMode(display=False) as counter:
+            out.loss.backward()
+        model.zero_grad(set_to_none=True)
+    tokens, vocabulary, hidden = ids.numel(), 1000, 32
+    head_matmuls = 2 * (2 * tokens * vocabulary * hidden)
+    assert 0 < counter.get_total_flops() < head_matmuls
 
 
 class _Head(nn.Module):
@@ -245,9 +269,9 @@ def test_a_soft_capped_gemma2_head_is_chunked_and_trains_like_eager():
     model = Gemma2ForCausalLM(config).train()
     batches = _batches([16, 24])
     reference = copy.deepcopy(model)
-    expected = _train(reference, reference, batches, keep_logits=True)
+    expected = _train(reference, reference, batches, keep_logits=True, through_logits=True)
     run = sublinear.apply(model, CHUNKED)
-    _assert_trains_alike(_train(run, model, batches, keep_logits=True), expected)
+    _assert_trains_alike(_train(run, model, batches, keep_logits=True, through_logits=True), expected)
     head = model.sublinear_plan.graphs[0].lm_heads[0]
     assert "soft-capped at 30" in head and "reading the logits the model returns" in head
 
@@ -263,9 +287,9 @@ def test_a_bart_head_with_its_final_logits_bias_is_chunked_and_trains_like_eager
         model.final_logits_bias.normal_()  # zeros would hide a bias left out
     batches = _batches([16, 24])
     reference = copy.deepcopy(model)
-    expected = _train(reference, reference, batches, keep_logits=True)
+    expected = _train(reference, reference, batches, keep_logits=True, through_logits=True)
     run = sublinear.apply(model, CHUNKED)
-    _assert_trains_alike(_train(run, model, batches, keep_logits=True), expected)
+    _assert_trains_alike(_train(run, model, batches, keep_logits=True, through_logits=True), expected)
     assert any("computed in chunks" in head for g in model.sublinear_plan.graphs for head in g.lm_heads)
 
 
@@ -287,3 +311,16 @@ def test_under_bf16_autocast_the_chunks_run_in_the_dtype_the_head_ran_in():
     for p, q in zip(model.parameters(), reference.parameters()):
         assert p.grad.dtype == q.grad.dtype == torch.float32
         assert (p.grad - q.grad).abs().max() <= 2 ** -6 * q.grad.abs().max()  # bf16 keeps 8 bits
+
+
+def test_the_built_in_gpt2_names_its_loss_so_its_head_and_loss_are_one_graph_and_chunked():
+    """transformers logs a warning inside GPT2LMHeadModel's forward (its class name does not name its loss), and
+    TorchDynamo breaks the graph there, between the head and the loss; the built-in hf: model names the loss."""
+    from sublinear.models.hf import hf_model
+    spec = hf_model("GPT2LMHeadModel", layers=1, hidden=32)
+    with torch.device("meta"):
+        model = spec.build().train()
+    args, kwargs = spec.example_inputs(2, device="meta", seq=128)
+    run = sublinear.compile(model, args, kwargs, config=CHUNKED)
+    graphs = run.sublinear_plan.graphs
+    assert len(graphs) == 1 and "computed in chunks" in graphs[0].lm_heads[0], graphs

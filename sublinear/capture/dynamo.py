@@ -111,6 +111,7 @@ class CapturedGraph:
     model_device: str | None = None  # set by capture(): the device the example values stand for (meta: fake CPU)
     sizes: SymbolicSizes | None = None  # a dynamic graph's symbolic input sizes (None: every size is static)
     lm_heads: tuple = ()  # the cross-entropies found, chunked or left alone (sublinear.capture.lm_head.LMHead)
+    returned_logits: tuple = ()  # chunked heads' logits returned detached (sublinear.capture.returned_logits)
 
     @staticmethod
     def from_dynamo(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CapturedGraph:

@@ -8,7 +8,8 @@ upcast). The cross-entropy is replaced by :func:`~sublinear.capture.lm_head_op.l
 input rows, selected and regrouped as the logits were: its chunks never hold more than a chunk of tokens x vocabulary
 values, and nothing vocabulary-sized is saved for backward. When the step uses the logits otherwise (the model
 returns them), the linear still computes them and the chunks read them, so they are not computed twice; they are
-then held only as long as the caller holds them.
+then held only as long as the caller holds them, and, when the graph only returns them, returned detached with their
+gradient attached outside the graph (:mod:`sublinear.capture.returned_logits`).
 
 A cross-entropy is left alone, and the reason recorded, when its input is not such a head, when it has class
 weights, ``reduction="none"`` or class-probability targets, or when the vocabulary is no larger than the hidden size
@@ -29,6 +30,7 @@ from torch import fx
 
 from sublinear.capture.dynamo import CapturedGraph, describe_node, module_path
 from sublinear.capture.lm_head_op import REDUCTIONS, chunked_linear_cross_entropy
+from sublinear.capture.returned_logits import ReturnedLogits, detach_returned_logits
 from sublinear.tensors import size_hint
 
 __all__ = ["LMHead", "chunk_lm_heads", "device_type", "with_lm_heads_chunked"]
@@ -43,10 +45,11 @@ ROW_MULTIPLE = 8  # chunks of whole multiples of 8 rows keep the matmuls aligned
 
 
 def chunk_rows(tokens: int, width: int, vocabulary: int) -> int:
-    """Tokens per chunk: a chunk's logits as many values as the hidden rows, but at least a quarter of the hidden size
-    in rows (each chunk adds its product to the whole weight gradient, vocabulary x hidden: fewer rows and that
-    traffic outweighs the chunk's matmuls), in whole multiples of 8 rows."""
-    rows = max(tokens * width / vocabulary, width / 4, ROW_MULTIPLE)
+    """Tokens per chunk: a chunk's logits as many values as the hidden rows, but at least the hidden size in rows,
+    in whole multiples of 8 rows. Each chunk adds its product to the whole weight gradient (vocabulary x hidden, which
+    the op holds anyway, as large as a chunk of that many rows): over fewer rows that product is bound by the
+    gradient's memory traffic, not its arithmetic."""
+    rows = max(tokens * width / vocabulary, width, ROW_MULTIPLE)
     return min(tokens, math.ceil(rows / ROW_MULTIPLE) * ROW_MULTIPLE)
 
 
@@ -62,6 +65,7 @@ class LMHead:
     reads_logits: bool = False  # the chunks read the logits the step computes anyway
     softcap: float = 0.0  # logits soft-capped as cap * tanh(logits / cap) (0: none)
     reason: str = ""
+    returned: ReturnedLogits | None = None  # the logits the graph returns, detached, their gradient attached outside
 
     @property
     def chunked(self) -> bool:
@@ -88,7 +92,8 @@ def with_lm_heads_chunked(graph: CapturedGraph) -> CapturedGraph:
     heads = chunk_lm_heads(module)
     if not any(head.chunked for head in heads):
         return dataclasses.replace(graph, lm_heads=tuple(heads))
-    return dataclasses.replace(graph, graph_module=module, lm_heads=tuple(heads))
+    return dataclasses.replace(graph, graph_module=module, lm_heads=tuple(heads),
+                               returned_logits=tuple(head.returned for head in heads if head.returned is not None))
 
 
 def device_type(graph: CapturedGraph) -> str:
@@ -146,9 +151,13 @@ def _chunk(graph: fx.Graph, node: fx.Node) -> LMHead:
                                     "gradient, computed in forward, would hold about as much as the logits")
     rows = chunk_rows(tokens, width, vocabulary)
     reads_logits = len(top.users) > 1 and all(s.target != operator.getitem for s in steps)
+    logits_base, returned = top, None
+    if reads_logits:
+        logits_base, returned = detach_returned_logits(graph, top, steps[0] if steps else node, hidden,
+                                                       (weight, bias, head.added_bias), head.softcap)
     with graph.inserting_before(node):
         rows_in, weight_in, bias_in = _head_inputs(graph, head, hidden, weight, bias, steps, width)
-        logits_in = _replay(graph, top, steps, vocabulary) if reads_logits else None
+        logits_in = _replay(graph, logits_base, steps, vocabulary) if reads_logits else None
         loss = graph.call_function(chunked_linear_cross_entropy, (
             rows_in, weight_in, bias_in, target, logits_in, options["ignore_index"], options["reduction"],
             float(options["label_smoothing"]), value.dtype, rows, head.softcap))
@@ -157,7 +166,7 @@ def _chunk(graph: fx.Graph, node: fx.Node) -> LMHead:
     for dead in [node, *reversed(steps), *head.nodes]:  # the loss, the steps, the head's nodes, outermost first
         if not dead.users:
             graph.erase_node(dead)
-    return LMHead(_where(head.linear), vocabulary, width, tokens, rows, reads_logits, head.softcap)
+    return LMHead(_where(head.linear), vocabulary, width, tokens, rows, reads_logits, head.softcap, returned=returned)
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ gradients are computed in forward and backward scales them by the loss's gradien
 unchunked step (no recompute).
 
 The arithmetic is that of ``F.cross_entropy(F.linear(hidden, weight, bias).to(dtype), target, ...)`` (the linear's
-output soft-capped first where asked): the loss of a
-row is ``lse - z[target]`` (with label smoothing ``(1 - e) (lse - z[target]) + e (lse - mean(z))``), rows whose
-target is ``ignore_index`` count for nothing, the mean divides by the rows that count; the logits' gradient is
-``softmax(z) - (1 - e) onehot - e / V`` times the reduction's scale, cast to the weight's dtype before the matmuls,
-as autograd casts it back through the upcast. The weight's and bias's gradients accumulate over chunks in float32.
+output soft-capped first where asked): the loss of a row is ``-log_softmax(z)[target]`` (with label smoothing ``e``,
+``(1 - e)`` of it plus ``e`` times ``-mean(log_softmax(z))``), rows whose target is ``ignore_index`` count for
+nothing, the mean divides by the rows that count; the logits' gradient is ``softmax(z) - (1 - e) onehot - e / V``
+times the reduction's scale, cast to the weight's dtype before the matmuls, as autograd casts it back through the
+upcast. The weight's and bias's gradients accumulate over chunks in float32.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ def _chunked(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor
         z = z.to(dtype)
         keep = valid[start:end]
         picked_at = target[start:end].masked_fill(~keep, 0)[:, None]
-        lse = torch.logsumexp(z, dim=-1)
-        loss_rows = lse - z.gather(1, picked_at)[:, 0]
+        log_probabilities = torch.log_softmax(z, dim=-1)
+        loss_rows = -log_probabilities.gather(1, picked_at)[:, 0]
         if label_smoothing:
-            loss_rows = (1 - label_smoothing) * loss_rows + label_smoothing * (lse - z.mean(dim=-1))
+            loss_rows = (1 - label_smoothing) * loss_rows - label_smoothing * log_probabilities.mean(dim=-1)
         total += loss_rows.masked_fill(~keep, 0).sum(dtype=torch.float32)
-        grad = (z - lse[:, None]).exp_()
+        grad = log_probabilities.exp_()  # the softmax, in the log-probabilities' place
         grad.scatter_add_(1, picked_at, torch.full_like(picked_at, -(1 - label_smoothing), dtype=grad.dtype))
         if label_smoothing:
             grad.sub_(label_smoothing / z.shape[-1])

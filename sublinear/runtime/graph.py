@@ -12,6 +12,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from sublinear.capture.dynamo import CapturedGraph, GraphOutputs
+from sublinear.capture.returned_logits import attach_returned_logits
 from sublinear.capture.shapes import Binding, SymbolicSizes, argument_dims, bucket, covers, describe_binding, join
 from sublinear.core.units import format_bytes
 from sublinear.execute.compiled import resolve_compiler
@@ -153,7 +154,7 @@ class GraphRuntime:
 
     def __call__(self, *values: Any) -> Any:
         if not torch.is_grad_enabled() or not _any_requires_grad(values):
-            return self.graph.graph_module(*values)
+            return attach_returned_logits(self.graph.returned_logits, self.graph.graph_module(*values), values)[0]
         session = self.session
         if session.calls.starts_again(self.graph.code):
             session.finish_call()  # used as a bare backend, no call boundary is seen: the first graph starts a call
@@ -161,8 +162,8 @@ class GraphRuntime:
         if not session.calls.explicit:  # no call end is seen: planning ends with the graph's
             session.progress.end(lambda: str(variant.summary))
         run = GraphRun.of(self, variant, values)
-        out = variant.rewritten(*values)
-        run.record(GraphOutputs.of(out, watch_backward=True))
+        out, held = attach_returned_logits(self.graph.returned_logits, variant.rewritten(*values), values)
+        run.record(GraphOutputs.of(held, watch_backward=True))
         session.calls.record(run)
         return out
 
