@@ -66,17 +66,21 @@ def _chunked(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor
         grad.scatter_add_(1, picked_at, torch.full_like(picked_at, -(1 - label_smoothing), dtype=grad.dtype))
         if label_smoothing:
             grad.sub_(label_smoothing / z.shape[-1])
-        grad.mul_((keep * scale).to(grad.dtype)[:, None])
         if softcap:  # through cap * tanh(x / cap): times 1 - tanh^2
             grad.mul_(1 - (z / softcap).square())
         grad = grad.to(weight.dtype)
+        # each row's scale (the reduction's, 0 for an ignored row) is applied to the hidden-sized operands and
+        # results of the matmuls, not to the vocabulary-wide gradient: one pass over the chunk fewer
+        row_scale = (keep * scale).to(weight.dtype)[:, None]
         torch.mm(grad, weight, out=grad_hidden[start:end])
+        grad_hidden[start:end].mul_(row_scale)
+        scaled_rows = hidden[start:end] * row_scale
         if grad_weight.dtype == grad.dtype:
-            grad_weight.addmm_(grad.t(), hidden[start:end])
+            grad_weight.addmm_(grad.t(), scaled_rows)
         else:  # a half-precision chunk's product, accumulated in float32
-            grad_weight.add_(torch.mm(grad.t(), hidden[start:end]))
+            grad_weight.add_(torch.mm(grad.t(), scaled_rows))
         if bias is not None:
-            grad_bias.add_(grad.sum(dim=0, dtype=torch.float32))
+            grad_bias.add_(torch.mm(row_scale.t(), grad)[0].to(torch.float32))
     loss = (total * scale).to(dtype)
     return loss, grad_hidden, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
 
