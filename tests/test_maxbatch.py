@@ -222,3 +222,23 @@ def test_rows_that_fit_no_batch_show_no_ratios():
     table = maxbatch_markdown({"chain": rows}, 1536, "meta", "sublinear maxbatch")
     assert "nan" not in table and "| chain | eager | 0 | 0.00 | - | - | - | 0 |" in table
     assert table.startswith("Budget 1.50 KiB on meta;")
+
+
+def test_a_causal_lm_on_fake_tensors_runs_the_plan_it_reports_with_its_head_chunked():
+    """The tool steps transformers models on fake CPU tensors: such a call is planned and run as the meta model
+    (the eager executor; inductor's kernels would read the fakes' null data), and the step measured is the plan
+    predicted, the chunked LM head included."""
+    import transformers  # noqa: F401  (in the test extra)
+    from sublinear.models.hf import hf_model
+    from sublinear.tools.maxbatch import _Environment, _PlannedAtBatch, _step_peak
+
+    spec = hf_model("GPT2LMHeadModel", layers=1, hidden=64)
+    env = _Environment.for_model(spec, "meta", None)
+    model = env.build(spec)
+    prepare = _PlannedAtBatch(spec, 256, SublinearMemoryConfig(memory_budget=2**40))
+    with env:
+        module = prepare(model, 4)
+        measured = _step_peak(spec, module, model, 4, env, 256)
+    graph = module.sublinear_plan.graphs[0]
+    assert "eager executor" in graph.executor and "computed in chunks" in graph.lm_heads[0]
+    assert abs(measured - module.sublinear_plan.predicted_peak_bytes) <= 0.01 * measured

@@ -116,7 +116,9 @@ class CapturedGraph:
     @staticmethod
     def from_dynamo(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CapturedGraph:
         """The graph a Dynamo backend received (without holding on to the example inputs), with the user's
-        ``torch.utils.checkpoint`` regions inlined (:func:`~sublinear.capture.checkpoints.inline_checkpoints`)."""
+        ``torch.utils.checkpoint`` regions inlined (:func:`~sublinear.capture.checkpoints.inline_checkpoints`).
+        A call on fake tensors (a data-less step under a FakeTensorMode, as the max-batch tool runs models that read
+        input values) stands for a model on the meta device: it runs nowhere and is planned as one."""
         inline_checkpoints(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         kinds, sources = [], []
@@ -133,7 +135,9 @@ class CapturedGraph:
                 kinds.append(BUFFER)
             else:
                 kinds.append(INPUT)
-        return CapturedGraph(gm, tuple(kinds), tuple(sources), sizes=symbolic_sizes(gm))
+        data_less = any(isinstance(v, FakeTensor) for v in example_inputs)
+        return CapturedGraph(gm, tuple(kinds), tuple(sources), model_device="meta" if data_less else None,
+                             sizes=symbolic_sizes(gm))
 
     @functools.cached_property
     def code(self) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["LogitsThroughHead", "ReturnedLogits", "attach_returned_logits", "detach_returned_logits"]
 
@@ -50,7 +51,8 @@ def detach_returned_logits(graph: fx.Graph, top: fx.Node, chain: fx.Node, rows: 
         return top, None
     with graph.inserting_after(top):
         detached = graph.call_method("detach", (top,))
-    detached.meta = {**top.meta, "example_value": top.meta["example_value"].detach()}
+    with _disable_current_modes():  # compile-time work: unseen by the caller's dispatch modes (a memory tracker)
+        detached.meta = {**top.meta, "example_value": top.meta["example_value"].detach()}
     new_flat = [detached if value is top else value for value in flat] + [rows]
     output.args = (type(flat)(new_flat),)
     weight, bias, added = (placeholders.get(p) if p is not None else None for p in parameters)
