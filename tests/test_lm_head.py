@@ -324,3 +324,51 @@ def test_the_built_in_gpt2_names_its_loss_so_its_head_and_loss_are_one_graph_and
     run = sublinear.compile(model, args, kwargs, config=CHUNKED)
     graphs = run.sublinear_plan.graphs
     assert len(graphs) == 1 and "computed in chunks" in graphs[0].lm_heads[0], graphs
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+    config = T5Config(vocab_size=1000, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
+                      decoder_start_token_id=0)
+    return T5ForConditionalGeneration(config), lambda g, length: {
+        "input_ids": torch.randint(0, 1000, (4, length), generator=g)}
+
+
+def _whisper():
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    config = WhisperConfig(vocab_size=1000, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                           decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                           max_source_positions=16, max_target_positions=64, pad_token_id=0, decoder_start_token_id=1,
+                           bos_token_id=1, eos_token_id=2)
+    return WhisperForConditionalGeneration(config), lambda g, length: {
+        "input_features": torch.randn(4, 8, 32, generator=g)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [_t5, _whisper], ids=["t5", "whisper"])
+def test_seq2seq_heads_are_chunked_and_train_like_eager_over_changing_lengths(build):
+    """T5's head (its tied embedding, the decoder output scaled before it) and Whisper's proj_out, each with the
+    loss Hugging Face computes through nn.CrossEntropyLoss, labels padded."""
+    torch.manual_seed(0)
+    model, inputs = build()
+    model.train()
+    reference = copy.deepcopy(model)
+    run = sublinear.apply(model, CHUNKED)
+    torch.manual_seed(2)  # dropout draws alike
+    for length in (24, 32):
+        g = torch.Generator().manual_seed(length)
+        batch = inputs(g, length)
+        batch["labels"] = torch.randint(3, 1000, (4, length), generator=g)
+        batch["labels"][0, length // 2:] = -100
+        state = torch.get_rng_state()
+        loss = run(**batch).loss
+        loss.backward()
+        torch.set_rng_state(state)
+        expected = reference(**batch).loss
+        expected.backward()
+        assert _close(loss, expected)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None) and (q.grad is None or _close(p.grad, q.grad))
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    assert "computed in chunks" in model.sublinear_plan.graphs[0].lm_heads[0]
