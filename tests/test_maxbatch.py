@@ -224,21 +224,26 @@ def test_rows_that_fit_no_batch_show_no_ratios():
     assert table.startswith("Budget 1.50 KiB on meta;")
 
 
-def test_a_causal_lm_on_fake_tensors_runs_the_plan_it_reports_with_its_head_chunked():
-    """The tool steps transformers models on fake CPU tensors: such a call is planned and run as the meta model
-    (the eager executor; inductor's kernels would read the fakes' null data), and the step measured is the plan
-    predicted, the chunked LM head included."""
+def test_a_causal_lm_on_fake_tensors_runs_the_plan_it_reports_with_its_head_chunked(monkeypatch):
+    """The tool plans and steps transformers models on a twin with fake CPU tensors: the plan made ahead and the
+    step's calls stand for the meta model (planned for the eager executor: inductor's kernels would read the fakes'
+    null data, and its compiled-memory estimate is not the eager step's), the plan made ahead is the one the step
+    runs, and the step measured is the plan predicted, the chunked LM head included."""
     import transformers  # noqa: F401  (in the test extra)
     from sublinear.models.hf import hf_model
     from sublinear.tools.maxbatch import _Environment, _PlannedAtBatch, _step_peak
 
+    monkeypatch.delenv("SUBLINEAR_COMPILER")  # the default: inductor where it compiles for the values' device
     spec = hf_model("GPT2LMHeadModel", layers=1, hidden=64)
     env = _Environment.for_model(spec, "meta", None)
     model = env.build(spec)
     prepare = _PlannedAtBatch(spec, 256, SublinearMemoryConfig(memory_budget=2**40))
     with env:
         module = prepare(model, 4)
+        ahead = module.sublinear_plan
         measured = _step_peak(spec, module, model, 4, env, 256)
+    assert "eager executor" in ahead.graphs[0].executor
     graph = module.sublinear_plan.graphs[0]
     assert "eager executor" in graph.executor and "computed in chunks" in graph.lm_heads[0]
+    assert module.sublinear_plan.predicted_peak_bytes == ahead.predicted_peak_bytes
     assert abs(measured - module.sublinear_plan.predicted_peak_bytes) <= 0.01 * measured

@@ -570,6 +570,10 @@ def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] 
             if not isinstance(error, NeedsData):  # the twin is a copy: running it again touches nothing of the user's
                 eager_or_model_error(copy_, fake_args, fake_kwargs)
             raise error from exc
-    graphs = [dataclasses.replace(g, model_device=str(device)) for g in recorder.graphs]
+    # a module whose tensors are fakes (the max-batch tool's twin of a model that reads input values) holds no data:
+    # it stands for a meta model, as the fake calls of its training steps do (CapturedGraph.from_dynamo)
+    stands_for = "meta" if isinstance(next(itertools.chain(module.parameters(), module.buffers()), None),
+                                      FakeTensor) else str(device)
+    graphs = [dataclasses.replace(g, model_device=stands_for) for g in recorder.graphs]
     log.debug("captured %s: %d graph(s), %d graph break(s)", type(module).__name__, len(graphs), len(breaks))
     return Capture(graphs, list(breaks), returned)
