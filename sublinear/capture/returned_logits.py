@@ -71,12 +71,13 @@ def attach_returned_logits(returned: Sequence[ReturnedLogits], out: Any, values:
         weight, bias, added = (values[i] if i is not None else None for i in (head.weight, head.bias, head.added_bias))
         needs = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
                                                 for t in (rows, weight, bias, added))
-        attached = {}
+        attached: dict[int, Tensor] = {}  # the same logits returned twice are attached once
         for i in head.outputs:
             if needs:
                 logits = held[i]
-                held[i] = attached.setdefault(id(logits), LogitsThroughHead.apply(logits, rows, weight, bias, added,
-                                                                                  head.softcap))
+                if id(logits) not in attached:
+                    attached[id(logits)] = LogitsThroughHead.apply(logits, rows, weight, bias, added, head.softcap)
+                held[i] = attached[id(logits)]
     return type(out)(held[:len(held) - len(returned)]), held
 
 
