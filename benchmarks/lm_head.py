@@ -95,13 +95,8 @@ def _peak_bytes(step, model, device: str) -> int:
     """The step's peak: the CPU allocator's count, or CUDA's caching allocator's (parameters and inputs included)."""
     import sublinear
 
-    if device == "cpu":
-        return sublinear.measure_cpu_allocator(lambda _m: step(), model).peak_bytes
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    measure = sublinear.measure_cpu_allocator if device == "cpu" else sublinear.measure
+    return measure(lambda _m: step(), model).peak_bytes
 
 
 def _gradient_norm(model) -> float:

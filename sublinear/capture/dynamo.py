@@ -391,8 +391,13 @@ class FakeTwin:
         return copy.deepcopy(module, memo)
 
 
+def _first_tensor(module: nn.Module) -> torch.Tensor | None:
+    return next(itertools.chain(module.parameters(), module.buffers()), None)
+
+
 def _module_device(module: nn.Module) -> torch.device:
-    return next((t.device for t in itertools.chain(module.parameters(), module.buffers())), torch.device("cpu"))
+    first = _first_tensor(module)
+    return first.device if first is not None else torch.device("cpu")
 
 
 @dataclass
@@ -572,8 +577,7 @@ def capture(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] 
             raise error from exc
     # a module whose tensors are fakes (the max-batch tool's twin of a model that reads input values) holds no data:
     # it stands for a meta model, as the fake calls of its training steps do (CapturedGraph.from_dynamo)
-    stands_for = "meta" if isinstance(next(itertools.chain(module.parameters(), module.buffers()), None),
-                                      FakeTensor) else str(device)
+    stands_for = "meta" if isinstance(_first_tensor(module), FakeTensor) else str(device)
     graphs = [dataclasses.replace(g, model_device=stands_for) for g in recorder.graphs]
     log.debug("captured %s: %d graph(s), %d graph break(s)", type(module).__name__, len(graphs), len(breaks))
     return Capture(graphs, list(breaks), returned)
