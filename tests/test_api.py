@@ -495,6 +495,7 @@ def test_apply_plans_in_place_and_keeps_class_state_dict_and_optimizer():
         sublinear.apply(sublinear.apply(model, PLAIN), PLAIN)
 
 
+@pytest.mark.slow
 def test_every_entry_point_has_the_plan_with_block_names_by_module_path(caplog):
     torch.manual_seed(0)
     x = torch.randn(4, 3, 8, 8)
@@ -558,6 +559,7 @@ def test_replans_when_the_signature_changes():
 
 
 
+@pytest.mark.slow
 def test_planning_collects_only_its_own_garbage_and_leaves_a_frozen_heap_frozen(monkeypatch):
     # A full collection over a long-running process's heap would land inside the planning's wall time.
     frozen_while_searching = []
@@ -607,6 +609,7 @@ def test_a_meta_model_is_planned_for_the_eager_executor_at_the_reference_gpu_rat
     assert "meta device" in compiled.sublinear_plan.graphs[0].executor
 
 
+@pytest.mark.slow
 def test_pareto_point_applies_in_one_call():
     torch.manual_seed(0)
     model = Chain(20, 32)

@@ -250,6 +250,7 @@ def test_plots_without_matplotlib_fail_before_the_work(monkeypatch, tmp_path, ca
     one_error_line(capsys, "--plot needs matplotlib")
 
 
+@pytest.mark.slow
 def test_hf_model_plans_on_meta(capsys):
     import transformers  # noqa: F401  (in the test extra)
     assert main(["plan", *TINY_HF, "--layers", "1", "--batch", "2"]) == 0
@@ -291,6 +292,7 @@ def test_tune_sweeps_generations_of_a_small_model(user_models, capsys):
     assert int(rows[1][6]) >= int(rows[0][6])
 
 
+@pytest.mark.slow
 def test_python_dash_m_version_imports_no_transformers():
     result = subprocess.run([sys.executable, "-X", "importtime", "-m", "sublinear", "--version"],
                             capture_output=True, text=True)

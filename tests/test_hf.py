@@ -238,6 +238,7 @@ def test_twenty_steps_over_ten_lengths_plan_twice_and_new_lengths_capture_and_co
     assert sum(counters["frames"].values()) == frames  # no frame captured again for a new length
 
 
+@pytest.mark.slow
 def test_hugging_face_gradient_checkpointing_trains_bit_for_bit_like_eager():
     # The model's own checkpoint regions (dropout inside) are inlined: sublinear's plan recomputes them, with the
     # forward's dropout masks.

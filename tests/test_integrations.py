@@ -4,6 +4,7 @@ model they hold. Each trains bit for bit like the same loop without sublinear, a
 import copy
 import logging
 
+import pytest
 import torch
 import transformers
 from torch import nn
@@ -47,6 +48,7 @@ def _hf_trainer_run(model, tmp_path, **arguments):
     return _state(model)
 
 
+@pytest.mark.slow
 def test_hugging_face_trainer_trains_the_applied_model_like_eager(tmp_path):
     model = _tiny_bert()
     planned = sublinear.apply(copy.deepcopy(model), config=PLAIN)
@@ -58,6 +60,7 @@ def test_hugging_face_trainer_trains_the_applied_model_like_eager(tmp_path):
     assert type(planned) is transformers.BertForSequenceClassification  # the Trainer holds the same object
 
 
+@pytest.mark.slow
 def test_lightning_module_trains_the_applied_network_like_eager(tmp_path):
     import lightning  # seconds to import: only this test pays for it
 

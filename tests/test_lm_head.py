@@ -102,7 +102,8 @@ def _assert_trains_alike(got, expected) -> None:
         assert all(_close(grads[k], ref_grads[k]) for k in ref_grads)
 
 
-@pytest.mark.parametrize("through_logits", [False, True], ids=["loss", "loss-and-logits"])
+@pytest.mark.parametrize("through_logits", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["loss", "loss-and-logits"])
 @pytest.mark.parametrize("config", [CHUNKED, pytest.param(INDUCTOR, marks=pytest.mark.slow)],
                          ids=["eager-executor", "inductor"])
 def test_an_hf_causal_lm_head_is_chunked_and_trains_like_eager_over_changing_lengths_with_padding(config,
@@ -313,6 +314,7 @@ def test_under_bf16_autocast_the_chunks_run_in_the_dtype_the_head_ran_in():
         assert (p.grad - q.grad).abs().max() <= 2 ** -6 * q.grad.abs().max()  # bf16 keeps 8 bits
 
 
+@pytest.mark.slow
 def test_the_built_in_gpt2_names_its_loss_so_its_head_and_loss_are_one_graph_and_chunked():
     """transformers logs a warning inside GPT2LMHeadModel's forward (its class name does not name its loss), and
     TorchDynamo breaks the graph there, between the head and the loss; the built-in hf: model names the loss."""

@@ -70,7 +70,8 @@ def _memtracker_peak(step, module, *inputs):
 
 @pytest.mark.parametrize("name,batch,device", [
     ("tiny-resnet", 4, "cpu"), ("tiny-bert", 4, "cpu"), ("tiny-gpt", 4, "cpu"),
-    ("resnet50", 2, "meta"), ("bert-base", 1, "meta"), ("gpt", 1, "meta"),
+    ("resnet50", 2, "meta"), pytest.param("bert-base", 1, "meta", marks=pytest.mark.slow),
+    pytest.param("gpt", 1, "meta", marks=pytest.mark.slow),
 ])
 def test_measure_agrees_with_memtracker(name, batch, device):
     spec = get_model(name)

@@ -91,7 +91,7 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-12 + 1e-9 * abs(b)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(depth=st.integers(2, 6), width=st.sampled_from([2, 8]), fraction=st.floats(0, 1), keep_flops=st.booleans())
 def test_on_chains_the_plan_is_the_cheapest_flat_plan_that_fits(depth, width, fraction, keep_flops):
     p = chain(depth, width)
@@ -110,7 +110,7 @@ def test_on_chains_the_plan_is_the_cheapest_flat_plan_that_fits(depth, width, fr
     assert close(sim.recompute_seconds, best) and close(solution.seconds, best)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.sampled_from(DAG_SEEDS), fraction=st.floats(0, 1))
 def test_on_dags_the_plan_fits_and_is_the_cheapest_whose_model_peak_fits(seed, fraction):
     """The model bounds the simulated peak from above; the plan is the least-time plan whose model peak fits, so it

@@ -125,6 +125,7 @@ def dataclasses_replace(config, **changes):
     return dataclasses.replace(config, **changes)
 
 
+@pytest.mark.slow
 def test_lb_memory_hands_memory_back_for_speed(resnet):
     _, _, p = resnet
     lowest = make_plan(p, UNCAPPED)
@@ -174,6 +175,7 @@ def test_with_no_budget_the_knee_stops_where_time_buys_little_memory():
     assert knee([c(90, 0.0), c(70, 0.1)], eager, 1.0).simulation.peak_bytes == 70  # a free saving is taken
 
 
+@pytest.mark.slow
 def test_the_default_with_no_budget_takes_the_knee_not_the_lowest_peak(resnet):
     _, _, p = resnet
     lowest = make_plan(p, UNCAPPED)

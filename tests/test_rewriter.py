@@ -64,9 +64,8 @@ def test_branchy_dag_with_views_in_place_kwargs_and_two_outputs(plan_name):
     assert_same_training(eager, train_steps(compiled, (x, y), kwargs, steps=2))
 
 
-@pytest.mark.parametrize("name", [pytest.param("tiny-resnet", marks=pytest.mark.slow), "tiny-bert",
-                                  pytest.param("tiny-gpt", marks=pytest.mark.slow),
-                                  pytest.param("resnet18", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-resnet", "tiny-bert", "tiny-gpt", "resnet18"])
 def test_zoo_models_match_eager_under_the_grid_plan(name):
     spec = get_model(name)
     torch.manual_seed(0)
@@ -205,6 +204,7 @@ def test_empty_and_one_op_graphs():
     assert lin.weight.grad is not None
 
 
+@pytest.mark.slow
 def test_memory_is_actually_saved():
     torch.manual_seed(0)
     model = Chain(60, width=64)
@@ -300,6 +300,7 @@ class ScanAndVmap(nn.Module):
         return h.pow(2).mean()
 
 
+@pytest.mark.slow
 def test_vmap_regions_are_one_op_and_train_bit_for_bit_with_recompute():
     torch.manual_seed(0)
     base = ScanAndVmap()

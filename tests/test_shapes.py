@@ -177,6 +177,7 @@ def test_seven_batch_and_length_shapes_plan_at_most_three_times_and_train_like_e
     assert "planned for" in str(compiled.sublinear_plan)  # the latest call ran a dynamic graph's plan
 
 
+@pytest.mark.slow
 def test_slices_bounded_by_a_dynamic_size_train_like_eager_on_the_eager_executor():
     """A dynamic graph's slice bounds are its size nodes (BERT's positions[:length]); the inductor case is below."""
     torch.manual_seed(0)
@@ -188,6 +189,7 @@ def test_slices_bounded_by_a_dynamic_size_train_like_eager_on_the_eager_executor
     assert_same_training(train_over(copy.deepcopy(base), batches), planned)
 
 
+@pytest.mark.slow
 def test_shapes_within_the_bound_reuse_the_plan_and_a_larger_one_plans_again(caplog):
     torch.manual_seed(0)
     compiled = sublinear.compile(TinyTransformer(), config=PLAIN)
@@ -203,6 +205,7 @@ def test_shapes_within_the_bound_reuse_the_plan_and_a_larger_one_plans_again(cap
     assert len(plans_made(caplog)) <= 1  # searched again, or the plan kept where it still meets the objective
 
 
+@pytest.mark.slow
 def test_a_budget_plan_holds_its_budget_at_every_shape_it_serves():
     torch.manual_seed(0)
     base = TinyTransformer(width=64)
@@ -225,7 +228,8 @@ def test_a_budget_plan_holds_its_budget_at_every_shape_it_serves():
     assert "planned for" in str(compiled.sublinear_plan)
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["first-call", "planned-ahead"])
+@pytest.mark.parametrize("ahead", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["first-call", "planned-ahead"])
 def test_max_sizes_make_one_plan_serve_every_smaller_shape(ahead, caplog):
     torch.manual_seed(0)
     base = TinyTransformer()
@@ -343,7 +347,8 @@ def _gradients_over_layouts(model: nn.Module, layout: str) -> list[list[torch.Te
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
-@pytest.mark.parametrize("layout", ["slice", "expand", pytest.param("transpose", marks=pytest.mark.slow),
+@pytest.mark.parametrize("layout", ["expand", pytest.param("slice", marks=pytest.mark.slow),
+                                    pytest.param("transpose", marks=pytest.mark.slow),
                                     pytest.param("offset", marks=pytest.mark.slow),
                                     pytest.param("channels_last", marks=pytest.mark.slow)])
 def test_inputs_laid_out_unlike_the_first_call_train_like_eager(layout, compiler):

@@ -51,9 +51,9 @@ def test_eager_prediction_matches_measured_eager_step(name, batches):
         assert _close(predicted, measured), (name, batch, predicted, measured)
 
 
-@pytest.mark.parametrize("name,batch", [("tiny-bert", 4), ("tiny-resnet", 4),
+@pytest.mark.parametrize("name,batch", [("tiny-bert", 4),
                                         *(pytest.param(*case, marks=pytest.mark.slow) for case in (
-                                            ("resnet50", 4), ("bert-base", 1), ("gpt", 1)))])
+                                            ("tiny-resnet", 4), ("resnet50", 4), ("bert-base", 1), ("gpt", 1)))])
 def test_plans_prediction_matches_measured_rewritten_step(name, batch):
     model, args, kwargs = _meta_model(name, batch)
     compiled = sublinear.compile(model, args, kwargs, config=PLAIN)
