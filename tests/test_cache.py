@@ -128,3 +128,16 @@ def test_two_executors_of_one_model_keep_their_own_entries(tmp_path, recwarn):
     assert [p.graphs[0].executor.split(" (")[0] for p in runs] == ["sublinear's eager executor", "inductor"] * 2
     assert len(list(tmp_path.glob("*.json"))) == 2
     assert not [w for w in recwarn if "plan cache" in str(w.message)]
+
+
+def test_library_call_memory_of_sublinears_own_operators_is_not_kept_on_disk(tmp_path, monkeypatch):
+    """A call's scratch is cached per machine; sublinear's own operators allocate what this package's code does,
+    which the machine's key does not name, so their entries are measured again in each process."""
+    from sublinear.profiling.kernels import KernelMemory, Measured
+    monkeypatch.setenv("SUBLINEAR_CACHE_DIR", str(tmp_path))
+    library = "aten.mm.default((4, 4), (4, 4))"
+    own = "torch.ops.sublinear.linear_cross_entropy.default((4, 4), (8, 4))"
+    KernelMemory(torch.device("cpu")).remember({library: Measured(64, ("float32",)), own: Measured(999, ())})
+    later = KernelMemory(torch.device("cpu"))
+    assert later.get(library) == Measured(64, ("float32",))
+    assert later.get(own) is None

@@ -157,6 +157,29 @@ class _Head(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=0.1)
 
 
+
+@pytest.mark.parametrize("reads_logits", [False, True], ids=["computes-logits", "reads-logits"])
+def test_the_op_holds_two_chunks_of_logits_at_a_time_beside_the_weight_gradient(reads_logits):
+    """Under bf16 autocast (bf16 head, float32 loss): inside the op, a chunk's float32 logits and their
+    log-softmax (which becomes the gradient in place), the float32 weight-gradient sum and one chunk's bf16 product
+    for it; no chunk's values outlive it into the next one."""
+    torch.manual_seed(0)
+    tokens, width, vocabulary, rows = 256, 32, 8000, 32
+    hidden = torch.randn(tokens, width, dtype=torch.bfloat16)
+    weight = torch.randn(vocabulary, width, dtype=torch.bfloat16)
+    target = torch.randint(0, vocabulary, (tokens,))
+    logits = F.linear(hidden, weight) if reads_logits else None
+
+    def op(_unused):
+        return chunked_linear_cross_entropy(hidden, weight, None, target, logits, -100, "mean", 0.0, torch.float32,
+                                            rows)
+
+    inside = measure_cpu_allocator(op, nn.Module()).peak_bytes
+    chunk, weight_sized = rows * vocabulary * 4, vocabulary * width
+    bound = 2 * chunk + weight_sized * (4 + 2 + 2) + 64 * 1024  # float32 sum, a bf16 product, the bf16 result
+    assert inside <= bound, (inside, bound)
+
+
 def _step(run, x, target):
     run(x, target).backward()
 

@@ -52,37 +52,51 @@ def _chunked(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor
     grad_bias = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=torch.float32, device=weight.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], rows):
-        end = min(start + rows, hidden.shape[0])
-        z = logits[start:end] if logits is not None else _capped(F.linear(hidden[start:end], weight, bias), softcap)
-        z = z.to(dtype)
-        keep = valid[start:end]
-        picked_at = target[start:end].masked_fill(~keep, 0)[:, None]
-        log_probabilities = torch.log_softmax(z, dim=-1)
-        loss_rows = -log_probabilities.gather(1, picked_at)[:, 0]
-        if label_smoothing:
-            loss_rows = (1 - label_smoothing) * loss_rows - label_smoothing * log_probabilities.mean(dim=-1)
-        total += loss_rows.masked_fill(~keep, 0).sum(dtype=torch.float32)
-        grad = log_probabilities.exp_()  # the softmax, in the log-probabilities' place
-        grad.scatter_add_(1, picked_at, torch.full_like(picked_at, -(1 - label_smoothing), dtype=grad.dtype))
-        if label_smoothing:
-            grad.sub_(label_smoothing / z.shape[-1])
-        if softcap:  # through cap * tanh(x / cap): times 1 - tanh^2
-            grad.mul_(1 - (z / softcap).square())
+        chunk = slice(start, min(start + rows, hidden.shape[0]))
+        z = logits[chunk] if logits is not None else _capped(F.linear(hidden[chunk], weight, bias), softcap)
+        keep = valid[chunk]
+        grad = _logits_gradient(z.to(dtype), target[chunk], keep, label_smoothing, softcap, total)
+        del z  # a chunk's vocabulary-wide values live in this iteration only, never beside the next chunk's
         grad = grad.to(weight.dtype)
         # each row's scale (the reduction's, 0 for an ignored row) is applied to the hidden-sized operands and
         # results of the matmuls, not to the vocabulary-wide gradient: one pass over the chunk fewer
         row_scale = (keep * scale).to(weight.dtype)[:, None]
-        torch.mm(grad, weight, out=grad_hidden[start:end])
-        grad_hidden[start:end].mul_(row_scale)
-        scaled_rows = hidden[start:end] * row_scale
+        torch.mm(grad, weight, out=grad_hidden[chunk])
+        grad_hidden[chunk].mul_(row_scale)
+        scaled_rows = hidden[chunk] * row_scale
         if grad_weight.dtype == grad.dtype:
             grad_weight.addmm_(grad.t(), scaled_rows)
         else:  # a half-precision chunk's product, accumulated in float32
             grad_weight.add_(torch.mm(grad.t(), scaled_rows))
         if bias is not None:
             grad_bias.add_(torch.mm(row_scale.t(), grad)[0].to(torch.float32))
+        del grad
     loss = (total * scale).to(dtype)
     return loss, grad_hidden, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
+
+
+def _logits_gradient(z: Tensor, target: Tensor, keep: Tensor, label_smoothing: float, softcap: float,
+                     total: Tensor) -> Tensor:
+    """The loss's gradient with respect to a chunk's logits ``z`` (before the reduction's scale), adding the
+    chunk's loss to ``total``. At most two chunk-sized values are live: ``z`` and its log-softmax, which becomes the
+    gradient in place."""
+    picked_at = target.masked_fill(~keep, 0)[:, None]
+    cap_factor = 1 - (z / softcap).square() if softcap else None  # through cap * tanh(x / cap): 1 - tanh^2
+    log_probabilities = torch.log_softmax(z, dim=-1)
+    vocabulary = z.shape[-1]
+    del z
+    loss_rows = -log_probabilities.gather(1, picked_at)[:, 0]
+    if label_smoothing:
+        loss_rows = (1 - label_smoothing) * loss_rows - label_smoothing * log_probabilities.mean(dim=-1)
+    total += loss_rows.masked_fill(~keep, 0).sum(dtype=torch.float32)
+    grad = log_probabilities.exp_()  # the softmax, in the log-probabilities' place
+    del log_probabilities
+    grad.scatter_add_(1, picked_at, torch.full_like(picked_at, -(1 - label_smoothing), dtype=grad.dtype))
+    if label_smoothing:
+        grad.sub_(label_smoothing / vocabulary)
+    if cap_factor is not None:
+        grad.mul_(cap_factor)
+    return grad
 
 
 def _capped(logits: Tensor, softcap: float) -> Tensor:

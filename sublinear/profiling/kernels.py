@@ -5,7 +5,9 @@ program statement shows: a convolution's backward on CPU reorders its inputs int
 per-thread buffers. Each distinct call (the call with every tensor argument's shape, stride and dtype) runs once,
 alone on the device, on random tensors of those layouts, and the allocator's peak inside it is kept: in memory and,
 per machine (device model, thread count, torch version), in the cache folder's ``kernel-memory.json``. The peak is
-the same at every run of the same call, so it is measured whatever model times the ops.
+the same at every run of the same call, so it is measured whatever model times the ops. Calls of sublinear's own
+operators (the chunked LM head) are kept in memory only: their allocations follow this package's code, which the
+machine's key does not name.
 """
 
 from __future__ import annotations
@@ -171,12 +173,17 @@ def _cache_path() -> Path | None:
     return folder / "kernel-memory.json" if folder is not None else None
 
 
+def _own_operator(key: str) -> bool:
+    """Whether ``key`` calls one of sublinear's operators (``torch.ops.sublinear.*`` or a function of this package)."""
+    return "sublinear." in key
+
+
 def _read(path: Path | None, machine: str) -> dict[str, Measured]:
     if path is None or not path.exists():
         return {}
     try:
         table = json.loads(path.read_text()).get(machine, {})
-        return {key: Measured(int(v[0]), tuple(v[1])) for key, v in table.items()}
+        return {key: Measured(int(v[0]), tuple(v[1])) for key, v in table.items() if not _own_operator(key)}
     except (OSError, ValueError, AttributeError, TypeError, IndexError):
         return {}
 
@@ -189,7 +196,8 @@ def _write(path: Path, machine: str, measured: Mapping[str, Measured]) -> None:
     except (OSError, ValueError):
         known = {}
     table = known.setdefault(machine, {})
-    table.update({key: [m.inside_peak, list(m.result_dtypes)] for key, m in measured.items()})
+    table.update({key: [m.inside_peak, list(m.result_dtypes)] for key, m in measured.items()
+                  if not _own_operator(key)})
     try:
         write_json(path, known)
     except OSError as exc:
