@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -190,12 +191,10 @@ def main() -> None:
             model.gradient_checkpointing_disable()
         rows.append((mode, *search(lambda n: measure_length(model, mode, n, budget, args.device, args.compiler),
                                    args.start, args.granularity, args.time_limit)))
-    command = "python benchmarks/longest_sequence.py" + "".join(f" {a}" for a in sys.argv[1:])
-    text = report(rows, command, args, budget)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    text = report(rows, " ".join(["python benchmarks/longest_sequence.py", *sys.argv[1:]]), args, budget)
     print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
