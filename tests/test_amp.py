@@ -38,8 +38,8 @@ def amp_training(module, args, steps=2):
             {k: v.clone() for k, v in module.state_dict().items()}, torch.get_rng_state())
 
 
-@pytest.mark.parametrize("name", ["tiny-resnet", pytest.param("tiny-bert", marks=pytest.mark.slow),
-                                  pytest.param("tiny-gpt", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-resnet", "tiny-bert", "tiny-gpt"])
 def test_bf16_autocast_training_is_bit_for_bit_eager_and_predicted(name):
     spec = get_model(name)
     torch.manual_seed(0)

@@ -208,6 +208,7 @@ def test_plan_describes_the_latest_call_once_per_graph_after_a_recompile():
     assert [g.graph for g in plan.graphs] == [0]  # TorchDynamo captured it again after the write: still one graph
 
 
+@pytest.mark.slow
 def test_plan_is_keyed_on_parameter_shapes_and_a_hit_is_checked_against_the_budget(tmp_path):
     x = torch.randn(64, 32)
     config = sublinear.SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf, min_memory_per_time=0,

@@ -110,7 +110,7 @@ def test_on_chains_the_plan_is_the_cheapest_flat_plan_that_fits(depth, width, fr
     assert close(sim.recompute_seconds, best) and close(solution.seconds, best)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.sampled_from(DAG_SEEDS), fraction=st.floats(0, 1))
 def test_on_dags_the_plan_fits_and_is_the_cheapest_whose_model_peak_fits(seed, fraction):
     """The model bounds the simulated peak from above; the plan is the least-time plan whose model peak fits, so it

@@ -111,6 +111,7 @@ def test_budget_gives_least_time_that_fits(resnet):
         assert generous.simulation.time_ratio == 1.0
 
 
+@pytest.mark.slow
 def test_the_default_never_trades_more_than_the_time_cap(resnet):
     _, _, p = resnet
     unbounded = make_plan(p, dataclasses_replace(UNCAPPED, genetic_nr_iter=5))
