@@ -597,6 +597,20 @@ def test_a_model_on_meta_planned_ahead_is_not_planned_again_at_its_first_step(mo
     compiled(x).sum().backward()
     assert len(searches) == 1 and compiled.sublinear_plan.graphs[0].plan == planned.plan
 
+def test_an_applied_module_planned_ahead_under_a_budget_is_not_searched_again_at_its_first_call(monkeypatch):
+    """Under a budget the first call plans on a data-less twin before running; ``apply`` runs the class's forward
+    bound to the module, whose graph must be the twin's (same code), so the call runs that plan."""
+    searches = []
+    real_make_plan = sublinear.runtime.pipeline.make_plan
+    monkeypatch.setattr(sublinear.runtime.pipeline, "make_plan",
+                        lambda *a, **k: searches.append(1) or real_make_plan(*a, **k))
+    torch.manual_seed(0)
+    model, x = ResidualNet(), torch.randn(4, 3, 8, 8)
+    sublinear.apply(model, dataclasses.replace(PLAIN, memory_budget=1 << 40))
+    model(x).sum().backward()
+    assert len(searches) == 1
+
+
 def test_a_meta_model_is_planned_for_the_eager_executor_at_the_reference_gpu_rates(monkeypatch):
     # Captured on fake CPU tensors, a meta model is still planned as one: for the eager executor (nothing runs on
     # meta), its op times estimated for the reference GPU, not at this CPU's rates.

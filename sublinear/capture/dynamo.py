@@ -20,6 +20,7 @@ import contextvars
 import copy
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
 import re
@@ -485,11 +486,19 @@ def compile_entry(target: Callable[..., Any], name: str, dynamic: bool | None) -
     its cache) alive for good. The cache is cleared when the entry goes, so a process that compiles many models,
     or one model at many batch sizes, does not keep every graph it ever captured.
     """
+    if inspect.ismethod(target) and isinstance(target.__self__, torch.nn.Module):
+        # A module's own forward (``sublinear.apply`` replaced the instance's): the module is bound here, so the
+        # sources read L['self'].<module path> as for the module itself, not L['self'].__self__...; the graph's
+        # code, and the plans keyed on it, are then the same as a capture of the module's data-less twin.
+        self, forward = target.__self__, target.__func__
 
-    self = target  # the graphs' sources then read L['self'].<module path>, as for a module compiled directly
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            return forward(self, *args, **kwargs)
+    else:
+        self = target  # the graphs' sources then read L['self'].<module path>, as for a module compiled directly
 
-    def entry(*args: Any, **kwargs: Any) -> Any:
-        return self(*args, **kwargs)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            return self(*args, **kwargs)
 
     # A name of its own: TorchDynamo keeps what it learned of a frame's sizes (which became dynamic) per file, line
     # and name, so entries of one name would share it across models.
