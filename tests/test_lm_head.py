@@ -122,6 +122,28 @@ def test_an_hf_causal_lm_head_is_chunked_and_trains_like_eager_over_changing_len
     assert "reading the logits the model returns" in graph.lm_heads[0]
 
 
+
+@pytest.mark.parametrize("config", [CHUNKED, pytest.param(INDUCTOR, marks=pytest.mark.slow)],
+                         ids=["eager-executor", "inductor"])
+def test_under_a_memory_budget_a_chunked_head_trains_like_eager_and_the_step_holds_the_budget(config):
+    """The budget halfway from the lowest plan's predicted peak to eager's (both with the head chunked)."""
+    model, batches = _llama(), _batches([32, 32, 32])
+    lowest = copy.deepcopy(model)
+    run = sublinear.apply(lowest, config)
+    run(input_ids=batches[0][0], labels=batches[0][1]).loss.backward()
+    plan = lowest.sublinear_plan.graphs[0]
+    assert plan.predicted_peak_bytes < plan.baseline_peak_bytes
+    budget = (plan.predicted_peak_bytes + plan.baseline_peak_bytes) // 2
+    reference = copy.deepcopy(model)
+    expected = _train(reference, reference, batches)
+    run = sublinear.apply(model, dataclasses.replace(config, memory_budget=budget))
+    _assert_trains_alike(_train(run, model, batches), expected)
+    assert "computed in chunks" in model.sublinear_plan.graphs[0].lm_heads[0]
+    ids, labels = batches[0]
+    measured = measure_cpu_allocator(lambda m: m(input_ids=ids, labels=labels).loss.backward(), model).peak_bytes
+    assert measured <= budget, (measured, budget)
+
+
 @pytest.mark.slow
 def test_returned_logits_no_gradient_reaches_cost_no_matmul_in_the_compiled_backward():
     """AOTAutograd gives an output no gradient reaches a zero gradient: had the graph returned the logits attached,
