@@ -5,8 +5,9 @@ and optionally the head's logits when the step computes them anyway (the model r
 and the gradients of the loss with respect to the hidden rows, the weight and the bias. The rows are processed in
 chunks: a chunk's logits (computed from the hidden rows, or read from the given logits), their log-sum-exp, the
 loss and the logits' gradient, which goes at once into the hidden rows' and the weight's gradients. So no more than
-one chunk of tokens x vocabulary values is ever held, and nothing vocabulary-sized is saved for backward: the
-gradients are computed in forward and backward scales them by the loss's gradient. The FLOPs are those of the
+two chunk-sized values (a chunk's logits and their log-softmax, which becomes the gradient in place) are held at a
+time, and nothing vocabulary-sized is saved for backward: the gradients are computed in forward and backward scales
+them by the loss's gradient. The FLOPs are those of the
 unchunked step (no recompute).
 
 The arithmetic is that of ``F.cross_entropy(F.linear(hidden, weight, bias).to(dtype), target, ...)`` (the linear's
