@@ -218,6 +218,7 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"sublinear {sublinear.__version__}"
 
 
+@pytest.mark.slow
 def test_plan_and_profile_end_to_end(capsys):
     assert main(["plan", "--model", "tiny-bert", "--batch", "8", "--seq", "32"]) == 0
     out = capsys.readouterr().out

@@ -114,6 +114,7 @@ def test_the_backend_named_sublinear_plans_with_the_options_torch_compile_passes
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_hugging_face_trainer_trains_a_model_compiled_by_the_backend_name(tmp_path, monkeypatch, caplog):
     """A model compiled as ``torch.compile(model, backend="sublinear")`` trains in the Trainer bit for bit like the
     same Trainer without compiling (the eager executor, chosen by $SUBLINEAR_COMPILER, is exact like eager).

@@ -102,10 +102,9 @@ def _assert_trains_alike(got, expected) -> None:
         assert all(_close(grads[k], ref_grads[k]) for k in ref_grads)
 
 
-@pytest.mark.parametrize("through_logits", [pytest.param(False, marks=pytest.mark.slow), True],
-                         ids=["loss", "loss-and-logits"])
-@pytest.mark.parametrize("config", [CHUNKED, pytest.param(INDUCTOR, marks=pytest.mark.slow)],
-                         ids=["eager-executor", "inductor"])
+@pytest.mark.slow
+@pytest.mark.parametrize("through_logits", [False, True], ids=["loss", "loss-and-logits"])
+@pytest.mark.parametrize("config", [CHUNKED, INDUCTOR], ids=["eager-executor", "inductor"])
 def test_an_hf_causal_lm_head_is_chunked_and_trains_like_eager_over_changing_lengths_with_padding(config,
                                                                                                    through_logits):
     """The caller reads the logits (they are the model's) and, in one case, backpropagates a loss on them too:
