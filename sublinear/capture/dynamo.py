@@ -486,7 +486,7 @@ def compile_entry(target: Callable[..., Any], name: str, dynamic: bool | None) -
     its cache) alive for good. The cache is cleared when the entry goes, so a process that compiles many models,
     or one model at many batch sizes, does not keep every graph it ever captured.
     """
-    if inspect.ismethod(target) and isinstance(target.__self__, torch.nn.Module):
+    if inspect.ismethod(target) and isinstance(target.__self__, nn.Module):
         # A module's own forward (``sublinear.apply`` replaced the instance's): the module is bound here, so the
         # sources read L['self'].<module path> as for the module itself, not L['self'].__self__...; the graph's
         # code, and the plans keyed on it, are then the same as a capture of the module's data-less twin.

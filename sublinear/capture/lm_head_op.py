@@ -7,8 +7,7 @@ chunks: a chunk's logits (computed from the hidden rows, or read from the given 
 loss and the logits' gradient, which goes at once into the hidden rows' and the weight's gradients. So no more than
 two chunk-sized values (a chunk's logits and their log-softmax, which becomes the gradient in place) are held at a
 time, and nothing vocabulary-sized is saved for backward: the gradients are computed in forward and backward scales
-them by the loss's gradient. The FLOPs are those of the
-unchunked step (no recompute).
+them by the loss's gradient. The FLOPs are those of the unchunked step (no recompute).
 
 The arithmetic is that of ``F.cross_entropy(F.linear(hidden, weight, bias).to(dtype), target, ...)`` (the linear's
 output soft-capped first where asked): the loss of a row is ``-log_softmax(z)[target]`` (with label smoothing ``e``,
@@ -54,10 +53,12 @@ def _chunked(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], rows):
         chunk = slice(start, min(start + rows, hidden.shape[0]))
-        z = logits[chunk] if logits is not None else _capped(F.linear(hidden[chunk], weight, bias), softcap)
         keep = valid[chunk]
-        grad = _logits_gradient(z.to(dtype), target[chunk], keep, label_smoothing, softcap, total)
-        del z  # a chunk's vocabulary-wide values live in this iteration only, never beside the next chunk's
+        # no name here holds the chunk's logits: a half-precision product dies at its cast, the cast inside
+        # _logits_gradient, so a chunk's values never outlive it into the next chunk
+        given = logits[chunk] if logits is not None else None
+        grad = _logits_gradient(_chunk_logits(hidden[chunk], weight, bias, given, softcap).to(dtype), target[chunk],
+                                keep, label_smoothing, softcap, total)
         grad = grad.to(weight.dtype)
         # each row's scale (the reduction's, 0 for an ignored row) is applied to the hidden-sized operands and
         # results of the matmuls, not to the vocabulary-wide gradient: one pass over the chunk fewer
@@ -98,6 +99,11 @@ def _logits_gradient(z: Tensor, target: Tensor, keep: Tensor, label_smoothing: f
     if cap_factor is not None:
         grad.mul_(cap_factor)
     return grad
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, given: Tensor | None, softcap: float) -> Tensor:
+    """A chunk's logits: ``given`` (read from the logits the model returns), or made from its hidden rows."""
+    return given if given is not None else _capped(F.linear(hidden, weight, bias), softcap)
 
 
 def _capped(logits: Tensor, softcap: float) -> Tensor:
