@@ -582,12 +582,18 @@ def test_planning_collects_only_its_own_garbage_and_leaves_a_frozen_heap_frozen(
         gc.unfreeze()
 
 
-def test_a_model_on_meta_planned_ahead_is_not_planned_again_at_its_first_step(monkeypatch):
-    # Planning ahead captures a meta model on fake CPU tensors; the step's meta tensors must find that plan.
-    searches = []
+@pytest.fixture
+def searches(monkeypatch) -> list[int]:
+    """One entry per plan search (``make_plan`` call) from here on."""
+    made = []
     real_make_plan = sublinear.runtime.pipeline.make_plan
     monkeypatch.setattr(sublinear.runtime.pipeline, "make_plan",
-                        lambda *a, **k: searches.append(1) or real_make_plan(*a, **k))
+                        lambda *a, **k: made.append(1) or real_make_plan(*a, **k))
+    return made
+
+
+def test_a_model_on_meta_planned_ahead_is_not_planned_again_at_its_first_step(searches):
+    # Planning ahead captures a meta model on fake CPU tensors; the step's meta tensors must find that plan.
     with torch.device("meta"):
         model = ResidualNet()
         x = torch.randn(4, 3, 8, 8)
@@ -597,13 +603,10 @@ def test_a_model_on_meta_planned_ahead_is_not_planned_again_at_its_first_step(mo
     compiled(x).sum().backward()
     assert len(searches) == 1 and compiled.sublinear_plan.graphs[0].plan == planned.plan
 
-def test_an_applied_module_planned_ahead_under_a_budget_is_not_searched_again_at_its_first_call(monkeypatch):
+
+def test_an_applied_module_planned_ahead_under_a_budget_is_not_searched_again_at_its_first_call(searches):
     """Under a budget the first call plans on a data-less twin before running; ``apply`` runs the class's forward
     bound to the module, whose graph must be the twin's (same code), so the call runs that plan."""
-    searches = []
-    real_make_plan = sublinear.runtime.pipeline.make_plan
-    monkeypatch.setattr(sublinear.runtime.pipeline, "make_plan",
-                        lambda *a, **k: searches.append(1) or real_make_plan(*a, **k))
     torch.manual_seed(0)
     model, x = ResidualNet(), torch.randn(4, 3, 8, 8)
     sublinear.apply(model, dataclasses.replace(PLAIN, memory_budget=1 << 40))
