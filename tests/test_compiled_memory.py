@@ -185,12 +185,36 @@ class _LanguageModelHead(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), torch.arange(x.shape[1]).repeat(x.shape[0]) % logits.shape[-1])
 
 
-CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "attention": (_Attention, (4, 128, 64)),
-         "pointwise": (_pointwise_chain, (256, 128)), "head": (_LanguageModelHead, (4, 64, 64)),
-         "unchunked-head": (_LanguageModelHead, (4, 64, 64))}
+class _Recurrence(nn.Module):
+    """An unrolled linear recurrence, as a state-space model's scan without its fused kernel: the state decays and
+    takes in a drive per step, and is read out per step. Inductor's lowering stores many of the backward's sums of
+    gradients in buffers (too many loads to inline), which its fused kernels allocate together."""
+
+    def __init__(self, width: int = 64, state: int = 16) -> None:
+        super().__init__()
+        self.inp, self.step, self.out = nn.Linear(width, 2 * width), nn.Linear(width, width), nn.Linear(width, width)
+        self.read, self.write = nn.Linear(width, state), nn.Linear(width, state)
+        self.decay = nn.Parameter(-torch.rand(width, state))
+
+    def forward(self, x):
+        h, gate = self.inp(x).chunk(2, -1)
+        dt = F.softplus(self.step(h))
+        decay = torch.exp(dt.unsqueeze(-1) * self.decay)
+        drive = dt.unsqueeze(-1) * self.write(h).unsqueeze(2) * h.unsqueeze(-1)
+        read = self.read(h)
+        state, outs = torch.zeros_like(decay[:, 0]), []
+        for t in range(x.shape[1]):
+            state = decay[:, t] * state + drive[:, t]
+            outs.append(torch.matmul(state, read[:, t].unsqueeze(-1)).squeeze(-1))
+        return self.out(torch.stack(outs, 1) * F.silu(gate))
 
 
-@pytest.mark.parametrize("case", [pytest.param("convolution"), pytest.param("head"),
+CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "recurrence": (_Recurrence, (8, 16, 64)),
+         "attention": (_Attention, (4, 128, 64)), "pointwise": (_pointwise_chain, (256, 128)),
+         "head": (_LanguageModelHead, (4, 64, 64)), "unchunked-head": (_LanguageModelHead, (4, 64, 64))}
+
+
+@pytest.mark.parametrize("case", [pytest.param("convolution"), pytest.param("head"), pytest.param("recurrence"),
                                   pytest.param("unchunked-head", marks=pytest.mark.slow),
                                   pytest.param("attention", marks=pytest.mark.slow),
                                   pytest.param("pointwise", marks=pytest.mark.slow)])

@@ -16,6 +16,7 @@ from sublinear.profiling.compiled_dataflow import OpGrouping, StorageReads, Step
 from sublinear.profiling.compiled_nodes import (
     InductorKinds, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
 )
+from sublinear.profiling.compiled_realize import kernel_segments, stored_by_lowering
 from sublinear.profiling.costs import DeviceRates
 from sublinear.tensors import size_hint as hint
 
@@ -25,14 +26,34 @@ def materialized_predicate(storages: StepStorages, reads: StorageReads, kinds: I
     """The predicate ``materialized(key, rebuilt=False, saved=True)``: whether a produced storage is a buffer in
     forward: a library kernel or a reduction makes it, a library kernel reads it, the graph returns it, or (with
     ``saved``) backward reads it, so that forward saves it; a fused pointwise value read only by fused forward
-    kernels is not. ``rebuilt``: as recomputed in backward, where neither returning nor saving counts."""
+    kernels is not, unless inductor's lowering stores it anyway (:mod:`.compiled_realize`). ``rebuilt``: as
+    recomputed in backward, where neither returning nor saving counts, and backward's nodes read it too."""
     fusible = {key: kinds.fusible(fw[i]) for key, i in storages.produced_by.items()}
+    in_forward = set(fw)
+
+    def buffered(node: fx.Node, rebuilt: bool = False) -> bool:
+        return any(k in reads.needs_buffer or not rebuilt and (k in reads.output_use or k in reads.saved_at)
+                   for k in storages.keys_of(node))
+
+    stored = _keys(storages, stored_by_lowering(fw, kinds, lambda n: _readers(n, in_forward), buffered))
+    stored_rebuilt = _keys(storages, stored_by_lowering(fw, kinds, lambda n: sum(u.op != "output" for u in n.users),
+                                                        lambda n: buffered(n, rebuilt=True)))
 
     def materialized(key: int, rebuilt: bool = False, saved: bool = True) -> bool:
         return key in storages.produced_by and (
-            not fusible[key] or key in reads.needs_buffer
+            not fusible[key] or key in reads.needs_buffer or key in (stored_rebuilt if rebuilt else stored)
             or (not rebuilt and (key in reads.output_use or (saved and key in reads.saved_at))))
     return materialized
+
+
+def _readers(node: fx.Node, graph: set[fx.Node]) -> int:
+    """How many nodes of ``graph`` read ``node``, its output (what the graph returns or saves) counting as one."""
+    inside = sum(u in graph for u in node.users)
+    return inside + (inside < len(node.users))
+
+
+def _keys(storages: StepStorages, nodes: set[fx.Node]) -> set[int]:
+    return {key for node in nodes for key in storages.keys_of(node)}
 
 
 def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
@@ -189,13 +210,17 @@ class GradientSide:
                     self.last[key] = k
                     if kinds.extern(node):
                         self.needs_buffer.add(key)
+        in_backward = set(bw)
+        self.stored: set[int] = set()
+        self.stored = _keys(storages, stored_by_lowering(bw, kinds, lambda n: _readers(n, in_backward),
+                                                         lambda n: any(self.buffer(k) for k in storages.keys_of(n))))
 
     def buffer(self, key: int) -> bool:
         """Whether a gradient-side value takes memory: an output's gradient, made by a kernel that cannot be fused,
-        read by a library kernel, or returned."""
+        read by a library kernel, stored by inductor's lowering anyway, or returned."""
         k = self.born.get(key)
         return k is not None and (k < 0 or not self.kinds.fusible(self.bw[k]) or key in self.needs_buffer
-                                  or key in self.outputs)
+                                  or key in self.stored or key in self.outputs)
 
     def tangent_bytes(self) -> int:
         return sum(self.sizes[key] for key, k in self.born.items() if k < 0)
@@ -221,7 +246,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     def readable(key: int) -> bool:
         return key in storages.produced_by or side.buffer(key)
 
-    for segment in _segments(bw, side.kinds):
+    for segment in kernel_segments(bw, side.kinds):
         for k in segment:
             if start[ranks[k]] is None:
                 start[ranks[k]] = before[ranks[k]] = after[ranks[k]] = live
@@ -261,13 +286,13 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
 
 
 class _InPlace:
-    """Inductor writes a fused kernel's output into a buffer the kernel reads when that kernel is the buffer's only
-    reader and the sizes match: a buffer backward made, or a forward value backward alone reads (AOTAutograd donates
-    saved intermediates to backward); never a graph input (parameters, inputs, the outputs' gradients) or a value
-    forward returns. A taken gradient-side buffer passes its bytes on. A taken forward value is recorded
-    (``forward_taken``, with the rank): whether it is a buffer there depends on the plan (saved, or rebuilt into a
-    buffer, or fused into that kernel when recomputed), so the simulator ends it there, and the output counts on the
-    gradient side."""
+    """Inductor writes a buffer into one its computation reads (the value and the fused values without a buffer it
+    is made from) when that computation reads it last and the sizes match: a buffer backward made, or a forward
+    value backward alone reads (AOTAutograd donates saved intermediates to backward); never a graph input
+    (parameters, inputs, the outputs' gradients) or a value forward returns. A taken gradient-side buffer passes its
+    bytes on. A taken forward value is recorded (``forward_taken``, with the rank): whether it is a buffer there
+    depends on the plan (saved, or rebuilt into a buffer, or fused into that kernel when recomputed), so the
+    simulator ends it there, and the output counts on the gradient side."""
 
     def __init__(self, storages: StepStorages, side: GradientSide, reads: StorageReads) -> None:
         self.storages, self.side, self.reads = storages, side, reads
@@ -282,18 +307,32 @@ class _InPlace:
             return None
         return self.side.sizes[key]
 
+    def _computation(self, k: int) -> set[int]:
+        """Backward node ``k`` and the fused backward values without a buffer that its kernel computes with it."""
+        side, found, stack = self.side, {k}, [k]
+        while stack:
+            for arg in side.bw[stack.pop()].all_input_nodes:
+                for key in self.storages.keys_of(arg):
+                    j = side.born.get(key)
+                    if j is not None and j >= 0 and j not in found and not side.buffer(key):
+                        found.add(j)
+                        stack.append(j)
+        return found
+
     def take(self, segment: list[int], made: list[int]) -> dict[int, int]:
         """Per output of ``segment`` (one fused kernel, consecutive backward nodes) written in place: the input whose
         buffer it takes."""
         side = self.side
         if len(segment) == 1 and side.kinds.extern(side.bw[segment[0]]):
             return {}
-        first, last = segment[0], segment[-1]
-        inputs = [key for key in dict.fromkeys(k2 for k in segment for arg in side.bw[k].all_input_nodes
-                                               for k2 in self.storages.keys_of(arg))
-                  if first <= side.first[key] and side.last[key] <= last and self._size(key) is not None]
+        first = segment[0]
         taken: dict[int, int] = {}
         for out in made:
+            computation = self._computation(side.born[out])
+            inputs = [key for key in dict.fromkeys(k2 for k in sorted(computation)
+                                                   for arg in side.bw[k].all_input_nodes
+                                                   for k2 in self.storages.keys_of(arg))
+                      if first <= side.first[key] and side.last[key] in computation and self._size(key) is not None]
             match = next((key for key in inputs if key not in taken.values() and key != out
                           and self._size(key) == self.side.sizes[out]), None)
             if match is None:
@@ -304,15 +343,3 @@ class _InPlace:
             else:
                 self.given.add(match)
         return taken
-
-
-def _segments(nodes: list[fx.Node], kinds: InductorKinds) -> list[list[int]]:
-    """Positions of ``nodes`` cut into what inductor runs as one kernel: each library kernel alone, and every run of
-    other nodes between two of them together."""
-    segments: list[list[int]] = []
-    for k, node in enumerate(nodes):
-        alone = kinds.extern(node)
-        if alone or not segments or kinds.extern(nodes[segments[-1][-1]]):
-            segments.append([])
-        segments[-1].append(k)
-    return segments

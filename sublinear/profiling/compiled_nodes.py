@@ -62,9 +62,29 @@ class InductorKinds:
         """Whether inductor calls a kernel of its own for ``node``: a library call, or a custom op (an operator
         outside aten and prims, which inductor runs as the op itself)."""
         target = node.target
-        return isinstance(target, torch._ops.OpOverload) and (
+        return isinstance(target, torch._ops.OpOverload) and not _bmm_lowered_as_sum(node) and (
             target in self.realized_inputs or target in self.fallbacks or target in self.extern_ops
             or target.namespace not in ("aten", "prims", "inductor_prims", "prim"))
+
+
+_BMM_DOT_INNER_LIMIT = 32  # inductor's tuned_bmm: the largest inner dimension it sums on CUDA and XPU
+
+
+def _bmm_lowered_as_sum(node: fx.Node) -> bool:
+    """Whether inductor lowers the batched matrix product ``node`` to a multiply and a sum over the inner dimension
+    (a reduction its fused kernels compute, no library call): on the CPU when either output dimension is 1, on CUDA
+    and XPU when both are and the inner dimension is at most 32 (its ``tuned_bmm``)."""
+    if node.target is not torch.ops.aten.bmm.default or len(node.args) < 2:
+        return False
+    a, b = (arg.meta.get("val") if isinstance(arg, fx.Node) else None for arg in node.args[:2])
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != 3 or b.dim() != 3:
+        return False
+    rows, columns, inner = hint(a.shape[1]), hint(b.shape[2]), hint(a.shape[2])
+    if a.device.type == "cpu" and b.device.type == "cpu":
+        return rows == 1 or columns == 1
+    return a.device.type in ("cuda", "xpu") and b.device == a.device and a.dtype == b.dtype and \
+        a.dtype.is_floating_point and a.dtype.itemsize >= 2 and rows == 1 and columns == 1 and \
+        inner <= _BMM_DOT_INNER_LIMIT
 
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:

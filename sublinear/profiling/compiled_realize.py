@@ -1,0 +1,148 @@
+"""The pointwise values inductor's lowering stores in buffers although a reader could compute them: its rules for
+when inlining a value into its readers would repeat too much work.
+
+Inductor lowers a pointwise node to an expression its readers inline (no buffer) until one of these holds, read from
+its config (``torch._inductor.config``), which the rules below apply to the node's expression with every inlined
+pointwise value it is made from:
+
+- the node has several readers and its expression computes a costly function on the CPU (exp, log, sigmoid, tanh
+  and the functions made of them), has more than ``realize_opcount_threshold`` operations (50 on the CPU, 30 else),
+  or loads more than ``realize_reads_threshold`` (4) values;
+- the expression loads more than ``realize_acc_reads_threshold`` values (12 on the CPU, 8 else) or has more
+  operations than the opcount threshold, and more than one of its loads reads memory;
+- the expression has more than 100 operations (too deep to inline).
+
+A long unrolled recurrence (a state-space scan's steps) or a chain of sums of gradients trips them: inductor's fused
+kernel then writes several such buffers, all of them allocated before it runs. A stored value that only reductions
+and values with buffers of their own read, in the kernel that makes it, is removed again (its scheduler's
+kernel-local buffers): fused with its readers, it never leaves the kernel. Every load through a different view of a
+different shape, strides or offset counts as a read of its own (inductor indexes the buffer anew).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from sublinear.capture.joint import is_view
+from sublinear.profiling.compiled_nodes import InductorKinds
+
+__all__ = ["kernel_segments", "stored_by_lowering"]
+
+# aten ops whose lowering computes exp, log, log10, log1p, log2, sigmoid or tanh (inductor's costly functions on
+# the CPU) once decomposed
+_COSTLY = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh", "softplus", "softplus_backward",
+                     "silu", "silu_backward", "mish", "mish_backward", "logit", "logit_backward",
+                     "log_sigmoid_forward", "log_sigmoid_backward", "elu", "elu_backward"})
+
+
+_INLINE_LIMIT = 100  # operations beyond which inductor's lowering stores any pointwise value
+
+
+@dataclass(frozen=True)
+class _Expression:
+    """A pointwise value as its readers would inline it: the loads (per buffer and view), the operations and
+    whether one is costly on the CPU."""
+
+    loads: frozenset
+    operations: frozenset
+    costly: bool
+
+
+def stored_by_lowering(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[[fx.Node], int],
+                       buffered: Callable[[fx.Node], bool]) -> set[fx.Node]:
+    """The fusible nodes of ``nodes`` (one graph, in order) that inductor stores in a buffer by the rules above and
+    keeps (see above); ``readers(node)``: how many nodes of that graph read ``node`` (its output counting as one);
+    ``buffered(node)``: whether a fusible node's value is a buffer anyway (a library kernel reads it, the graph
+    returns or saves it)."""
+    kernel = {nodes[k]: i for i, segment in enumerate(kernel_segments(nodes, kinds)) for k in segment}
+
+    def kernel_local(node: fx.Node) -> bool:
+        """Read only in its kernel, by reductions and by values with buffers of their own: fused with them."""
+        return all(kernel.get(user, -1) == kernel[node] and (buffered(user) or not kinds.fusible(user))
+                   and not kinds.extern(user) for user in node.users)
+
+    return {node for node in _realized(nodes, kinds, readers) if not kernel_local(node)}
+
+
+def kernel_segments(nodes: Sequence[fx.Node], kinds: InductorKinds) -> list[list[int]]:
+    """Positions of ``nodes`` cut into what inductor runs as one kernel: each library kernel alone, and every run of
+    other nodes between two of them together."""
+    segments: list[list[int]] = []
+    for k, node in enumerate(nodes):
+        alone = kinds.extern(node)
+        if alone or not segments or kinds.extern(nodes[segments[-1][-1]]):
+            segments.append([])
+        segments[-1].append(k)
+    return segments
+
+
+def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[[fx.Node], int]) -> set[fx.Node]:
+    from torch._inductor import config  # noqa: PLC0415
+
+    realized: set[fx.Node] = set()
+    expressions: dict[fx.Node, _Expression] = {}
+    for node in nodes:
+        if not kinds.fusible(node):
+            continue
+        view = is_view(node)
+        loads: set = set()
+        operations: set = set() if view else {node}
+        costly = not view and _costly(node)
+        for arg in node.all_input_nodes:
+            inlined = expressions.get(arg)
+            if inlined is None:  # a buffer: a library call's or a reduction's result, a graph input, a realized value
+                loads.add((arg, _layout(node) if view else None))
+                continue
+            loads |= {(buffer, _layout(node) if view and through is None else through)
+                      for buffer, through in inlined.loads}
+            operations |= inlined.operations
+            costly = costly or inlined.costly
+        if view:
+            expressions[node] = _Expression(frozenset(loads), frozenset(operations), costly)
+            continue
+        cpu = _on_cpu(node)
+        opcount_limit = _threshold(config.realize_opcount_threshold, config.realize_cpu_opcount_threshold,
+                                   config._realize_opcount_threshold_default, cpu)
+        reads_limit = _threshold(config.realize_acc_reads_threshold, config.realize_cpu_acc_reads_threshold,
+                                 config._realize_acc_reads_threshold_default, cpu)
+        count = len(operations) + len(loads)
+        many = count > opcount_limit
+        if readers(node) > 1 and ((cpu and costly) or many or len(loads) > config.realize_reads_threshold) or \
+                (len(loads) > 1 and (len(loads) > reads_limit or many)) or count > _INLINE_LIMIT:
+            realized.add(node)
+        else:
+            expressions[node] = _Expression(frozenset(loads), frozenset(operations), costly)
+    return realized
+
+
+def _layout(view: fx.Node) -> tuple:
+    """How a view indexes its buffer (equal views load the same elements: one read, as inductor counts them)."""
+    value = view.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return (view,)
+    return str(tuple(value.shape)), str(value.stride()), str(value.storage_offset())  # sizes may be symbols
+
+
+def _costly(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    name = target._opname
+    if name == "gelu" or name == "gelu_backward":
+        return node.kwargs.get("approximate", "none") == "tanh"
+    return name in _COSTLY
+
+
+def _on_cpu(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu"
+
+
+def _threshold(setting: int | None, cpu_value: int, default: int, cpu: bool) -> int:
+    if setting is not None:
+        return setting
+    return cpu_value if cpu else default
