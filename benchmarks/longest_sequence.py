@@ -38,6 +38,8 @@ SHAPES = {
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
                          rope_theta=500000.0),
+    "mid": dict(vocab_size=128256, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),  # the 1B's vocabulary, for a CPU
     "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -108,7 +109,7 @@ def _assert_trains_alike(got, expected) -> None:
 def test_an_hf_causal_lm_head_is_chunked_and_trains_like_eager_over_changing_lengths_with_padding(config,
                                                                                                    through_logits):
     """The caller reads the logits (they are the model's) and, in one case, backpropagates a loss on them too:
-    the graph returns them detached and their gradient reaches the model through the head outside it."""
+    they are computed when read, and their gradient reaches the model through the head outside the graph."""
     model = _llama()
     batches = _batches([16, 16, 24])
     reference = copy.deepcopy(model)
@@ -118,8 +119,43 @@ def test_an_hf_causal_lm_head_is_chunked_and_trains_like_eager_over_changing_len
     _assert_trains_alike(got, expected)
     graph = model.sublinear_plan.graphs[0]
     assert len(graph.lm_heads) == 1 and graph.lm_heads[0].startswith("LM head lm_head (vocabulary 1,000, hidden 32)")
-    assert "reading the logits the model returns" in graph.lm_heads[0]
+    assert "the logits the model returns computed only if read" in graph.lm_heads[0]
 
+
+
+def test_a_step_that_reads_only_the_loss_never_makes_the_logits_the_model_returns(caplog):
+    """Hugging Face returns the logits beside the loss: forward does not compute them (the whole step holds less
+    than they would), the prediction counts none, and the caller still gets them, computed when read, equal to
+    eager's."""
+    model, (ids, labels) = _llama(vocabulary=8000), _batches([64], vocabulary=8000)[0]
+    reference = copy.deepcopy(model)
+    run = sublinear.apply(model, CHUNKED)
+
+    def step(m):
+        m(input_ids=ids, labels=labels).loss.backward()
+
+    for _ in range(2):
+        step(run)
+        model.zero_grad(set_to_none=True)
+    measured = measure_cpu_allocator(step, run).peak_bytes
+    predicted = model.sublinear_plan.predicted_peak_bytes
+    assert measured < ids.numel() * 8000 * 4  # the logits, float32
+    assert abs(predicted - measured) <= max(0.02 * measured, 256 * 1024), (predicted, measured)
+    out = run(input_ids=ids, labels=labels)
+    with caplog.at_level(logging.WARNING, logger="sublinear"):
+        assert _close(out.logits, reference(input_ids=ids, labels=labels).logits.detach())
+    assert "the logits of the chunked LM head lm_head were read" in caplog.text
+
+
+def test_logits_read_after_the_optimizer_changed_the_head_raise_what_to_do():
+    model, (ids, labels) = _llama(), _batches([64])[0]
+    run = sublinear.apply(model, CHUNKED)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = run(input_ids=ids, labels=labels)
+    out.loss.backward()
+    optimizer.step()
+    with pytest.raises(RuntimeError, match=r"changed in place since .* Read the logits before optimizer.step\(\)"):
+        out.logits.argmax(-1)
 
 
 @pytest.mark.parametrize("config", [CHUNKED, pytest.param(INDUCTOR, marks=pytest.mark.slow)],
@@ -318,7 +354,7 @@ def test_a_soft_capped_gemma2_head_is_chunked_and_trains_like_eager():
     run = sublinear.apply(model, CHUNKED)
     _assert_trains_alike(_train(run, model, batches, keep_logits=True, through_logits=True), expected)
     head = model.sublinear_plan.graphs[0].lm_heads[0]
-    assert "soft-capped at 30" in head and "reading the logits the model returns" in head
+    assert "soft-capped at 30" in head and "the logits the model returns computed only if read" in head
 
 
 @pytest.mark.slow

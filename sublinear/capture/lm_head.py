@@ -6,10 +6,10 @@ through ops that only regroup or select its rows or change its dtype: views and 
 dimension, row slices (the label shift of older Hugging Face code), ``contiguous``, ``float`` / ``to(dtype)`` (the
 upcast). The cross-entropy is replaced by :func:`~sublinear.capture.lm_head_op.linear_cross_entropy` on the linear's
 input rows, selected and regrouped as the logits were: its chunks never hold more than a chunk of tokens x vocabulary
-values, and nothing vocabulary-sized is saved for backward. When the step uses the logits otherwise (the model
-returns them), the linear still computes them and the chunks read them, so they are not computed twice; they are
-then held only as long as the caller holds them, and, when the graph only returns them, returned detached with their
-gradient attached outside the graph (:mod:`sublinear.capture.returned_logits`).
+values, and nothing vocabulary-sized is saved for backward. When the graph only returns the logits beside (the
+model returns them), forward never makes them: the caller gets logits computed when first read, their gradient
+attached outside the graph (:mod:`sublinear.capture.returned_logits`). When the graph reads them otherwise, the linear
+still computes them and the chunks read them, so they are not computed twice.
 
 A cross-entropy is left alone, and the reason recorded, when its input is not such a head, when it has class
 weights, ``reduction="none"`` or class-probability targets, or when the vocabulary is no larger than the hidden size
@@ -30,7 +30,7 @@ from torch import fx
 
 from sublinear.capture.dynamo import CapturedGraph, describe_node, module_path
 from sublinear.capture.lm_head_op import REDUCTIONS, chunked_linear_cross_entropy
-from sublinear.capture.returned_logits import ReturnedLogits, detach_returned_logits
+from sublinear.capture.returned_logits import ReturnedLogits, return_logits_lazily
 from sublinear.tensors import size_hint
 
 __all__ = ["LMHead", "chunk_lm_heads", "device_type", "with_lm_heads_chunked"]
@@ -74,7 +74,9 @@ class LMHead:
     def __str__(self) -> str:
         if not self.chunked:
             return f"cross-entropy at {self.where} left alone: {self.reason}"
-        source = "reading the logits the model returns" if self.reads_logits else "computing each chunk's logits"
+        source = "reading the logits the step computes anyway" if self.reads_logits else \
+            "computing each chunk's logits" + (", the logits the model returns computed only if read"
+                                               if self.returned is not None else "")
         capped = f", soft-capped at {self.softcap:g}" if self.softcap else ""
         return (f"LM head {self.where} (vocabulary {self.vocabulary:,}, hidden {self.hidden}{capped}) and its "
                 f"cross-entropy computed in chunks of {self.rows} of {self.tokens} tokens, {source}")
@@ -150,14 +152,12 @@ def _chunk(graph: fx.Graph, node: fx.Node) -> LMHead:
         return LMHead(where, reason=f"{tokens} tokens, fewer than twice the hidden size {width}: the weight's "
                                     "gradient, computed in forward, would hold about as much as the logits")
     rows = chunk_rows(tokens, width, vocabulary)
-    reads_logits = len(top.users) > 1 and all(s.target != operator.getitem for s in steps)
-    logits_base, returned = top, None
-    if reads_logits:
-        logits_base, returned = detach_returned_logits(graph, top, steps[0] if steps else node, hidden,
-                                                       (weight, bias, head.added_bias), head.softcap)
+    returned = return_logits_lazily(graph, top, steps[0] if steps else node, hidden, (weight, bias, head.added_bias),
+                                    head.softcap, _value(head.linear).dtype, _where(head.linear))
+    reads_logits = returned is None and len(top.users) > 1 and all(s.target != operator.getitem for s in steps)
     with graph.inserting_before(node):
         rows_in, weight_in, bias_in = _head_inputs(graph, head, hidden, weight, bias, steps, width)
-        logits_in = _replay(graph, logits_base, steps, vocabulary) if reads_logits else None
+        logits_in = _replay(graph, top, steps, vocabulary) if reads_logits else None
         loss = graph.call_function(chunked_linear_cross_entropy, (
             rows_in, weight_in, bias_in, target, logits_in, options["ignore_index"], options["reduction"],
             float(options["label_smoothing"]), value.dtype, rows, head.softcap))

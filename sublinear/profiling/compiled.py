@@ -158,6 +158,7 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         materialized_when_rebuilt={k for k in tracked if materialized(k, rebuilt=True)},
         saved_buffer={k for k in tracked if materialized(k) and not materialized(k, saved=False) and k not in in_place},
         taken_at=backward.taken_at,
+        held_through_forward={k for k in tracked if reads.output_use.get(k) == DROPPED},  # until forward returns it
         recompute_shared=True,
     )
 
