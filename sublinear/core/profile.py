@@ -165,7 +165,7 @@ class GraphProfile:
     node_storages: dict[int, tuple[int, ...]] = field(default_factory=dict)  # node -> storage per tensor (-1: none)
     reaches_output: np.ndarray = field(default_factory=lambda: _empty(bool))  # per op
     op_storages: list[tuple[int, ...]] = field(default_factory=list)  # per op: storages of the values it outputs
-    held_through_forward: np.ndarray = field(default_factory=lambda: _empty(bool))  # autocast's cast cache
+    held_through_forward: np.ndarray = field(default_factory=lambda: _empty(bool))  # autocast cache, dropped outputs
     storage_saved_at: list[tuple[int, ...]] = field(default_factory=list)
     node_op: np.ndarray = field(default_factory=_empty)
     grad_start: np.ndarray = field(default_factory=_empty)

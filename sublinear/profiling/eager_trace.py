@@ -141,7 +141,7 @@ class StepTrace:
     node_inputs: dict[int, tuple[Any, Any]]  # node -> its args and kwargs as TensorSpec trees
     state_serials: dict[int, str]  # serial -> "parameter"/"buffer"/"input"
     output_serials: set[int]  # outputs the caller holds past forward
-    returned_serials: set[int]  # every output: the graph holds it until it returns
+    dropped_serials: set[int]  # outputs the caller drops: the graph holds them until it returns
     output_uses: tuple[str, ...]  # what the step did with each tensor output (see profile())
     gradient_sizes: list[int]  # bytes of each parameter gradient's storage after backward
 
@@ -216,9 +216,10 @@ def trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool,
         torch.clear_autocast_cache()  # the step's forward ends here, as when `with torch.autocast()` exits
         node_seq.append((torch._C._autograd._get_sequence_nr(), -1))
         outputs = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
-        returned_serials = {recorder.serial_of(t) for t in outputs if t.untyped_storage()._cdata in recorder.serial}
         if uses is None:
             uses = tuple(GRADIENT if r else HELD for r in gradient_receivers(outputs))
+        dropped_serials = {recorder.serial_of(t) for t, use in zip(outputs, uses)
+                           if use == DROPPED and t.untyped_storage()._cdata in recorder.serial}
         outputs = [t for t, use in zip(outputs, uses) if use != DROPPED]  # the caller lets the others go now
         receives = [use == GRADIENT for use in uses if use != DROPPED]
         output_serials = {recorder.serial_of(t) for t in outputs if t.untyped_storage()._cdata in recorder.serial}
@@ -231,4 +232,4 @@ def trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool,
                                                  for p in leaves if p.grad is not None}.values()]
     del outputs
     return StepTrace(program, recorder, node_out, dict(node_saved), node_seq, node_modes, node_inputs, state_serials,
-                     output_serials, returned_serials, tuple(uses), gradient_sizes)
+                     output_serials, dropped_serials, tuple(uses), gradient_sizes)

@@ -133,7 +133,7 @@ def _lifetimes(trace: StepTrace, grouping: _Grouping) -> _Lifetimes:
     storages = sorted(s for s, node in producer_node.items()
                       if node in op_of_node and s not in trace.state_serials
                       and (last_use.get(s, -1) > op_of_node[node] or s in saved_by or s in rec.autocast_cached
-                           or s in trace.returned_serials))
+                           or s in trace.dropped_serials))
     return _Lifetimes(op_inputs=op_inputs, last_use=last_use, saved_by=saved_by, saved_at=saved_at, reaches=reaches,
                       storages=storages, sid={s: k for k, s in enumerate(storages)})
 
@@ -181,7 +181,7 @@ def _record(trace: StepTrace, grouping: _Grouping, lifetimes: _Lifetimes, costs:
         backward_flops=rec.backward_flops, cost_source=costs.times.source, output_uses=trace.output_uses,
         measured_peak_bytes=_peak(rec.events, rec.serial_bytes, sum(rec.serial_bytes[s] for s in trace.state_serials)),
         # autocast's cache, and the outputs the caller drops: the graph holds them until forward returns them
-        held_through_forward={s for s in storages if s in rec.autocast_cached or s in trace.returned_serials},
+        held_through_forward={s for s in storages if s in rec.autocast_cached or s in trace.dropped_serials},
     )
 
 
