@@ -31,18 +31,21 @@ def materialized_predicate(storages: StepStorages, reads: StorageReads, kinds: I
     fusible = {key: kinds.fusible(fw[i]) for key, i in storages.produced_by.items()}
     in_forward = set(fw)
 
-    def buffered(node: fx.Node, rebuilt: bool = False) -> bool:
-        return any(k in reads.needs_buffer or not rebuilt and (k in reads.output_use or k in reads.saved_at)
-                   for k in storages.keys_of(node))
+    def read_as_buffer(key: int, rebuilt: bool, saved: bool = True) -> bool:
+        """A library kernel reads it, or (not rebuilt) the graph returns it or, with ``saved``, forward saves it."""
+        return key in reads.needs_buffer or (not rebuilt and (key in reads.output_use
+                                                              or (saved and key in reads.saved_at)))
 
-    stored = _keys(storages, stored_by_lowering(fw, kinds, lambda n: _readers(n, in_forward), buffered))
-    stored_rebuilt = _keys(storages, stored_by_lowering(fw, kinds, lambda n: sum(u.op != "output" for u in n.users),
-                                                        lambda n: buffered(n, rebuilt=True)))
+    def stored_when(rebuilt: bool, readers) -> set[int]:
+        return _keys(storages, stored_by_lowering(
+            fw, kinds, readers, lambda n: any(read_as_buffer(k, rebuilt) for k in storages.keys_of(n))))
+
+    stored = stored_when(False, lambda n: _readers(n, in_forward))
+    stored_rebuilt = stored_when(True, lambda n: sum(u.op != "output" for u in n.users))
 
     def materialized(key: int, rebuilt: bool = False, saved: bool = True) -> bool:
         return key in storages.produced_by and (
-            not fusible[key] or key in reads.needs_buffer or key in (stored_rebuilt if rebuilt else stored)
-            or (not rebuilt and (key in reads.output_use or (saved and key in reads.saved_at))))
+            not fusible[key] or read_as_buffer(key, rebuilt, saved) or key in (stored_rebuilt if rebuilt else stored))
     return materialized
 
 
@@ -211,16 +214,19 @@ class GradientSide:
                     if kinds.extern(node):
                         self.needs_buffer.add(key)
         in_backward = set(bw)
-        self.stored: set[int] = set()
-        self.stored = _keys(storages, stored_by_lowering(bw, kinds, lambda n: _readers(n, in_backward),
-                                                         lambda n: any(self.buffer(k) for k in storages.keys_of(n))))
+        self.stored = _keys(storages, stored_by_lowering(
+            bw, kinds, lambda n: _readers(n, in_backward),
+            lambda n: any(self._made_or_read_as_buffer(k) for k in storages.keys_of(n))))
 
     def buffer(self, key: int) -> bool:
         """Whether a gradient-side value takes memory: an output's gradient, made by a kernel that cannot be fused,
-        read by a library kernel, stored by inductor's lowering anyway, or returned."""
+        read by a library kernel, returned, or stored by inductor's lowering anyway."""
+        return self._made_or_read_as_buffer(key) or (key in self.born and key in self.stored)
+
+    def _made_or_read_as_buffer(self, key: int) -> bool:
         k = self.born.get(key)
         return k is not None and (k < 0 or not self.kinds.fusible(self.bw[k]) or key in self.needs_buffer
-                                  or key in self.stored or key in self.outputs)
+                                  or key in self.outputs)
 
     def tangent_bytes(self) -> int:
         return sum(self.sizes[key] for key, k in self.born.items() if k < 0)
