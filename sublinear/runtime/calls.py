@@ -166,7 +166,8 @@ def _final(run: GraphRun, last: bool) -> bool:
     """Whether ``run``'s variant is its graph's plan for good: planned knowing the graphs after it (``last``: there
     are none), not a lowest peak taken until the others are planned for it, and still its graph's variant."""
     variant = run.variant
-    return variant is not None and not variant.settling and variant in run.runtime.variants.values() and (
+    current = any(v is variant for v in run.runtime.variants.values())  # by identity: variants hold arrays
+    return variant is not None and not variant.settling and current and (
         last or variant.planned_in is not None and variant.planned_in.later_beyond_held is not None)
 
 
