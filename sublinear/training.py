@@ -10,9 +10,27 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DROPPED", "GRADIENT", "HELD", "default_loss", "gradient_receivers", "step_backward", "training_step"]
+__all__ = ["DROPPED", "GRADIENT", "HELD", "PASSED", "combined_use", "default_loss", "gradient_receivers",
+           "held_to_end", "receives_gradient", "step_backward", "training_step"]
 
-GRADIENT, HELD, DROPPED = "gradient", "held", "dropped"  # what a call does with a graph output (see profile())
+# What a call does with a graph output (see profile()): GRADIENT, held to the step's end and handed a gradient;
+# PASSED, handed a gradient but let go before backward reaches the graph (logits a later graph's loss read);
+# HELD, held to the step's end without a gradient (a KV cache); DROPPED, let go when the graph returned.
+GRADIENT, PASSED, HELD, DROPPED = "gradient", "passed", "held", "dropped"
+
+
+def receives_gradient(use: str) -> bool:
+    return use in (GRADIENT, PASSED)
+
+
+def held_to_end(use: str) -> bool:
+    return use in (GRADIENT, HELD)
+
+
+def combined_use(a: str, b: str) -> str:
+    """The use that demands what ``a`` and ``b`` each demand (a gradient, the output held to the step's end)."""
+    gradient, held = receives_gradient(a) or receives_gradient(b), held_to_end(a) or held_to_end(b)
+    return GRADIENT if gradient and held else PASSED if gradient else HELD if held else DROPPED
 
 
 def _differentiable(outputs: Any) -> list[torch.Tensor]:

@@ -856,6 +856,7 @@ def test_a_graph_whose_outputs_calls_use_differently_is_planned_for_the_most_dem
             compiled(x, call % 2 == 1).backward()
             plans.append(sum(r.getMessage().startswith(("sublinear: planned graph", "sublinear: reused the plan"))
                              for r in caplog.records))
-    assert sum(plans[4:]) == 0, plans  # settled: alternating calls no longer plan the first graph again
+    # the first two calls capture a graph each and teach nothing of the first graph's outputs (see CallTracker.captures)
+    assert sum(plans[5:]) == 0, plans  # settled: alternating calls no longer plan the first graph again
     first = next(v for v in compiled.sublinear_backend.latest.values() if len(v.uses) == 2)
-    assert first.uses == ("gradient", "gradient")
+    assert first.uses == ("passed", "passed")  # each read by the second graph on some call, let go before backward

@@ -15,7 +15,8 @@ Glossary (each word in one sense across the stages):
 - *retained* storage: one forward holds for backward or later blocks (:class:`StorageState` ``RETAINED``, against
   ``REBUILT`` and ``TRANSIENT``); a block's *retained bytes* are its retained storages.
 - *held*: what the caller holds between graphs or after the step (inputs; an output used ``HELD``, to the step's
-  end without a gradient, against ``GRADIENT`` and ``DROPPED``), never a plan's choice.
+  end without a gradient, against ``GRADIENT``, ``PASSED`` (a gradient, let go before backward) and ``DROPPED``),
+  never a plan's choice.
 """
 
 from sublinear.core.analysis import PlanAnalysis, StorageState, analyse

@@ -166,6 +166,8 @@ class GraphProfile:
     reaches_output: np.ndarray = field(default_factory=lambda: _empty(bool))  # per op
     op_storages: list[tuple[int, ...]] = field(default_factory=list)  # per op: storages of the values it outputs
     held_through_forward: np.ndarray = field(default_factory=lambda: _empty(bool))  # autocast cache, dropped outputs
+    output_storages: np.ndarray = field(default_factory=lambda: _empty(np.int64))  # per tensor output (-1: untracked)
+    saved_inputs: np.ndarray = field(default_factory=lambda: _empty(bool))  # per graph input (empty: unknown, saved)
     storage_saved_at: list[tuple[int, ...]] = field(default_factory=list)
     node_op: np.ndarray = field(default_factory=_empty)
     grad_start: np.ndarray = field(default_factory=_empty)

@@ -52,7 +52,7 @@ from sublinear.profiling.compiled_nodes import (
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates, device_rates
 from sublinear.profiling.kernels import kernel_memory
 from sublinear.profiling.record import StepRecord, assemble
-from sublinear.training import DROPPED
+from sublinear.training import DROPPED, held_to_end
 
 __all__ = ["CompiledProfile", "profile_joint"]
 
@@ -133,7 +133,7 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         for o in readers:
             if o != p:
                 op_inputs[o][p].add(key)
-    last_use = {k: n_ops if reads.output_use.get(k, DROPPED) != DROPPED else
+    last_use = {k: n_ops if held_to_end(reads.output_use.get(k, DROPPED)) else
                 max([op_of_node[produced[k]], *reads.readers.get(k, ())]) for k in tracked}
 
     def state_bytes(kind: str) -> int:
@@ -158,7 +158,9 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         materialized_when_rebuilt={k for k in tracked if materialized(k, rebuilt=True)},
         saved_buffer={k for k in tracked if materialized(k) and not materialized(k, saved=False) and k not in in_place},
         taken_at=backward.taken_at,
-        held_through_forward={k for k in tracked if reads.output_use.get(k) == DROPPED},  # until forward returns it
+        # outputs the caller lets go before backward: the graph holds them until forward returns them
+        held_through_forward={k for k in tracked if k in reads.output_use and not held_to_end(reads.output_use[k])},
+        output_storages=reads.output_keys,
         recompute_shared=True,
     )
 

@@ -21,7 +21,7 @@ from sublinear.profiling.compiled_nodes import (
     CONVOLUTION_OPS, InductorKinds, communicates, draws_random, storage_key_of, tensor_leaves, writes_input,
 )
 from sublinear.tensors import size_hint as hint
-from sublinear.training import DROPPED, GRADIENT, HELD, gradient_receivers
+from sublinear.training import DROPPED, GRADIENT, HELD, combined_use, gradient_receivers
 
 # --- Ops -----------------------------------------------------------------------------------------------------------
 
@@ -170,6 +170,7 @@ class StorageReads:
     last_backward_read: dict[int, int]
     rank_of_backward: list[int]
     uses: tuple[str, ...]
+    output_keys: tuple[int, ...]  # per tensor output, the storage forward made for it (-1: none)
 
 
 def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, storages: StepStorages,
@@ -190,7 +191,7 @@ def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping,
                         needs_buffer.add(key)
     for key in storages.layout_copies:  # forward returns the copy for backward whatever the plan
         readers[key].add(n_ops - 1)
-    output_use, uses = _output_uses(joint, graph, storages, uses)
+    output_use, uses, output_keys = _output_uses(joint, graph, storages, uses)
     rank_of_backward = _backward_ranks(bw, grouping, storages)
     saved_at: dict[int, set[int]] = defaultdict(set)
     last_backward_read: dict[int, int] = {}
@@ -203,14 +204,15 @@ def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping,
                     last_backward_read[key] = k
                     if kinds.extern(node):
                         needs_buffer.add(key)
-    return StorageReads(readers, needs_buffer, output_use, saved_at, last_backward_read, rank_of_backward, uses)
+    return StorageReads(readers, needs_buffer, output_use, saved_at, last_backward_read, rank_of_backward, uses,
+                        output_keys)
 
 
 def _output_uses(joint: JointGraph, graph: CapturedGraph, storages: StepStorages,
-                 uses: Sequence[str] | None) -> tuple[dict[int, str], tuple[str, ...]]:
-    """Per storage the graph returns, what the call does with it (the most demanding use of its outputs); and the
+                 uses: Sequence[str] | None) -> tuple[dict[int, str], tuple[str, ...], tuple[int, ...]]:
+    """Per storage the graph returns, what the call does with it (the most demanding use of its outputs); the
     uses per tensor output (by default as the eager profile's step: the scalars get a gradient when there are any,
-    else every output; the others are held)."""
+    else every output; the others are held); and the storage forward made for each tensor output (-1: none)."""
     out_nodes = [a for a in joint.forward_outputs if isinstance(a, fx.Node)]
     tensor_outputs = [n for n in out_nodes if tensor_leaves(n.meta.get("val"))]
     returned = [t.meta["example_value"] for n in graph.graph_module.graph.nodes if n.op == "output"
@@ -224,8 +226,9 @@ def _output_uses(joint: JointGraph, graph: CapturedGraph, storages: StepStorages
         use = uses[k] if k < len(uses) else GRADIENT
         for key in storages.keys_of(node):
             if key in storages.produced_by:
-                output_use[key] = min(output_use.get(key, DROPPED), use, key=(GRADIENT, HELD, DROPPED).index)
-    return output_use, tuple(uses[:len(user_outputs)])
+                output_use[key] = combined_use(output_use.get(key, DROPPED), use)
+    keys = tuple(next((k for k in storages.keys_of(node) if k in storages.produced_by), -1) for node in user_outputs)
+    return output_use, tuple(uses[:len(user_outputs)]), keys
 
 
 def _backward_ranks(bw: list[fx.Node], grouping: OpGrouping, storages: StepStorages) -> list[int]:

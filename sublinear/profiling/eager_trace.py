@@ -24,7 +24,8 @@ from sublinear.execute.program import NodeProgram
 from sublinear.profiling.costs import aten_work, spec_tree
 from sublinear.profiling.tracking import StorageTracker
 from sublinear.tensors import autocast_state, storage_key
-from sublinear.training import DROPPED, GRADIENT, HELD, gradient_receivers, step_backward
+from sublinear.training import (DROPPED, GRADIENT, HELD, gradient_receivers, held_to_end, receives_gradient,
+                                step_backward)
 
 __all__ = ["ProfileError", "StepTrace", "StorageEvent", "trace_step"]
 
@@ -141,9 +142,11 @@ class StepTrace:
     node_inputs: dict[int, tuple[Any, Any]]  # node -> its args and kwargs as TensorSpec trees
     state_serials: dict[int, str]  # serial -> "parameter"/"buffer"/"input"
     output_serials: set[int]  # outputs the caller holds past forward
-    dropped_serials: set[int]  # outputs the caller drops: the graph holds them until it returns
+    dropped_serials: set[int]  # outputs the caller lets go before backward: the graph holds them until it returns
     output_uses: tuple[str, ...]  # what the step did with each tensor output (see profile())
     gradient_sizes: list[int]  # bytes of each parameter gradient's storage after backward
+    output_keys: tuple[int, ...] = ()  # per tensor output, its storage's serial (-1: untracked)
+    saved_inputs: tuple[bool, ...] = ()  # per graph input: autograd saved a storage of it
 
 
 def _profiling_device(values: Sequence[Any]) -> torch.device | None:
@@ -218,11 +221,15 @@ def trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool,
         outputs = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
         if uses is None:
             uses = tuple(GRADIENT if r else HELD for r in gradient_receivers(outputs))
-        dropped_serials = {recorder.serial_of(t) for t, use in zip(outputs, uses)
-                           if use == DROPPED and t.untyped_storage()._cdata in recorder.serial}
+        serials = {t.untyped_storage()._cdata: recorder.serial_of(t) for t in outputs
+                   if t.untyped_storage()._cdata in recorder.serial}
+        dropped_serials = {serials[k] for t, use in zip(outputs, uses)
+                           if (k := t.untyped_storage()._cdata) in serials and not held_to_end(use)}
+        output_serials = {serials[k] for t, use in zip(outputs, uses)
+                          if (k := t.untyped_storage()._cdata) in serials and held_to_end(use)}
+        output_keys = tuple(serials.get(t.untyped_storage()._cdata, -1) for t in outputs)
         outputs = [t for t, use in zip(outputs, uses) if use != DROPPED]  # the caller lets the others go now
-        receives = [use == GRADIENT for use in uses if use != DROPPED]
-        output_serials = {recorder.serial_of(t) for t in outputs if t.untyped_storage()._cdata in recorder.serial}
+        receives = [receives_gradient(use) for use in uses if use != DROPPED]
         recorder.backward = True  # the output gradients step_backward makes belong to the backward
         step_backward(outputs, receives)
         recorder.backward = False
@@ -231,5 +238,7 @@ def trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool,
         gradient_sizes = [st.nbytes() for st in {p.grad.untyped_storage()._cdata: p.grad.untyped_storage()
                                                  for p in leaves if p.grad is not None}.values()]
     del outputs
+    saved = {s for serials in node_saved.values() for s in serials}
+    saved_inputs = tuple(any(s in saved for s in node_out[i]) for i in program.placeholders)
     return StepTrace(program, recorder, node_out, dict(node_saved), node_seq, node_modes, node_inputs, state_serials,
-                     output_serials, dropped_serials, tuple(uses), gradient_sizes)
+                     output_serials, dropped_serials, tuple(uses), gradient_sizes, output_keys, saved_inputs)

@@ -39,8 +39,9 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     reference GPU whatever the device (plans for a GPU's budget made on fake CPU tensors), "auto" estimates: the
     same plan in every process, where measured times vary from run to run.
     ``uses``: per tensor output, what the call did with it: :data:`GRADIENT` (a later graph or the loss read it,
-    so backward hands it a gradient), :data:`HELD` (held to the end of the step without a gradient, as a KV
-    cache) or :data:`DROPPED` (let go as soon as the graph returned). By default every output is held and
+    so backward hands it a gradient), :data:`PASSED` (the same, but the caller let it go before backward reached
+    the graph), :data:`HELD` (held to the end of the step without a gradient, as a KV cache) or :data:`DROPPED`
+    (let go as soon as the graph returned). By default every output is held and
     :func:`step_backward` decides which get gradients.
     Raises :class:`~sublinear.profiling.eager_trace.ProfileError` when a node fails on the fake tensors.
     """
@@ -182,6 +183,8 @@ def _record(trace: StepTrace, grouping: _Grouping, lifetimes: _Lifetimes, costs:
         measured_peak_bytes=_peak(rec.events, rec.serial_bytes, sum(rec.serial_bytes[s] for s in trace.state_serials)),
         # autocast's cache, and the outputs the caller drops: the graph holds them until forward returns them
         held_through_forward={s for s in storages if s in rec.autocast_cached or s in trace.dropped_serials},
+        output_storages=trace.output_keys,
+        saved_inputs=trace.saved_inputs,
     )
 
 

@@ -59,6 +59,8 @@ class StepRecord:
     output_uses: tuple[str, ...]
     measured_peak_bytes: int = 0
     held_through_forward: set[int] = field(default_factory=set)
+    output_storages: tuple[int, ...] = ()  # per tensor output, its storage's key (-1: not one forward made)
+    saved_inputs: tuple[bool, ...] | None = None  # per graph input: autograd saves it (None: unknown, as if saved)
     materialized_in_forward: set[int] | None = None  # None: every storage takes memory whenever it is live
     materialized_when_rebuilt: set[int] | None = None
     taken_at: dict[int, int] = field(default_factory=dict)  # storage -> rank writing its output into it
@@ -102,6 +104,8 @@ def assemble(record: StepRecord) -> GraphProfile:
         reaches_output=np.asarray(record.reaches_output, dtype=bool),
         op_storages=_op_storages(record, sid, n_ops),
         held_through_forward=flags(record.held_through_forward),
+        output_storages=np.array([sid.get(k, -1) for k in record.output_storages], dtype=np.int64),
+        saved_inputs=np.asarray(record.saved_inputs if record.saved_inputs is not None else [], dtype=bool),
         storage_saved_at=ranks(record.saved_at),
         node_op=np.asarray(record.node_op, dtype=np.int64),
         grad_start=np.asarray(record.grad_start, dtype=np.int64),

@@ -12,7 +12,7 @@ from sublinear.runtime.step import (
     GraphRun, contexts_by_graph, output_uses, uses_after_backward, planned_knowing_later, step_contexts, widest_context,
 )
 from sublinear.runtime.variant import GraphVariant
-from sublinear.training import DROPPED, GRADIENT, HELD
+from sublinear.training import combined_use
 
 if TYPE_CHECKING:
     from sublinear.runtime.graph import GraphRuntime
@@ -22,7 +22,6 @@ __all__ = ["CallTracker", "UNSEEN"]
 log = logging.getLogger("sublinear")
 
 UNSEEN = object()  # finish() without the call's result (a bare torch.compile backend never sees it)
-_USE_ORDER = (GRADIENT, HELD, DROPPED)  # most demanding first
 
 
 class CallTracker:
@@ -38,6 +37,10 @@ class CallTracker:
         self.unlearned: list[tuple[GraphRun, tuple[str, ...]]] = []  # the last call's runs, awaiting backward
         self.from_calls: dict[str, tuple[str, ...]] = {}  # per graph, the uses calls showed (not planning ahead)
         self.ahead = False  # the calls being finished are planning ahead on a data-less twin
+        # Graphs the session captured. TorchDynamo's trackers of a frame it compiles reach the values the frame
+        # saw through reference cycles until a garbage collection: what a call held of the outputs of runs before
+        # a capture is unknown, and is learned from a later call.
+        self.captures = 0
         self.explicit = False
 
     def begin(self) -> None:
@@ -46,6 +49,7 @@ class CallTracker:
 
     def record(self, run: GraphRun) -> None:
         """A graph of the current call ran."""
+        run.captures_before = self.captures
         self.current.append(run)
 
     def starts_again(self, code: str) -> bool:
@@ -65,6 +69,10 @@ class CallTracker:
         runs, self.current = self.current, []
         if not runs:
             return []
+        for run in runs:
+            run.followed_by_capture = self.captures > run.captures_before
+            if run.returned is not None and not run.followed_by_capture and not self.ahead:
+                run.held_through_call = run.returned.alive()  # a data-less twin's call is not the caller's
         self.previous = runs
         stale = self._learn_output_uses(runs, returned)
         contexts = contexts_by_graph(runs, eager=False)
@@ -114,7 +122,9 @@ class CallTracker:
             return None, settled
         upcoming = GraphRun.of(runtime, None, values)
         if same_place:  # the later runs read its outputs as the previous call made them
-            upcoming.outputs = previous[position].outputs
+            made = previous[position]
+            upcoming.outputs, upcoming.returned, upcoming.held_through_call = \
+                made.outputs, made.returned, made.held_through_call
         runs = [*earlier, upcoming, *later]
         return step_contexts(runs, first=position)[position], settled
 
@@ -142,7 +152,9 @@ class CallTracker:
         """Per run, the uses the call returning showed, as backward then found them (:func:`uses_after_backward`).
         A graph that runs several times gets, per output, the most demanding use of its runs; and of the calls
         learned from so far (what later graphs read can change from call to call, as an MoE's routing does), so a
-        graph is planned again only when a call shows a more demanding use."""
+        graph is planned again when a call shows a more demanding use, or outputs let go before backward that are
+        worth more than :data:`LET_GO_WORTH` of its predicted peak."""
+        learned_uses = [(run, uses) for run, uses in learned_uses if not run.followed_by_capture]
         learned: dict[str, tuple[str, ...]] = {}
         for run, at_return in learned_uses:
             code, uses = run.runtime.graph.code, uses_after_backward(at_return, run.returned)
@@ -155,7 +167,7 @@ class CallTracker:
         stale = []
         for run, _uses in learned_uses:
             code = run.runtime.graph.code
-            if run.variant.uses != learned[code] and run.runtime not in stale:
+            if _worth_profiling_again(run, learned[code]) and run.runtime not in stale:
                 self.uses[code] = learned[code]
                 run.runtime.forget(run.variant)
                 stale.append(run.runtime)
@@ -171,5 +183,22 @@ def _final(run: GraphRun, last: bool) -> bool:
         last or variant.planned_in is not None and variant.planned_in.later_beyond_held is not None)
 
 
+LET_GO_WORTH = 0.01  # outputs newly let go before backward below this share of the peak: the profile is kept
+
+
+def _worth_profiling_again(run: GraphRun, uses: tuple[str, ...]) -> bool:
+    """Whether ``run``'s variant must be profiled again for ``uses``: they demand more of some output (its
+    prediction would be low), or they let go before backward outputs worth more than :data:`LET_GO_WORTH` of its
+    peak (its prediction is high by at most their bytes)."""
+    old = run.variant.uses
+    if old == uses:
+        return False
+    if any(combined_use(a, b) != a for a, b in zip(old, uses)):
+        return True
+    nbytes = run.returned.nbytes if run.returned is not None else ()
+    let_go = sum(b for a, u, b in zip(old, uses, nbytes) if a != u)
+    return let_go > LET_GO_WORTH * run.variant.peak_bytes
+
+
 def _most_demanding(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(min(x, y, key=_USE_ORDER.index) for x, y in zip(a, b))
+    return tuple(combined_use(x, y) for x, y in zip(a, b))

@@ -17,6 +17,7 @@ from sublinear.capture.shapes import Binding, SymbolicSizes, argument_dims, buck
 from sublinear.core.units import format_bytes
 from sublinear.execute.compiled import resolve_compiler
 from sublinear.planners import BudgetError
+from sublinear.runtime.pipeline import Prior
 from sublinear.runtime.step import GraphRun
 from sublinear.runtime.variant import GraphVariant
 from sublinear.tensors import autocast_state, device_of
@@ -149,8 +150,10 @@ class GraphRuntime:
 
     def forget(self, variant: GraphVariant) -> None:
         """Plan this signature again at its next run (where its plan still meets the objective, it is kept)."""
+        keys = [k for k, v in self.variants.items() if v is variant]
         self.variants = {k: v for k, v in self.variants.items() if v is not variant}
-        self.session.pipeline.remember_prior(self.graph.code, variant.plan)
+        self.session.pipeline.remember_prior(self.graph.code, Prior(variant.plan, variant.rewritten,
+                                                                    keys[0] if keys else None, variant.bound))
 
     def __call__(self, *values: Any) -> Any:
         if not torch.is_grad_enabled() or not _any_requires_grad(values):

@@ -38,7 +38,7 @@ from sublinear.tensors import device_of
 if TYPE_CHECKING:
     from sublinear.runtime.graph import GraphRuntime
 
-__all__ = ["PlanPipeline"]
+__all__ = ["PlanPipeline", "Prior"]
 
 log = logging.getLogger("sublinear")
 
@@ -54,12 +54,12 @@ class PlanPipeline:
         self.profiles = _Profiles(config, self.plans)
         self.executors = _Executors()
         self.overrides: dict[str, Plan] = {}  # graph code -> plan chosen by the user (use())
-        self.prior_plans: dict[str, Plan] = {}  # graph code -> the plan of its variant forgotten last
+        self.priors: dict[str, Prior] = {}  # graph code -> its variant forgotten last
         self.eager_only: dict[str, str] = {}  # graph code -> why inductor cannot compile it
         self.compile_check = CompileCheck(self.plans, self.plan)
 
-    def remember_prior(self, code: str, plan: Plan) -> None:
-        self.prior_plans[code] = plan
+    def remember_prior(self, code: str, prior: Prior) -> None:
+        self.priors[code] = prior
 
     def override(self, code: str, plan: Plan) -> None:
         self.overrides[code] = plan
@@ -126,7 +126,7 @@ class PlanPipeline:
             ((Plan.from_dict(entry), None) if entry is not None else (None, None))
         from_cache = plan is not None and result is None
         eager = simulate(profile_, Plan.no_split(profile_.num_ops))
-        prior = self.prior_plans.pop(code, None)
+        prior = self.priors.pop(code, None)
         if code in self.overrides:
             return _Choice(self.overrides[code], None, "use()", False)
         if plan is not None and _still_best(objective, plan, profile_, eager):
@@ -134,11 +134,11 @@ class PlanPipeline:
         if plan is not None:
             log.info("sublinear: the stored plan for graph %d no longer meets %s; planning again", runtime.index,
                      objective.describe())
-        elif prior is not None and prior.split_points[-1] == profile_.num_ops - 1 and \
-                _still_best(objective, prior, profile_, eager):
+        elif prior is not None and prior.plan.split_points[-1] == profile_.num_ops - 1 and \
+                _still_best(objective, prior.plan, profile_, eager):
             # What the latest call showed (its outputs' uses, the other graphs) changed the profile; the plan
             # still meets the objective, and keeping it keeps its compiled code.
-            return _Choice(prior, None, "the previous plan, which still meets the objective", False)
+            return _Choice(prior.plan, None, "the previous plan, which still meets the objective", False, prior=prior)
         try:
             result = make_plan(profile_, self.config, memory_budget=objective.memory_budget)
         except BudgetError as exc:
@@ -157,7 +157,7 @@ class PlanPipeline:
                  choice: _Choice, context, seconds: float, executor: str) -> GraphVariant:
         graph, plan, (key, disk_key) = runtime.graph, choice.plan, keys
         sim = simulate(profile_, plan)
-        rewritten = self.executors.for_plan(graph, key, bound, profiled, profile_, plan)
+        rewritten = self.executors.for_plan(graph, key, bound, profiled, profile_, plan, choice.prior)
         result = choice.result
         history = tuple((c.simulation.peak_bytes, c.simulation.time_ratio) for c in result.history) if result else ()
         eager = simulate(profile_, Plan.no_split(profile_.num_ops))
@@ -242,12 +242,29 @@ class _Executors:
         self.compiled: dict[tuple, CompiledGraph] = {}  # by graph, signature, bound and partition
 
     def for_plan(self, graph: CapturedGraph, key: tuple, bound: Binding, profiled: Profiled, profile_: GraphProfile,
-                 plan: Plan) -> RewrittenGraph | CompiledGraph:
+                 plan: Plan, prior: Prior | None = None) -> RewrittenGraph | CompiledGraph:
+        """``prior``: the graph's variant forgotten last, when its plan is kept. Its compiled code is kept too: the
+        plan's partition differs only where the outputs' uses or the step's context changed, and the compile
+        check walks that code under the new uses (planning again if it is above the budget)."""
         if profiled.node_names is None:
             return rewrite(graph, profile_, plan)
+        if (prior is not None and isinstance(prior.rewritten, CompiledGraph) and prior.rewritten.compiled
+                and (prior.key, prior.bound) == (key, bound)):
+            return prior.rewritten
         compiled = CompiledGraph(graph, analyse(profile_, plan), profiled.node_names, bound)
         compiled_key = (graph.code, key, tuple(sorted(bound.items())), compiled.partitioner.uuid())
         return self.compiled.setdefault(compiled_key, compiled)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prior:
+    """A graph's variant forgotten (its outputs' uses or the step's context changed): its plan and executor, for
+    the signature ``key`` and the sizes ``bound``."""
+
+    plan: Plan
+    rewritten: RewrittenGraph | CompiledGraph
+    key: tuple | None
+    bound: Binding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +275,7 @@ class _Choice:
     from_cache: bool
     settling: bool = False
     searched: bool = False
+    prior: Prior | None = None  # the forgotten variant whose plan this is
 
 
 def _still_best(objective: Objective, plan: Plan, profile_: GraphProfile, eager: Simulation) -> bool:

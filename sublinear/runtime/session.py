@@ -69,6 +69,7 @@ class SublinearBackend:
             graph = with_lm_heads_chunked(graph)
         runtime = GraphRuntime(graph, self, len(self.graphs))
         self.graphs.append(runtime)
+        self.calls.captures += 1
         log.debug("captured graph %d: %s", runtime.index, graph.describe())
         return runtime
 

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, GraphOutputs
 from sublinear.core.profile import StepContext
-from sublinear.training import DROPPED, GRADIENT, HELD
+from sublinear.training import DROPPED, GRADIENT, HELD, PASSED, held_to_end
 from sublinear.runtime.variant import GraphVariant
 
 if TYPE_CHECKING:
@@ -41,11 +41,39 @@ class GraphRun:
     inputs: dict[int, int]  # the other tensor inputs
     outputs: dict[int, int] = field(default_factory=dict)  # storages it returned that it made (activations)
     returned: GraphOutputs | None = None  # every tensor output, watched until the call ends
+    captures_before: int = 0  # graphs the session had captured when the run began
+    followed_by_capture: bool = False  # a graph was captured after it in its call
+    held_through_call: tuple[bool, ...] | None = None  # per output, alive when the call returned (None: unknown)
+    input_keys: tuple[tuple[int, ...], ...] = ()  # per graph input, the storages of its tensors (inputs only)
 
     @property
     def held(self) -> int:
         """What the run holds after its forward (0 for a graph about to be planned)."""
         return self.variant.simulation.held_after_forward_bytes if self.variant is not None else 0
+
+    def unsaved_inputs(self) -> set[int]:
+        """The input storages the graph's autograd does not save (none where its profile does not say)."""
+        saved = self.variant.profile.saved_inputs if self.variant is not None else ()
+        if len(saved) != len(self.input_keys):
+            return set()
+        kept = {k for keys, s in zip(self.input_keys, saved) if s for k in keys}
+        return {k for keys, s in zip(self.input_keys, saved) if not s for k in keys} - kept
+
+    def let_go(self, eager: bool) -> dict[int, tuple[int, bool, bool]]:
+        """The outputs the call lets go before backward reaches the run's graph (dropped or :data:`PASSED`): bytes,
+        whether the caller still held it when the call returned (known only of a call that captured no graph after
+        the run: TorchDynamo's trackers of a frame it compiles keep what the frame saw alive until a garbage
+        collection), and whether the graph itself holds it after its forward (autograd saved it)."""
+        uses = self.variant.uses if self.variant is not None else self.runtime.session.calls.uses.get(
+            self.runtime.graph.code)  # a graph about to be planned: the uses it will be planned for
+        if uses is None or self.returned is None:
+            return {}
+        alive = self.held_through_call or (False,) * len(uses)
+        retained = (self.variant.outputs_held_after_forward(eager) if self.variant is not None
+                    else (False,) * len(uses))  # unknown: counted by the runs reading them
+        let_go = {s: (a, r) for s, use, a, r in zip(self.returned.storages, uses, alive, retained)
+                  if not held_to_end(use)}
+        return {s: (b, *let_go[s]) for s, b in self.outputs.items() if s in let_go}
 
     @property
     def held_eager(self) -> int:
@@ -58,7 +86,8 @@ class GraphRun:
         parameters = _storages([v for k, v in zip(kinds, values) if k == PARAMETER])
         state = {**parameters, **_storages([v for k, v in zip(kinds, values) if k == BUFFER])}
         inputs = _storages([v for k, v in zip(kinds, values) if k == INPUT])
-        return GraphRun(runtime, variant, state, parameters, inputs)
+        input_keys = tuple(tuple(_storages([v])) if k == INPUT else () for k, v in zip(kinds, values))
+        return GraphRun(runtime, variant, state, parameters, inputs, input_keys=input_keys)
 
     def record(self, outputs: GraphOutputs) -> None:
         """What the run returned."""
@@ -77,8 +106,10 @@ def step_contexts(runs: Sequence[GraphRun], first: int = 0, eager: bool = False)
     plans, the earlier ones do not).
 
     Runs go forward in order and backward in reverse order. Beside run i: every parameter and buffer of the call
-    and every input the caller passed (held by the caller through the call) that i does not read, and what each
-    earlier run holds after its forward (less the outputs i reads, which its own profile counts as inputs); beside
+    and every input the caller passed (held by the caller through the call) that i does not read, what each
+    earlier run holds after its forward (less the outputs i reads, which its own profile counts as inputs) and
+    the outputs the call let go before backward that their run does not hold after its forward, which i does not
+    read but a later run reads or the caller held when the call returned; beside
     its backward also the gradients of later runs' parameters. The later runs' highest peak includes what run i
     holds, so it is given relative to that: a context does not depend on the run's own plan.
     """
@@ -90,16 +121,25 @@ def step_contexts(runs: Sequence[GraphRun], first: int = 0, eager: bool = False)
     for r in runs:
         everything |= {s: b for s, b in r.inputs.items() if s not in produced}
     contexts = []
-    held_before, earlier_outputs = 0, {}
+    held_before, earlier_outputs, let_go = 0, {}, {}
     for i, r in enumerate(runs):
         later_parameters: dict[int, int] = {}
+        read_later: set[int] = set()
         for later in runs[i + 1:]:
             later_parameters |= later.parameters
-        beside_forward = (_sum_except(everything, r.state | r.inputs) + held_before
+            read_later |= set(later.inputs)
+        alive_let_go = sum(b for s, (b, by_caller, retained) in let_go.items()
+                           if s not in r.inputs and not retained and (by_caller or s in read_later))
+        beside_forward = (_sum_except(everything, r.state | r.inputs) + held_before + alive_let_go
                           - sum(b for s, b in r.inputs.items() if s in earlier_outputs))
-        contexts.append(StepContext(beside_forward, beside_forward + _sum_except(later_parameters, r.state)))
+        # an earlier run's output i reads that the call let go and no one else holds: gone when backward starts
+        gone = sum(b for s, b in r.inputs.items()
+                   if s in let_go and not let_go[s][2] and s in r.unsaved_inputs())
+        contexts.append(StepContext(beside_forward, beside_forward + _sum_except(later_parameters, r.state) - gone))
         held_before += r.held_eager if eager else r.held
-        earlier_outputs |= r.outputs
+        outputs_let_go = r.let_go(eager)
+        let_go |= outputs_let_go
+        earlier_outputs |= {s: b for s, b in r.outputs.items() if s not in outputs_let_go or outputs_let_go[s][2]}
     later_peak = None
     for i in range(len(runs) - 1, first - 1, -1):
         held = runs[i].held_eager if eager else runs[i].held
@@ -140,11 +180,13 @@ def output_uses(runs: Sequence[GraphRun], returned: Any) -> list[tuple[str, ...]
 
 def uses_after_backward(uses: tuple[str, ...], outputs: GraphOutputs) -> tuple[str, ...]:
     """``uses`` as learned when the call returned, with each output held then but let go before backward reached
-    its graph (a loss computed from it, then the output dropped) made dropped: backward runs without it."""
+    its graph (a loss computed from it, then the output dropped) made dropped, or passed where it gets a gradient
+    (logits a later graph's loss read): backward runs without it."""
     alive = outputs.alive_at_backward
     if alive is None:
         return uses
-    return tuple(DROPPED if use == HELD and not held else use for use, held in zip(uses, alive))
+    let_go = {HELD: DROPPED, GRADIENT: PASSED}
+    return tuple(let_go.get(use, use) if not held else use for use, held in zip(uses, alive))
 
 
 def planned_knowing_later(variant: GraphVariant, context: StepContext | None) -> bool:

@@ -70,6 +70,15 @@ class GraphVariant:
             return simulate(profile, self.plan).peak_bytes
         return peak_beside(profile, self._eager_timeline if eager else self._own_timeline)
 
+    def outputs_held_after_forward(self, eager: bool = False) -> tuple[bool, ...]:
+        """Per tensor output: whether the graph itself still holds its storage when backward starts (autograd saved
+        it, or the call holds it to the end), under the plan or, with ``eager``, unplanned."""
+        storages = self.profile.output_storages
+        if self.profile.num_ops == 0 or len(storages) != len(self.uses):  # unknown: not held (counted by readers)
+            return (False,) * len(self.uses)
+        held = (self._eager_timeline if eager else self._own_timeline).held_storages
+        return tuple(bool(s >= 0 and held[s]) for s in storages)
+
     @functools.cached_property
     def _own_timeline(self) -> OwnTimeline:
         return own_timeline(self.profile, self.plan)

@@ -327,7 +327,7 @@ def own_slots(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None
     """The graph's own slots of one step under ``plan`` (forward, recomputes, backward, end): per slot the bytes
     the graph itself holds (its storages and what its slot adds, without the baseline, other graphs or FSDP's
     layout), what happens, its op and its rank (-1: none)."""
-    live, extra, kinds, ops, ranks, _ = _own(profile, a or analyse(profile, plan))
+    live, extra, kinds, ops, ranks, _, _ = _own(profile, a or analyse(profile, plan))
     return live + extra, kinds, ops, ranks
 
 
@@ -347,7 +347,8 @@ def _own(profile: GraphProfile, a: PlanAnalysis):
     np.add.at(held, copies.stop[counted] + 1, -sizes[copies.storage[counted]])
     _snapshots(profile, a, at, held)
     live = np.cumsum(held)[: at.end + 1]
-    return live, extra, kinds, ops, ranks, at
+    held_after_forward = lives & (producer < at.n) & (stop >= at.n)
+    return live, extra, kinds, ops, ranks, at, held_after_forward
 
 
 @dataclass(frozen=True)
@@ -362,11 +363,12 @@ class OwnTimeline:
     n: int  # slots of forward
     end: int  # the end-of-step slot
     held_after_forward: int  # activation bytes still held when backward starts
+    held_storages: np.ndarray  # per storage: held when backward starts
 
 
 def own_timeline(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None) -> OwnTimeline:
-    live, extra, kinds, ops, _, at = _own(profile, a or analyse(profile, plan))
-    return OwnTimeline(live + extra, kinds, ops, at.n, at.end, int(live[at.n]))
+    live, extra, kinds, ops, _, at, held = _own(profile, a or analyse(profile, plan))
+    return OwnTimeline(live + extra, kinds, ops, at.n, at.end, int(live[at.n]), held)
 
 
 def peak_beside(profile: GraphProfile, own: OwnTimeline) -> int:

@@ -23,7 +23,7 @@ from sublinear.execute.compiled.wrapper import (
 )
 from sublinear.tensors import size_hint as hint
 from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout
-from sublinear.training import DROPPED
+from sublinear.training import held_to_end
 
 __all__ = ["CompiledStepMemory", "TracePoint", "compiled_step_memory"]
 
@@ -145,11 +145,11 @@ def _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins: O
 
 
 def _drop_outputs(walk: StepWalk, outputs: Sequence[int | None], uses: Sequence[str], saved: set[int]) -> None:
-    """Release the user outputs the call drops (the last ``len(uses)`` tensors before the saved values) unless
-    backward gets them too."""
+    """Release the user outputs the call lets go before backward (the last ``len(uses)`` tensors before the saved
+    values; dropped, or passed to a later graph) unless backward gets them too."""
     tensors = [key for key in outputs if key is not None]
     for key, use in zip(tensors[len(tensors) - len(uses):] if uses else [], uses):
-        if use == DROPPED and key not in saved:
+        if not held_to_end(use) and key not in saved:
             walk.release(key, RETURNED)
 
 
