@@ -221,13 +221,9 @@ def trace_step(graph: CapturedGraph, values: Sequence[Any], keep_inputs: bool,
         outputs = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
         if uses is None:
             uses = tuple(GRADIENT if r else HELD for r in gradient_receivers(outputs))
-        serials = {t.untyped_storage()._cdata: recorder.serial_of(t) for t in outputs
-                   if t.untyped_storage()._cdata in recorder.serial}
-        dropped_serials = {serials[k] for t, use in zip(outputs, uses)
-                           if (k := t.untyped_storage()._cdata) in serials and not held_to_end(use)}
-        output_serials = {serials[k] for t, use in zip(outputs, uses)
-                          if (k := t.untyped_storage()._cdata) in serials and held_to_end(use)}
-        output_keys = tuple(serials.get(t.untyped_storage()._cdata, -1) for t in outputs)
+        output_keys = tuple(recorder.serial.get(t.untyped_storage()._cdata, -1) for t in outputs)
+        dropped_serials = {s for s, use in zip(output_keys, uses) if s >= 0 and not held_to_end(use)}
+        output_serials = {s for s, use in zip(output_keys, uses) if s >= 0 and held_to_end(use)}
         outputs = [t for t, use in zip(outputs, uses) if use != DROPPED]  # the caller lets the others go now
         receives = [receives_gradient(use) for use in uses if use != DROPPED]
         recorder.backward = True  # the output gradients step_backward makes belong to the backward

@@ -133,8 +133,8 @@ def step_contexts(runs: Sequence[GraphRun], first: int = 0, eager: bool = False)
         beside_forward = (_sum_except(everything, r.state | r.inputs) + held_before + alive_let_go
                           - sum(b for s, b in r.inputs.items() if s in earlier_outputs))
         # an earlier run's output i reads that the call let go and no one else holds: gone when backward starts
-        gone = sum(b for s, b in r.inputs.items()
-                   if s in let_go and not let_go[s][2] and s in r.unsaved_inputs())
+        unsaved = r.unsaved_inputs()
+        gone = sum(b for s, b in r.inputs.items() if s in let_go and not let_go[s][2] and s in unsaved)
         contexts.append(StepContext(beside_forward, beside_forward + _sum_except(later_parameters, r.state) - gone))
         held_before += r.held_eager if eager else r.held
         outputs_let_go = r.let_go(eager)
