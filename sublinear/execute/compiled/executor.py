@@ -273,14 +273,24 @@ class ResultsTakenAtOnce(CustomSchedulerPass):
         return order
 
     def uuid(self) -> str:
-        return "sublinear-results-taken-at-once-1"
+        # Inductor's cache keys compiled code on this pass's uuid, not on the fusion choices it compiled under
+        # (NearFusionChoices): the uuid names both, so that code fused under other rules is never served.
+        return "sublinear-results-taken-at-once-1-near-fusion-2"
 
 
 class NearFusionChoices(InductorChoices):
-    """Inductor's fusion heuristics, with one more: a producer is fused into a consumer only when the two are near
-    in the graph's order, as inductor already requires of two consumers of the same values. Fused far from where
-    it was, a producer runs where the later kernel runs: a recomputed layer norm fused into its backward delays the
-    weight gradient that reads it, and the output gradient that product reads stays in memory until then."""
+    """Inductor's fusion heuristics, with two more, so that kernels run in the partitioned graph's order, which is
+    what the plan's memory model follows. A fused kernel runs where its first node was (inductor sorts fused nodes
+    by their first node and then places every producer before its consumers):
+
+    - a producer is fused into a consumer only when the two are near in the graph's order, as inductor already
+      requires of two consumers of the same values. Fused far from where it was, a producer runs where the later
+      kernel runs: a recomputed layer norm fused into its backward delays the weight gradient that reads it, and
+      the output gradient that product reads stays in memory until then;
+    - two consumers of the same values (a horizontal fusion) are fused only when every producer of the later one
+      has run by the earlier one's place. Otherwise those producers run early: in a backward that recomputes, the
+      rotary embedding of a block recomputed later (it reads the same cos and sin) fused into this block's
+      backward pulls that block's whole recompute up into this block's backward, and holds it through it."""
 
     FAR = 64  # nodes apart in the graph's order (inductor's own limit for consumers fused together)
 
@@ -288,6 +298,18 @@ class NearFusionChoices(InductorChoices):
     def can_fuse_vertical(scheduler, node1, node2, shared_data_score) -> bool:
         far = max(abs(node1.min_order - node2.max_order), abs(node2.min_order - node1.max_order))
         return far <= NearFusionChoices.FAR
+
+    @staticmethod
+    def can_fuse_horizontal(scheduler, node1, node2, shared_data_score) -> bool:
+        if not InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
+            return False
+        first, later = sorted((node1, node2), key=lambda node: node.min_order)
+        for dep in later.unmet_dependencies:
+            buffer = scheduler.name_to_buf.get(dep.name)
+            producer = buffer and buffer.defining_op and scheduler.name_to_fused_node.get(buffer.defining_op_name())
+            if producer is not None and producer is not first and producer.min_order > first.min_order:
+                return False
+        return True
 
 
 def compile_patches(partitioner: CustomPartitionerFn, scheduling: ResultsTakenAtOnce) -> dict[str, Any]:
