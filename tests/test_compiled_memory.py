@@ -20,7 +20,7 @@ from sublinear.execute.compiled import CompiledGraph
 from sublinear.execute.compiled.step_memory import compiled_step_memory
 from sublinear.execute.compiled.wrapper import StepWalk, parse_wrapper
 from sublinear.measurement import measure_cpu_allocator
-from sublinear.simulation.calibration import slot_peaks, taught, trace_by_slot
+from sublinear.simulation.calibration import recompute_ranks, slot_peaks, taught, trace_by_slot
 from sublinear.simulation.timeline import simulate
 from sublinear.training import default_loss
 
@@ -139,6 +139,21 @@ def test_a_trace_is_read_op_by_op_in_forward_and_rank_by_rank_in_backward():
     # a fused kernel runs where the first of its nodes is due, and time never runs back
     forward, backward = trace_by_slot(points, {"a": 0, "b": 1, "c": 2}, {"grad_a": 0, "grad_b": 1, "grad_c": 2}, 3)
     assert forward == {0: 30, 1: 25} and backward == {2: 40, 1: 45, 0: 50}
+
+
+
+def test_a_recompute_in_backward_is_read_at_the_rank_the_plan_reruns_it():
+    # the compiled backward re-runs op "a" right after rank 2's backward, before rank 1's: the plan re-runs it at
+    # rank 1, and rank 2 holds none of it in the simulation
+    points = [("backward", 40, ("grad_c",)), ("backward", 60, ("a",)), ("backward", 35, ()),
+              ("backward", 45, ("grad_b",)), ("backward", 50, ("grad_a",))]
+    op_of, rank_of = {"a": 0, "b": 1, "c": 2}, {"grad_a": 0, "grad_b": 1, "grad_c": 2}
+    # the recompute is read at rank 1; what follows it (naming nothing) is still rank 2's
+    assert trace_by_slot(points, op_of, rank_of, 3, {0: 1})[1] == {2: 40, 1: 60, 0: 50}
+    assert trace_by_slot(points, op_of, rank_of, 3)[1] == {2: 60, 1: 45, 0: 50}  # without the plan: rank 2's
+    p = chain(4)
+    plan = Plan.of([1], 4)
+    assert recompute_ranks(p, plan) == {0: 1}  # op 0 re-run before rank 1's backward, its first reader's
 
 
 class _ConvNet(nn.Module):
@@ -280,6 +295,42 @@ def test_a_budget_sweep_is_met_by_every_compiled_step_with_one_compile_and_more_
         torch._dynamo.reset()
     assert points == sorted(points, reverse=True), points
     assert "planning again" not in caplog.text  # one search and one compile per budget
+
+
+
+def test_lessons_taught_to_every_plan_never_refuse_a_budget_the_lowest_plan_meets_once_compiled(monkeypatch,
+                                                                                                  caplog):
+    # What a compiled plan held beyond its simulation is taught to every plan at that rank, also where it came from
+    # that plan's own recompute. Here the first lesson over-counts by 1 GiB at every rank: no plan searched on it
+    # fits, and the plan of the lowest peak before compiling is compiled and measured before the budget is refused.
+    from sublinear.runtime import compile_check
+
+    real_taught, lessons = compile_check.taught, []
+
+    def over_counting(profile, plan, forward, backward):
+        lessons.append(plan)
+        if len(lessons) == 1:
+            backward = {rank: held + 2**30 for rank, held in backward.items()}
+        return real_taught(profile, plan, forward, backward)
+
+    monkeypatch.setattr(compile_check, "taught", over_counting)
+    caplog.set_level(logging.INFO, logger="sublinear")
+    x = torch.randn(8, 3, 32, 32)
+    torch.manual_seed(0)
+    model = _ConvNet().train()
+
+    def step(m, inputs):
+        default_loss(m(inputs)).backward()
+
+    eager = measure_cpu_allocator(step, model, x).peak_bytes
+    model.zero_grad(set_to_none=True)
+    run = sublinear.apply(model, dataclasses.replace(INDUCTOR, memory_budget=eager))
+    step(run, x)
+    model.zero_grad(set_to_none=True)
+    measured = measure_cpu_allocator(step, run, x).peak_bytes
+    graph = model.sublinear_plan.graphs[0]
+    assert len(lessons) == 2 and "the plan of the lowest peak before compiling" in caplog.text
+    assert measured <= eager and graph.predicted_peak_bytes == graph.compiled_peak_bytes, (measured, graph)
 
 
 class _HeadReturningLogits(_LanguageModelHead):

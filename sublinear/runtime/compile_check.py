@@ -5,7 +5,8 @@ by statement, library calls measured on the device (:mod:`sublinear.execute.comp
 taught what the compiled code held, slot by slot (:mod:`sublinear.simulation.calibration`): from then on it predicts
 that plan as compiled, and every plan at least as high where the compiler added memory. When the compiled step is
 above the memory budget, the plan is searched again on the taught profile (the same budget, never cut) and compiled
-again, up to :data:`COMPILED_ROUNDS` times; a budget no compiled plan meets raises
+again, up to :data:`COMPILED_ROUNDS` times (where the taught profile has no plan within the budget, the plan of
+the lowest peak on the profile before any lesson is compiled and measured); a budget no compiled plan meets raises
 :class:`~sublinear.planners.BudgetError` naming the lowest compiled peak. The taught profile's costs go to the plan
 cache with the plan, so a later process predicts the compiled step before compiling.
 """
@@ -27,7 +28,7 @@ from sublinear.execute.compiled import CompiledGraph, CompiledStepMemory
 from sublinear.planners import BudgetError
 from sublinear.planners.driver import step_floor
 from sublinear.runtime.variant import GraphVariant
-from sublinear.simulation.calibration import taught, trace_by_slot
+from sublinear.simulation.calibration import recompute_ranks, taught, trace_by_slot
 
 if TYPE_CHECKING:
     from sublinear.runtime.graph import GraphRuntime
@@ -42,12 +43,18 @@ COMPILED_ROUNDS = 3  # plans searched again on the taught profile when a compile
 @dataclasses.dataclass
 class Profiled:
     """A graph's profile at one signature, with what compiling it needs (the joint graph's forward node names and
-    backward ranks; None for the eager executor), and how many times a compile check taught it."""
+    backward ranks; None for the eager executor), how many times a compile check taught it, and the profile as it
+    was before (``untaught``)."""
 
     profile: GraphProfile
     node_names: tuple[str, ...] | None
     backward_ranks: dict[str, int] | None
     lessons: int = 0
+    untaught: GraphProfile | None = None
+
+    def __post_init__(self) -> None:
+        if self.untaught is None:
+            self.untaught = self.profile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +68,11 @@ class Lesson:
 
 class CompileCheck:
     """Compiles new variants and teaches their profiles what the compiled code held (see the module docstring).
-    ``replan(runtime, values, key, dry_run, bound)`` plans a signature again on the taught profile."""
+    ``replan(runtime, values, key, dry_run, bound, lowest)`` plans a signature again on the taught profile, or,
+    with ``lowest``, for the lowest peak on the profile before it was taught."""
 
     def __init__(self, plans: PlanCache,
-                 replan: Callable[[GraphRuntime, Sequence[Any], tuple, bool, Binding], GraphVariant]) -> None:
+                 replan: Callable[[GraphRuntime, Sequence[Any], tuple, bool, Binding, bool], GraphVariant]) -> None:
         self.plans = plans
         self.replan = replan
 
@@ -73,6 +81,7 @@ class CompileCheck:
         """Compile a new variant now, read what its compiled code holds, teach its profile; above the budget, plan
         again on the taught profile and compile again."""
         lowest: tuple[int, GraphVariant] | None = None
+        tried_lowest = False
         for round_ in range(COMPILED_ROUNDS + 1):
             graph = variant.rewritten
             if not isinstance(graph, CompiledGraph) or variant.checked:
@@ -82,28 +91,44 @@ class CompileCheck:
             memory = graph.memory_for(variant.uses)
             if memory is None:
                 return variant
-            self._teach(variant, memory)
+            self._teach(variant, memory, tried_lowest)
             if lowest is None or memory.peak < lowest[0]:
                 lowest = (memory.peak, variant)
             if variant.budget is None or variant.settling or variant.peak_bytes <= variant.budget:
                 return variant  # settling: over the budget until the call's other graphs are planned for it
-            if round_ == COMPILED_ROUNDS:
+            if round_ == COMPILED_ROUNDS or tried_lowest:
                 raise _over_budget(lowest[1])
             log.info("sublinear: graph %d as compiled holds %s, above the budget of %s (%s predicted before "
                      "compiling); planning again on what it held", runtime.index, format_bytes(variant.peak_bytes),
                      format_bytes(variant.budget), format_bytes(variant.simulation_before_compile))
             runtime.forget(variant)
-            variant = runtime.variants[key] = self.replan(runtime, values, key, False, variant.bound)
+            bound = variant.bound
+            try:
+                variant = self.replan(runtime, values, key, False, bound, False)
+            except BudgetError:
+                # What a compiled plan held beyond its simulation is taught to every plan at that op or rank, also
+                # where it came from that plan's own recompute: the taught profile may find no plan where the
+                # lowest plan, compiled, fits. That plan is compiled and measured before the budget is refused.
+                log.info("sublinear: graph %d: no plan searched on what the compiled code held is within the "
+                         "budget; compiling the plan of the lowest peak before compiling", runtime.index)
+                tried_lowest = True
+                variant = self.replan(runtime, values, key, False, bound, True)
+            runtime.variants[key] = variant
         return variant
 
-    def _teach(self, variant: GraphVariant, memory: CompiledStepMemory) -> None:
-        """Teach the variant's profile (and the cached profile of its signature) what its compiled code held."""
+    def _teach(self, variant: GraphVariant, memory: CompiledStepMemory, afresh: bool = False) -> None:
+        """Teach the variant's profile (and the cached profile of its signature) what its compiled code held;
+        ``afresh``: teach the profile as it was before any compile check (the lessons of other plans put aside,
+        so that the profile predicts this plan as compiled)."""
         lesson = variant.lesson
         profiled = lesson.profiled
+        if afresh:
+            profiled.profile = profiled.untaught
         forward, backward = trace_by_slot(((p.phase, p.live, p.nodes) for p in memory.trace),
                                           {name: profiled.profile.op_of_node[i]
                                            for i, name in enumerate(profiled.node_names)},
-                                          profiled.backward_ranks, profiled.profile.num_ops)
+                                          profiled.backward_ranks, profiled.profile.num_ops,
+                                          recompute_ranks(profiled.profile, variant.plan))
         profiled.profile = taught(profiled.profile, variant.plan, forward, backward)
         profiled.lessons += 1
         entry = self.plans.load(lesson.disk_key)

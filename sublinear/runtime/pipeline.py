@@ -70,10 +70,11 @@ class PlanPipeline:
     # -- planning -----------------------------------------------------------------------------------------------
 
     def plan(self, runtime: GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool,
-             bound: Binding) -> GraphVariant:
+             bound: Binding, lowest: bool = False) -> GraphVariant:
         """Profile and plan ``runtime``'s graph for a call with ``values`` (real or fake). Planning draws random
         numbers (measuring op costs) under a forked RNG, so the training's random stream is as in eager, and runs
-        outside the caller's dispatch modes (a memory tracker around the step sees the step, not the planning)."""
+        outside the caller's dispatch modes (a memory tracker around the step sees the step, not the planning).
+        ``lowest``: the plan of the lowest peak on the profile as it was before any compile check taught it."""
         from sublinear.runtime.session import collecting_new_objects_only  # noqa: PLC0415
 
         self.progress.begin()
@@ -82,7 +83,7 @@ class PlanPipeline:
         with torch.random.fork_rng(devices=devices, device_type="cuda"), _disable_current_modes(), \
                 collecting_new_objects_only():
             try:
-                return self._plan(runtime, values, key, dry_run, bound)
+                return self._plan(runtime, values, key, dry_run, bound, lowest)
             except JointTraceError as exc:
                 self.eager_only[runtime.graph.code] = str(exc)
                 log.warning("sublinear: graph %d runs on sublinear's eager executor: inductor could not trace its "
@@ -90,7 +91,7 @@ class PlanPipeline:
                 return self._plan(runtime, values, key, dry_run, bound)
 
     def _plan(self, runtime: GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool,
-              bound: Binding) -> GraphVariant:
+              bound: Binding, lowest: bool = False) -> GraphVariant:
         started = time.perf_counter()
         graph, config = runtime.graph, self.config
         context, settled = runtime.session.calls.context_for(runtime, values)
@@ -106,7 +107,12 @@ class PlanPipeline:
         profile_ = dataclasses.replace(profiled.profile, sharding=key[-1], step_context=context)
         budget = self.budget_for(runtime, values, dry_run)
         objective = objective_for(config, budget)
-        choice = self._choose(runtime, profile_, objective, entry, store_key, disk_key, settled)
+        if lowest:
+            untaught = dataclasses.replace(profiled.untaught, sharding=key[-1], step_context=context)
+            choice = _Choice(_lowest_plan(untaught, config), None, "the lowest peak before compiling, no plan "
+                             "searched on what the compiled code held being within the budget", False, searched=True)
+        else:
+            choice = self._choose(runtime, profile_, objective, entry, store_key, disk_key, settled)
         if not choice.settling:
             self.plans.remember(store_key, (profiled, choice.plan, choice.result))
         return self._variant(runtime, values, (key, disk_key), bound, profiled, profile_, objective, budget, choice,
@@ -276,6 +282,14 @@ class _Choice:
     settling: bool = False
     searched: bool = False
     prior: Prior | None = None  # the forgotten variant whose plan this is
+
+
+def _lowest_plan(profile_: GraphProfile, config: SublinearMemoryConfig) -> Plan:
+    """The plan of the lowest predicted peak on ``profile_`` within the config's time cap."""
+    try:
+        return make_plan(profile_, config, memory_budget=1).plan
+    except BudgetError as exc:  # no plan fits one byte: the error carries the lowest one found
+        return exc.lowest.plan
 
 
 def _still_best(objective: Objective, plan: Plan, profile_: GraphProfile, eager: Simulation) -> bool:

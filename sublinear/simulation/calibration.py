@@ -5,7 +5,11 @@ The trace names, at every statement of the compiled code, the nodes of the parti
 runs forward through the ops and backward down the ranks, and a kernel that fuses nodes of several runs where the
 first of them is due: a forward statement belongs to the lowest op among its nodes, a backward statement to the
 highest rank among its backward nodes, never before the statement that precedes it (a statement naming none
-belongs where the one before it does). Where the compiled code held more at an op's
+belongs where the one before it does). A statement that only re-runs forward nodes belongs to the rank whose
+recompute re-runs them under the plan, where the simulation holds them, and time goes on from the rank before it:
+the compiled code may re-run a value a few ranks before the simulation does (the partitioned graph re-runs it
+right before its first reader), and counted at the rank before it, the whole recompute was taught to that rank,
+for every plan. Where the compiled code held more at an op's
 forward, or around a rank's backward, than the simulation of the same plan says, the op's forward extra bytes and
 the rank's backward peak are raised by the difference. The profile then predicts that plan as compiled, and every
 plan as held at least as much there: what a compiler adds at a slot (a kernel fused far from its place, a copy
@@ -24,7 +28,7 @@ from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile
 from sublinear.simulation.timeline import BACKWARD_SLOTS, FORWARD_SLOT, own_slots
 
-__all__ = ["slot_peaks", "taught", "trace_by_slot"]
+__all__ = ["recompute_ranks", "slot_peaks", "taught", "trace_by_slot"]
 
 
 def slot_peaks(profile: GraphProfile, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
@@ -42,12 +46,24 @@ def slot_peaks(profile: GraphProfile, plan: Plan) -> tuple[np.ndarray, np.ndarra
     return forward, backward
 
 
+def recompute_ranks(profile: GraphProfile, plan: Plan) -> dict[int, int]:
+    """Per op the plan re-runs, the rank before whose backward it first re-runs (the highest: ranks run down)."""
+    _, ops = (a := analyse(profile, plan)).recompute_pairs
+    first: dict[int, int] = {}
+    for op, rank in zip(ops.tolist(), a.recompute_ranks.tolist()):
+        first[op] = max(first.get(op, -1), rank)
+    return first
+
+
 def trace_by_slot(points: Iterable[tuple[str, int, tuple[str, ...]]], op_of: Mapping[str, int],
-                  rank_of: Mapping[str, int], num_ops: int) -> tuple[dict[int, int], dict[int, int]]:
+                  rank_of: Mapping[str, int], num_ops: int, rerun_at: Mapping[int, int] | None = None
+                  ) -> tuple[dict[int, int], dict[int, int]]:
     """The most bytes live at each op's forward and each rank's backward, from ``points`` ((phase, live bytes with
-    the parameters, buffers and inputs, node names) per statement, in order): see the module docstring."""
+    the parameters, buffers and inputs, node names) per statement, in order); ``rerun_at``: per op the plan
+    re-runs, the rank of its recompute (:func:`recompute_ranks`). See the module docstring."""
     forward: dict[int, int] = {}
     backward: dict[int, int] = {}
+    rerun_at = rerun_at or {}
     op, rank = 0, num_ops - 1
     for phase, live, nodes in points:
         if phase == "forward":
@@ -56,8 +72,10 @@ def trace_by_slot(points: Iterable[tuple[str, int, tuple[str, ...]]], op_of: Map
             forward[op] = max(forward.get(op, 0), live)
         else:
             named = [rank_of[n] for n in nodes if n in rank_of]
+            rerun = [rerun_at[op_of[n]] for n in nodes if n in op_of and op_of[n] in rerun_at]
             rank = min(rank, max(named)) if named else rank
-            backward[rank] = max(backward.get(rank, 0), live)
+            slot = rank if named or not rerun else min(rank, max(rerun))
+            backward[slot] = max(backward.get(slot, 0), live)
     return forward, backward
 
 
