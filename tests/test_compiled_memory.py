@@ -331,6 +331,7 @@ def test_lessons_taught_to_every_plan_never_refuse_a_budget_the_lowest_plan_meet
     graph = model.sublinear_plan.graphs[0]
     assert len(lessons) == 2 and "the plan of the lowest peak before compiling" in caplog.text
     assert measured <= eager and graph.predicted_peak_bytes == graph.compiled_peak_bytes, (measured, graph)
+    assert graph.predicted_before_compile_bytes < graph.predicted_peak_bytes + 2**30  # before the 1 GiB lesson
 
 
 class _HeadReturningLogits(_LanguageModelHead):

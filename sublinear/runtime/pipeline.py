@@ -107,9 +107,9 @@ class PlanPipeline:
         profile_ = dataclasses.replace(profiled.profile, sharding=key[-1], step_context=context)
         budget = self.budget_for(runtime, values, dry_run)
         objective = objective_for(config, budget)
-        if lowest:
-            untaught = dataclasses.replace(profiled.untaught, sharding=key[-1], step_context=context)
-            choice = _Choice(_lowest_plan(untaught, config), None, "the lowest peak before compiling, no plan "
+        if lowest:  # chosen, predicted and (by the compile check) taught on the profile before any lesson
+            profile_ = dataclasses.replace(profiled.untaught, sharding=key[-1], step_context=context)
+            choice = _Choice(_lowest_plan(profile_, config), None, "the lowest peak before compiling, no plan "
                              "searched on what the compiled code held being within the budget", False, searched=True)
         else:
             choice = self._choose(runtime, profile_, objective, entry, store_key, disk_key, settled)
