@@ -151,6 +151,20 @@ def test_a_budget_holds_for_a_step_split_into_graphs():
     assert budget // 2 < info.value.smallest < budget
 
 
+def _peak_after_steps(model, config, steps: int, **inputs) -> int:
+    """``model`` under sublinear trained ``steps`` steps on its own loss (gradients set to None after each), then
+    one more step's peak as the CPU allocator counts it."""
+    run = sublinear.apply(model, config)
+
+    def step(m, **batch):
+        m(**batch).loss.backward()
+
+    for _ in range(steps):
+        step(run, **inputs)
+        model.zero_grad(set_to_none=True)
+    return measure_cpu_allocator(step, run, **inputs).peak_bytes
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("compiler", ["inductor", "eager"])
 def test_logits_a_loss_graph_read_are_let_go_before_backward_and_the_compiled_code_kept(compiler, monkeypatch):
@@ -165,21 +179,12 @@ def test_logits_a_loss_graph_read_are_let_go_before_backward_and_the_compiled_co
     model, _ = tiny_model("gpt2", "eager", vocab=2048)
     ids = torch.randint(1, 2048, (4, 32), generator=torch.Generator().manual_seed(0))
     config = dataclasses.replace(PLAIN, compiler=compiler, min_memory_per_time=0)
-    run = sublinear.apply(model.train(), config)
-
-    def step(m, **inputs):
-        m(**inputs).loss.backward()
-
-    for _ in range(3):
-        step(run, input_ids=ids, labels=ids)
-        model.zero_grad(set_to_none=True)
-    measured = measure_cpu_allocator(step, run, input_ids=ids, labels=ids).peak_bytes
+    measured = _peak_after_steps(model.train(), config, 3, input_ids=ids, labels=ids)
     first = next(iter(model.forward.sublinear_backend.latest.values()))
     assert first.uses[0] == "passed"
     assert len(compiles) == (2 if compiler == "inductor" else 0)
     predicted = model.sublinear_plan.predicted_peak_bytes
     assert abs(predicted - measured) <= max(0.02 * measured, 256 * 1024), (predicted, measured)
-
 
 
 @pytest.mark.slow
@@ -193,15 +198,8 @@ def test_a_llamas_recomputing_plan_is_predicted_before_compiling_as_inductor_run
                                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
     model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").train()
     ids = torch.randint(0, 8000, (4, 128), generator=torch.Generator().manual_seed(0))
-    run = sublinear.apply(model, dataclasses.replace(PLAIN, compiler="inductor", min_memory_per_time=0))
-
-    def step(m, **inputs):
-        m(**inputs).loss.backward()
-
-    for _ in range(2):
-        step(run, input_ids=ids, labels=ids)
-        model.zero_grad(set_to_none=True)
-    measured = measure_cpu_allocator(step, run, input_ids=ids, labels=ids).peak_bytes
+    config = dataclasses.replace(PLAIN, compiler="inductor", min_memory_per_time=0)
+    measured = _peak_after_steps(model, config, 2, input_ids=ids, labels=ids)
     (graph,) = model.sublinear_plan.graphs
     assert graph.num_blocks > 1
     before = graph.predicted_before_compile_bytes
