@@ -50,11 +50,10 @@ class Profiled:
     node_names: tuple[str, ...] | None
     backward_ranks: dict[str, int] | None
     lessons: int = 0
-    untaught: GraphProfile | None = None
+    untaught: GraphProfile = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        if self.untaught is None:
-            self.untaught = self.profile
+        self.untaught = self.profile
 
 
 @dataclasses.dataclass(frozen=True)

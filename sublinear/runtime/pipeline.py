@@ -88,7 +88,7 @@ class PlanPipeline:
                 self.eager_only[runtime.graph.code] = str(exc)
                 log.warning("sublinear: graph %d runs on sublinear's eager executor: inductor could not trace its "
                             "forward and backward (%s)", runtime.index, exc)
-                return self._plan(runtime, values, key, dry_run, bound)
+                return self._plan(runtime, values, key, dry_run, bound, lowest)
 
     def _plan(self, runtime: GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool,
               bound: Binding, lowest: bool = False) -> GraphVariant:
@@ -104,11 +104,12 @@ class PlanPipeline:
         entry = self.plans.load(disk_key) if graph.code not in self.overrides else None
         profiled, entry = self.profiles.lookup(graph, values, key, bound, uses, compiler, profile_key, disk_key, entry)
         store_key = (*profile_key, context, repr(sorted(config.planning_key().items())), profiled.lessons)
-        profile_ = dataclasses.replace(profiled.profile, sharding=key[-1], step_context=context)
+        # the lowest plan is chosen, predicted and (by the compile check) taught on the profile before any lesson
+        profile_ = dataclasses.replace(profiled.untaught if lowest else profiled.profile, sharding=key[-1],
+                                       step_context=context)
         budget = self.budget_for(runtime, values, dry_run)
         objective = objective_for(config, budget)
-        if lowest:  # chosen, predicted and (by the compile check) taught on the profile before any lesson
-            profile_ = dataclasses.replace(profiled.untaught, sharding=key[-1], step_context=context)
+        if lowest:
             choice = _Choice(_lowest_plan(profile_, config), None, "the lowest peak before compiling, no plan "
                              "searched on what the compiled code held being within the budget", False, searched=True)
         else:

@@ -48,9 +48,9 @@ def slot_peaks(profile: GraphProfile, plan: Plan) -> tuple[np.ndarray, np.ndarra
 
 def recompute_ranks(profile: GraphProfile, plan: Plan) -> dict[int, int]:
     """Per op the plan re-runs, the rank before whose backward it first re-runs (the highest: ranks run down)."""
-    _, ops = (a := analyse(profile, plan)).recompute_pairs
+    analysis = analyse(profile, plan)
     first: dict[int, int] = {}
-    for op, rank in zip(ops.tolist(), a.recompute_ranks.tolist()):
+    for op, rank in zip(analysis.recompute_pairs[1].tolist(), analysis.recompute_ranks.tolist()):
         first[op] = max(first.get(op, -1), rank)
     return first
 
