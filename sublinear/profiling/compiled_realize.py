@@ -105,10 +105,8 @@ def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[
             expressions[node] = _Expression(frozenset(loads), frozenset(operations), costly)
             continue
         cpu = _on_cpu(node)
-        opcount_limit = _threshold(config.realize_opcount_threshold, config.realize_cpu_opcount_threshold,
-                                   config._realize_opcount_threshold_default, cpu)
-        reads_limit = _threshold(config.realize_acc_reads_threshold, config.realize_cpu_acc_reads_threshold,
-                                 config._realize_acc_reads_threshold_default, cpu)
+        opcount_limit = _threshold("realize_opcount_threshold", cpu)
+        reads_limit = _threshold("realize_acc_reads_threshold", cpu)
         count = len(operations) + len(loads)
         many = count > opcount_limit
         if readers(node) > 1 and ((cpu and costly) or many or len(loads) > config.realize_reads_threshold) or \
@@ -142,7 +140,12 @@ def _on_cpu(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "cpu"
 
 
-def _threshold(setting: int | None, cpu_value: int, default: int, cpu: bool) -> int:
+def _threshold(name: str, cpu: bool) -> int:
+    """Inductor's setting ``name``; where it is None (torch 2.13 and later), its CPU value or its default. Older
+    torch (2.11) has one value for every device and neither of the other two settings."""
+    from torch._inductor import config  # noqa: PLC0415
+
+    setting = getattr(config, name)
     if setting is not None:
         return setting
-    return cpu_value if cpu else default
+    return getattr(config, name.replace("realize_", "realize_cpu_", 1)) if cpu else getattr(config, f"_{name}_default")
