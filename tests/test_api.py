@@ -860,3 +860,53 @@ def test_a_graph_whose_outputs_calls_use_differently_is_planned_for_the_most_dem
     assert sum(plans[5:]) == 0, plans  # settled: alternating calls no longer plan the first graph again
     first = next(v for v in compiled.sublinear_backend.latest.values() if len(v.uses) == 2)
     assert first.uses == ("passed", "passed")  # each read by the second graph on some call, let go before backward
+
+
+class _LossAndWideOutput(nn.Module):
+    """A chain whose call returns its loss and a wide tensor no loss reads: the caller may keep it or drop it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chain, self.wide = Chain(12, 32), nn.Linear(32, 512)
+
+    def forward(self, x):
+        h = self.chain(x)
+        return h.square().mean(), self.wide(h)
+
+
+@pytest.mark.parametrize("keeps", [False, True], ids=["dropped", "kept"])
+def test_a_budget_met_only_without_an_output_the_caller_drops_is_refused_only_once_a_call_shows_it_kept(keeps):
+    """Before any call the outputs no loss reads are guessed held; a budget the lowest plan meets only without them
+    is planned again once a call shows the caller dropping them (met), or refused once one shows it keeping them."""
+    x = torch.randn(64, 32)
+
+    def fresh():
+        torch.manual_seed(0)
+        return _LossAndWideOutput().train()
+
+    def step(m, inputs):
+        loss, wide = m(inputs)
+        if not keeps:
+            del wide
+        loss.backward()
+
+    with pytest.raises(sublinear.BudgetError) as held:  # a one-byte budget: refused at once, outputs or not
+        step(sublinear.apply(fresh(), dataclasses.replace(PLAIN, memory_budget=1)), x)
+    free, model = fresh(), fresh()
+    run = sublinear.apply(free, PLAIN)
+    for _ in range(2):
+        run(x)[0].backward()
+    dropped = free.sublinear_plan.predicted_peak_bytes  # the lowest peak with the wide output dropped
+    assert dropped < held.value.smallest
+    budget = (dropped + held.value.smallest) // 2
+    run = sublinear.apply(model, dataclasses.replace(PLAIN, memory_budget=budget))
+    if keeps:
+        with pytest.raises(sublinear.BudgetError):
+            for _ in range(3):
+                step(run, x)
+        return
+    for _ in range(3):
+        step(run, x)
+        model.zero_grad(set_to_none=True)
+    assert model.sublinear_plan.predicted_peak_bytes <= budget
+    assert sublinear.measure_cpu_allocator(step, run, x).peak_bytes <= budget

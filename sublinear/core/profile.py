@@ -203,6 +203,13 @@ class GraphProfile:
         """The profile's lists as flat index arrays (:class:`ProfileArrays`)."""
         return ProfileArrays(self)
 
+    @property
+    def held_output_bytes(self) -> int:
+        """Bytes of the storages of the outputs the caller holds to the step's end (``output_uses`` "held"): what a
+        plan's peak can fall by at most where the caller drops them before backward instead."""
+        held = {int(s) for s, use in zip(self.output_storages, self.output_uses) if use == "held" and s >= 0}
+        return int(sum(int(self.storage_bytes[s]) for s in held))
+
     @functools.cached_property
     def output_bytes(self) -> np.ndarray:
         """Per op: bytes of the storages it produces."""

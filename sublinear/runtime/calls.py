@@ -107,6 +107,11 @@ class CallTracker:
                      "; ".join(str(self.latest[r.graph.code].profile.step_context) for r in stale))
         return stale
 
+    def uses_seen(self, code: str) -> bool:
+        """Whether a call (not planning ahead) showed what the caller does with graph ``code``'s outputs; a bare
+        backend never sees a call's result, so there the guess (outputs held) is all there is."""
+        return not self.ahead and (not self.explicit or code in self.from_calls)
+
     def context_for(self, runtime: GraphRuntime, values: Sequence[Any]) -> tuple[StepContext | None, bool]:
         """The context of ``runtime``'s graph about to run next in the current call: this call's earlier graphs as
         they ran, the later ones as the previous call ran them (None when it runs alone); and whether the call is

@@ -126,7 +126,8 @@ class PlanPipeline:
         """The plan to run: the user's (``use()``), this session's or the disk's when it still meets the objective,
         the previous variant's when it does, else a search (stored on disk). Under a budget, a graph of an
         unsettled call that fits no plan yet runs its lowest-peak plan until the call's other graphs are planned for
-        it."""
+        it, as does one whose outputs are guessed held (no call has shown what the caller does with them) where
+        dropping them could bring the lowest peak within the budget."""
         code = runtime.graph.code
         cached = self.plans.recall(store_key)
         plan, result = (cached[1], cached[2]) if cached is not None else \
@@ -149,12 +150,14 @@ class PlanPipeline:
         try:
             result = make_plan(profile_, self.config, memory_budget=objective.memory_budget)
         except BudgetError as exc:
-            if settled:
+            guessed = not runtime.session.calls.uses_seen(code)
+            if settled and (not guessed or exc.smallest - profile_.held_output_bytes > exc.budget):
                 raise
-            log.info("sublinear: graph %d does not fit beside the call's other graphs' plans yet; they are planned "
-                     "again for it", runtime.index)
-            return _Choice(exc.lowest.plan, None, "lowest peak, until the call's other graphs are planned for it",
-                           False, settling=True)
+            until = ("a call shows whether the caller keeps the outputs it is guessed to hold" if settled else
+                     "the call's other graphs are planned for it")
+            log.info("sublinear: graph %d does not fit %s yet; it runs its lowest peak until %s", runtime.index,
+                     objective.describe(), until)
+            return _Choice(exc.lowest.plan, None, f"lowest peak, until {until}", False, settling=True)
         self.plans.store(disk_key, _entry(profile_, result.plan,
                                           [[c.simulation.peak_bytes, c.simulation.time_ratio] for c in result.history]))
         return _Choice(result.plan, result, result.origin, False, searched=True)
