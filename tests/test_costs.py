@@ -105,3 +105,20 @@ def test_device_rates_are_measured_once_per_machine_and_read_back(tmp_path, monk
         assert (again.flops_per_second, again.bytes_per_second, again.seconds_per_call) == (1e12, 2e11, 3e-6)
     finally:
         device_rates.cache_clear()
+
+
+def test_device_rates_are_measured_in_float32_under_a_callers_autocast(monkeypatch):
+    """The rates are cached per machine: planning under bfloat16 autocast must not measure (and store) a bfloat16
+    matrix product's rate, nor pay for one on a CPU without bfloat16 units."""
+    from sublinear.profiling import costs
+
+    dtypes = []
+
+    def first_result(fn, device, repeats=3):
+        dtypes.append(fn().dtype)
+        return 1e-3
+
+    monkeypatch.setattr(costs, "_fastest", first_result)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        costs._measure_rates(torch.device("cpu"))
+    assert dtypes[0] == torch.float32  # the matrix product

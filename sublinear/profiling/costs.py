@@ -139,7 +139,11 @@ def device_rates(device: str) -> DeviceRates:
     return rates
 
 
+@torch.autocast("cpu", enabled=False)
+@torch.autocast("cuda", enabled=False)
 def _measure_rates(dev: torch.device) -> DeviceRates:
+    """float32 rates, whatever autocast the caller plans under (they are cached per machine, and a bfloat16 matrix
+    product on a CPU without bfloat16 units is a hundred times slower)."""
     n = 1024 if dev.type == "cpu" else 4096
     a = torch.randn(n, n, device=dev)
     b = torch.randn(n, n, device=dev)
