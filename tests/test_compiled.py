@@ -121,6 +121,7 @@ def test_forward_saves_exactly_what_the_plan_keeps(monkeypatch):
     assert any(a.state == StorageState.REBUILT)
 
 
+@pytest.mark.slow
 def test_compiled_prediction_matches_the_cpu_allocator():
     """Predicted peak of the compiled step, before compiling and as compiled, against the CPU allocator's own count,
     eager plan and recomputing plan, for the step predictions describe (the output held while backward runs)."""

@@ -230,7 +230,8 @@ CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "recurrence": (_Recurrence, 
          "head": (_LanguageModelHead, (4, 64, 64)), "unchunked-head": (_LanguageModelHead, (4, 64, 64))}
 
 
-@pytest.mark.parametrize("case", [pytest.param("convolution"), pytest.param("head"), pytest.param("recurrence"),
+@pytest.mark.parametrize("case", [pytest.param("convolution"), pytest.param("head"),
+                                  pytest.param("recurrence", marks=pytest.mark.slow),
                                   pytest.param("unchunked-head", marks=pytest.mark.slow),
                                   pytest.param("attention", marks=pytest.mark.slow),
                                   pytest.param("pointwise", marks=pytest.mark.slow)])

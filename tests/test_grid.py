@@ -9,6 +9,9 @@ from sublinear.simulation.timeline import simulate
 
 from conftest import Chain, problem_for, profile_of
 
+# One worker runs every test of the ResNet-50 profile, so the session makes it once.
+pytestmark = pytest.mark.xdist_group("meta_resnet50")
+
 
 def grid_search(p, tries=10):
     return grid_plans(problem_for(p, thresh_nr_try=tries))

@@ -149,6 +149,7 @@ def test_a_step_that_reads_only_the_loss_never_makes_the_logits_the_model_return
     assert "the logits of the chunked LM head lm_head were read" in caplog.text
 
 
+@pytest.mark.slow
 def test_logits_read_after_the_optimizer_changed_the_head_raise_what_to_do():
     model, (ids, labels) = _llama(), _batches([64])[0]
     run = sublinear.apply(model, CHUNKED)

@@ -20,6 +20,9 @@ from sublinear.simulation.timeline import simulate
 
 from conftest import profile_of
 
+# One worker runs every test of the ResNet-50 profile, so the session makes it once.
+pytestmark = pytest.mark.xdist_group("meta_resnet50")
+
 UNCAPPED = SublinearMemoryConfig(memory_budget=None, max_time_ratio=math.inf, min_memory_per_time=0)
 
 
