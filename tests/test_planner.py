@@ -93,6 +93,20 @@ def test_the_floor_is_below_every_plan_with_other_graphs_and_under_fsdp(small_ch
                 assert floor.total == context.later_beyond_held  # what no plan of this graph lowers
 
 
+
+def test_the_smallest_peak_a_budget_error_names_is_within_the_time_cap(small_chain):
+    """Raising the budget to the peak the error names must be enough under the same cap: the search under a
+    budget it cannot meet ranks plans by peak alone and finds lower peaks over the cap."""
+    over = make_plan(small_chain, dataclasses_replace(UNCAPPED, cache_dir="")).simulation
+    cap = 1.05
+    assert over.time_ratio > cap  # the lowest peak at any time is over this cap
+    with pytest.raises(BudgetError) as info:
+        make_plan(small_chain, SublinearMemoryConfig(memory_budget=1, max_time_ratio=cap, cache_dir=""))
+    assert info.value.lowest.simulation.time_ratio <= cap and info.value.smallest > over.peak_bytes
+    met = make_plan(small_chain, SublinearMemoryConfig(memory_budget=info.value.smallest, max_time_ratio=cap,
+                                                      cache_dir=""))
+    assert met.simulation.peak_bytes <= info.value.smallest and met.simulation.time_ratio <= cap
+
 def test_budget_the_time_cap_cannot_meet_says_which_ratio_it_needs(resnet):
     _, _, p = resnet
     lowest = make_plan(p, UNCAPPED)

@@ -95,7 +95,7 @@ class BudgetError(ValueError):
             text += ". Raise the budget, lower the batch size, or search longer (genetic_nr_iter)."
         super().__init__(text)
         self.budget, self.smallest, self.floor = budget, peak, floor
-        self.lowest = smallest  # the candidate with the smallest peak
+        self.lowest = smallest  # the candidate with the smallest peak within the time cap
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,9 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
     best = ranked[0]
     if not problem.objective.accepts(best):
         fitting = [c for c in ranked if problem.objective.fits(c)]
-        raise BudgetError(problem.objective, min(ranked, key=lambda c: c.simulation.peak_bytes),
+        # the smallest peak within the time cap (eager always is): what a budget can be raised to and be met
+        capped = [c for c in ranked if problem.objective.within_time(c)] or ranked
+        raise BudgetError(problem.objective, min(capped, key=lambda c: c.simulation.peak_bytes),
                           min(fitting, key=lambda c: c.simulation.recompute_seconds) if fitting else None,
                           floor=step_floor(profile))
     if memory_budget is None and config.min_memory_per_time > 0:
