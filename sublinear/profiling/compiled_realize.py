@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -105,8 +106,8 @@ def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[
             expressions[node] = _Expression(frozenset(loads), frozenset(operations), costly)
             continue
         cpu = _on_cpu(node)
-        opcount_limit = _threshold("realize_opcount_threshold", cpu)
-        reads_limit = _threshold("realize_acc_reads_threshold", cpu)
+        opcount_limit = _threshold(config, "realize_opcount_threshold", cpu)
+        reads_limit = _threshold(config, "realize_acc_reads_threshold", cpu)
         count = len(operations) + len(loads)
         many = count > opcount_limit
         if readers(node) > 1 and ((cpu and costly) or many or len(loads) > config.realize_reads_threshold) or \
@@ -140,11 +141,9 @@ def _on_cpu(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "cpu"
 
 
-def _threshold(name: str, cpu: bool) -> int:
-    """Inductor's setting ``name``; where it is None (torch 2.13 and later), its CPU value or its default. Older
-    torch (2.11) has one value for every device and neither of the other two settings."""
-    from torch._inductor import config  # noqa: PLC0415
-
+def _threshold(config: Any, name: str, cpu: bool) -> int:
+    """Inductor's setting ``name`` in ``config``; where it is None (torch 2.13 and later), its CPU value or its
+    default. Older torch (2.11) has one value for every device and neither of the other two settings."""
     setting = getattr(config, name)
     if setting is not None:
         return setting
