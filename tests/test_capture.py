@@ -386,3 +386,25 @@ def test_capturing_a_data_less_twin_leaves_the_random_stream_as_it_was():
     planned = copy.deepcopy(model)
     assert_same_training(train_steps(copy.deepcopy(model), (x,)),
                          train_steps(sublinear.apply(planned, budget), (x,)))
+
+
+def test_a_backward_node_traced_before_the_first_gradient_runs_where_backward_first_reads_it():
+    """A pattern pass puts a backward's replacement (reading only forward values) among the forward's nodes; the
+    partitioner, ordering backward as autograd runs it, computes it just before its first reader, not first."""
+    from torch import fx
+
+    from sublinear.capture.joint import JointGraph
+
+    graph = fx.Graph()
+    x, tangent = graph.placeholder("primals_1"), graph.placeholder("tangents_1")
+    tangent.meta["partitioner_tag"] = "is_backward"
+    y = graph.call_function(torch.ops.aten.relu.default, (x,))
+    replacement = graph.call_function(torch.ops.aten.neg.default, (y,))
+    first = graph.call_function(torch.ops.aten.mul.Tensor, (tangent, 2.0))
+    second = graph.call_function(torch.ops.aten.mul.Tensor, (first, replacement))
+    for node in (replacement, first, second):
+        node.meta["partitioner_tag"] = "is_backward"
+    graph.output([y, second])
+    joint = JointGraph.of(fx.GraphModule(nn.Module(), graph), num_fwd_outputs=1)
+    assert joint.forward == [y]
+    assert joint.backward == [first, replacement, second]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import sublinear
 from sublinear.core import Plan
+from sublinear.core.analysis import StorageState, analyse
 from sublinear.execute.compiled import CompiledGraph
 from sublinear.execute.compiled.step_memory import compiled_step_memory
 from sublinear.execute.compiled.wrapper import StepWalk, parse_wrapper
@@ -264,6 +265,40 @@ def test_the_compiled_step_is_predicted_before_compiling_and_measured_as_the_cpu
     assert graph.predicted_before_compile_bytes == before
     assert graph.compiled_peak_bytes <= graph.predicted_peak_bytes <= max(before, graph.compiled_peak_bytes)
     assert np.all(compiled.sublinear_profile.grad_peak >= profile.grad_peak)  # taught, never lowered
+
+
+def test_an_activation_a_kept_linear_reads_is_recomputed_alone_and_its_memory_freed_in_the_compiled_step():
+    """A linear of a 3-d input reshapes it first (a view inside the linear's op). Recomputing only the activation
+    before it drops the activation: backward re-runs the view from the rebuilt value rather than saving the view
+    (which would keep the whole activation)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(2)],
+                          nn.LayerNorm(128))
+    x = torch.randn(8, 256, 128)
+    compiled = sublinear.compile(model.train(), (x,), config=INDUCTOR)
+    profile = compiled.sublinear_profile
+    activations = [op.index for op in profile.ops if op.name.endswith(".1") or ".1 (" in op.name]
+    assert len(activations) == 2
+    n = profile.num_ops
+    plan = Plan.of([n - 2], n, kept=set(range(n)) - set(activations))
+    analysis = analyse(profile, plan)
+    made = [s for o in activations for s in profile.op_storages[o]]
+    assert all(analysis.state[s] == StorageState.REBUILT for s in made), analysis.state
+    before = simulate(profile, plan).peak_bytes
+    compiled.use(plan)
+
+    def step(m, inputs):  # the step predictions describe: the output is held while backward runs
+        out = m(inputs)
+        default_loss(out).backward()
+
+    step(compiled, x)
+    model.zero_grad(set_to_none=True)
+    measured = measure_cpu_allocator(step, compiled, x).peak_bytes
+    kept = simulate(profile, Plan.no_split(n)).peak_bytes
+    assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
+    read_by_linears = {s for o in activations for _, storages in profile.op_inputs[o + 1] for s in storages}
+    assert read_by_linears and read_by_linears <= set(made)
+    assert measured <= kept - sum(int(profile.storage_bytes[s]) for s in read_by_linears), (measured, kept)
 
 
 @pytest.mark.slow

@@ -80,7 +80,9 @@ class JointGraph:
     @staticmethod
     def of(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
         """The joint graph's parts. A node traced in forward that no forward output (nor a write into an input)
-        needs runs in backward, before its first backward reader, as the partitioner places it."""
+        needs runs in backward, before its first backward reader, as the partitioner places it; so does a backward
+        node placed before the first reader of a gradient (a pattern pass's replacement for a backward reads only
+        forward values, and the partitioner, ordering backward as autograd runs it, computes it where first read)."""
         nodes = list(gm.graph.nodes)
         placeholders = [n for n in nodes if n.op == "placeholder"]
         operators = [n for n in nodes if n.op == "call_function"]
@@ -107,8 +109,13 @@ class JointGraph:
             placed.add(node)
             backward.append(node)
 
-        for node in operators:
-            if is_backward(node):
+        tangents = {n for n in placeholders if is_backward(n)}
+        first = next((i for i, n in enumerate(operators) if tangents.intersection(n.all_input_nodes)), len(operators))
+        for i, node in enumerate(operators):
+            if is_backward(node) and (i >= first or node.target is torch.ops.aten.copy_.default):
+                place(node)
+        for node in outputs[num_fwd_outputs:]:  # a gradient that reads no gradient, placed last as the output is
+            if isinstance(node, fx.Node):
                 place(node)
         return JointGraph(gm, forward, backward, [n for n in placeholders if not is_backward(n)],
                           [n for n in placeholders if is_backward(n)], outputs[:num_fwd_outputs],

@@ -162,6 +162,7 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         held_through_forward={k for k in tracked if k in reads.output_use and not held_to_end(reads.output_use[k])},
         output_storages=reads.output_keys,
         recompute_shared=True,
+        views_hold_bases=False,
     )
 
 

@@ -66,6 +66,10 @@ class StepRecord:
     taken_at: dict[int, int] = field(default_factory=dict)  # storage -> rank writing its output into it
     saved_buffer: set[int] | None = None  # a buffer in forward only because forward saves it
     recompute_shared: bool = False
+    # Whether a kept op's view of another op's storage keeps that storage (the eager executor: the view is a tensor
+    # autograd or the next op holds). A compiler that re-runs views from their rebuilt base (free, no kernel) does not:
+    # an op's values are then only the storages it makes.
+    views_hold_bases: bool = True
 
 
 def assemble(record: StepRecord) -> GraphProfile:
@@ -124,8 +128,10 @@ def assemble(record: StepRecord) -> GraphProfile:
 
 
 def _op_storages(record: StepRecord, sid: dict[int, int], n_ops: int) -> list[tuple[int, ...]]:
-    """Per op: the tracked storages of the values its nodes output (its own, and those its views share)."""
+    """Per op: the tracked storages of the values its nodes output: its own, and (``views_hold_bases``) those its
+    views share."""
     found: list[set[int]] = [set() for _ in range(n_ops)]
     for node, keys in record.node_keys.items():
-        found[record.op_of_node[node]].update(sid[k] for k in keys if k in sid)
+        op = record.op_of_node[node]
+        found[op].update(sid[k] for k in keys if k in sid and (record.views_hold_bases or record.producer[k] == op))
     return [tuple(sorted(storages)) for storages in found]

@@ -10,6 +10,8 @@ a :class:`~torch._inductor.custom_graph_pass.CustomPartitionerFn` that then runs
 - a node of an op the plan recomputes is ``MUST_RECOMPUTE`` unless every storage of its value is retained (a block
   boundary, or a value a later block reads): backward rebuilds it from the nearest saved values, as the block's
   recompute closure does;
+- so is a view, in any op, of a storage another op makes that the plan does not retain (a linear's reshape of its
+  input): re-run from the rebuilt base, it costs nothing, and saving it would keep the whole base;
 - every other node is ``MUST_SAVE``: the forward saves it when backward, or a recompute, reads it;
 - backward nodes are ``MUST_RECOMPUTE``: left to itself, the partitioner computes in forward (and saves) a backward
   node that needs no gradient, where that saves fewer bytes than what it reads; kept in backward, what forward saves
@@ -68,8 +70,9 @@ def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[st
     for i, name in enumerate(node_names):
         op = profile.op_of_node[i]
         storages = [s for s in profile.node_storages.get(i, ()) if s >= 0]
-        recomputed = bool(analysis.recomputed[op]) and not (storages and all(retained[s] for s in storages))
-        tags[name] = recomputed
+        held = bool(storages) and all(retained[s] for s in storages)
+        views_other_op = bool(storages) and all(profile.storage_producer[s] != op for s in storages)
+        tags[name] = not held and (bool(analysis.recomputed[op]) or views_other_op)
     return tags
 
 
