@@ -38,7 +38,7 @@ def point(bench: Bench, budget: float, rounds: int) -> list[str]:
     aot = torch.compile(aot_model)
     with torch._functorch.config.patch(activation_memory_budget=budget):
         _timed(bench, aot_model, aot)  # compiles under the budget
-    aot_peak = bench._peak(aot)
+    aot_peak = bench.peak(aot)
     config = sublinear.SublinearMemoryConfig(cache_dir="", compiler="inductor", memory_budget=aot_peak)
     ours_model = bench.model()
     try:
@@ -46,7 +46,7 @@ def point(bench: Bench, budget: float, rounds: int) -> list[str]:
         _timed(bench, ours_model, ours)  # compiles, and plans again if the compiled step is over
     except sublinear.BudgetError as exc:
         return [f"| {budget:g} | {aot_peak / MIB:,.1f} | - | - | - | no plan: {str(exc).splitlines()[0]} |"]
-    ours_peak = bench._peak(ours)
+    ours_peak = bench.peak(ours)
     theirs, mine = [], []
     for _ in range(rounds):
         theirs.append(_timed(bench, aot_model, aot))

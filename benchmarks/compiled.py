@@ -104,7 +104,7 @@ class Bench:
             self._sync()
             times.append(time.perf_counter() - started)
         model.zero_grad(set_to_none=True)
-        peak = self._peak(net)
+        peak = self.peak(net)
         step = statistics.median(times[1:])
         row = Row(label, peak, step, max(times[0] - step, 0.0))
         print(f"{label}: peak {peak / MIB:,.1f} MiB, step {step * 1e3:,.1f} ms, first step {times[0]:.1f} s",
@@ -115,7 +115,7 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _peak(self, net: torch.nn.Module) -> int:
+    def peak(self, net: torch.nn.Module) -> int:
         if self.device.type != "cuda":
             return sublinear.measure_cpu_allocator(self.step, net).peak_bytes
         # What this step allocates beyond what was allocated before it, plus this model's parameters, buffers and

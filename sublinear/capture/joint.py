@@ -109,16 +109,17 @@ class JointGraph:
             placed.add(node)
             backward.append(node)
 
-        tangents = {n for n in placeholders if is_backward(n)}
-        first = next((i for i, n in enumerate(operators) if tangents.intersection(n.all_input_nodes)), len(operators))
+        tangents = [n for n in placeholders if is_backward(n)]
+        first = next((i for i, n in enumerate(operators) if any(is_backward(a) for a in n.all_input_nodes
+                                                                     if a.op == "placeholder")), len(operators))
         for i, node in enumerate(operators):
             if is_backward(node) and (i >= first or node.target is torch.ops.aten.copy_.default):
                 place(node)
         for node in outputs[num_fwd_outputs:]:  # a gradient that reads no gradient, placed last as the output is
             if isinstance(node, fx.Node):
                 place(node)
-        return JointGraph(gm, forward, backward, [n for n in placeholders if not is_backward(n)],
-                          [n for n in placeholders if is_backward(n)], outputs[:num_fwd_outputs],
+        return JointGraph(gm, forward, backward, [n for n in placeholders if not is_backward(n)], tangents,
+                          outputs[:num_fwd_outputs],
                           outputs[num_fwd_outputs:])
 
 
