@@ -52,6 +52,10 @@ class OpProfile:
     mutates_state: bool
     pin_reason: str
     forward_seconds: float = 0.0  # device time of the op's forward (measured, or estimated from FLOPs and bytes)
+    # Device time of re-running the op in backward, where it differs from its forward: a compiled recompute is fused
+    # into the backward kernels that read it (no launch, no write of a value that is no buffer there). None: as
+    # forward.
+    rerun_seconds: float | None = None
 
     @property
     def pinned(self) -> bool:
@@ -228,9 +232,9 @@ class GraphProfile:
 
     @functools.cached_property
     def recompute_density(self) -> np.ndarray:
-        """Per op: forward seconds per byte it outputs (at least one): what recomputing it costs for the memory
+        """Per op: recompute seconds per byte it outputs (at least one): what recomputing it costs for the memory
         that not keeping it frees."""
-        return np.array([op.forward_seconds for op in self.ops], dtype=float) / np.maximum(1, self.output_bytes)
+        return self.op_seconds / np.maximum(1, self.output_bytes)
 
     @functools.cached_property
     def pinned_ops(self) -> np.ndarray:
@@ -258,8 +262,9 @@ class GraphProfile:
 
     @functools.cached_property
     def op_seconds(self) -> np.ndarray:
-        """Per op: ``forward_seconds``."""
-        return np.array([op.forward_seconds for op in self.ops], dtype=np.float64)
+        """Per op: what re-running it in backward costs (``rerun_seconds``, else ``forward_seconds``)."""
+        return np.array([op.forward_seconds if op.rerun_seconds is None else op.rerun_seconds for op in self.ops],
+                        dtype=np.float64)
 
     @property
     def forward_flops(self) -> int:
@@ -371,6 +376,7 @@ def costs_of(profile: GraphProfile) -> dict:
     lessons)."""
     return {"cost_source": profile.cost_source,
             "forward_seconds": [op.forward_seconds for op in profile.ops],
+            "rerun_seconds": [op.rerun_seconds for op in profile.ops],
             "forward_extra_bytes": [op.forward_extra_bytes for op in profile.ops],
             "backward_seconds": [float(v) for v in profile.backward_seconds],
             "grad_peak": [int(v) for v in profile.grad_peak],
@@ -381,8 +387,9 @@ def with_costs(profile: GraphProfile, costs: dict) -> GraphProfile:
     """``profile`` with the costs of :func:`costs_of` (taken earlier for the same graph and signature)."""
     if len(costs["forward_seconds"]) != profile.num_ops or len(costs["grad_peak"]) != len(profile.grad_peak):
         raise ValueError("costs belong to another graph")
-    ops = [replace(op, forward_seconds=float(t), forward_extra_bytes=int(b))
-           for op, t, b in zip(profile.ops, costs["forward_seconds"], costs["forward_extra_bytes"])]
+    rerun = costs.get("rerun_seconds") or [op.rerun_seconds for op in profile.ops]
+    ops = [replace(op, forward_seconds=float(t), rerun_seconds=r, forward_extra_bytes=int(b))
+           for op, t, r, b in zip(profile.ops, costs["forward_seconds"], rerun, costs["forward_extra_bytes"])]
     return replace(profile, ops=ops, backward_seconds=np.asarray(costs["backward_seconds"], dtype=float),
                    grad_peak=np.asarray(costs["grad_peak"], dtype=np.int64),
                    grad_after_release=np.asarray(costs["grad_after_release"], dtype=np.int64),

@@ -198,9 +198,9 @@ def hand_back(problem: PlanningProblem, candidate: Candidate, floor: int) -> Can
     profile = problem.profile
     best = candidate
     recomputed = sorted({o for members in analyse(profile, best.plan).closure for o in members},
-                        key=lambda o: -profile.ops[o].forward_seconds)
+                        key=lambda o: -profile.op_seconds[o])
     for o in recomputed:
-        if profile.ops[o].forward_seconds <= 0:
+        if profile.op_seconds[o] <= 0:
             break
         plan = Plan.normal(best.plan.split_points, best.plan.kept | {int(o)}, best.plan.soft)
         trial = problem.candidate(plan, "lb_memory hand-back")

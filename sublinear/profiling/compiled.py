@@ -84,19 +84,19 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     granule = CUDA_ALLOCATION_GRANULARITY if device.type == "cuda" else 1
     rates = rates or (device_rates(str(device)) if device.type in ("cpu", "cuda") else REFERENCE_GPU)
     channels_last = channels_last_convolutions(joint.gm)
-    grouping = group_ops(fw)
+    grouping = group_ops(fw, kinds)
     storages = step_storages(joint, graph, fw, granule, channels_last)
     reads = storage_reads(joint, graph, grouping, storages, kinds, uses)
     tracked = _tracked(grouping, storages, reads)
     measured = measure_scratch and device.type in ("cpu", "cuda")
     scratch = library_scratch(fw + bw, kinds, channels_last, kernel_memory(str(device)) if measured else None)
     materialized = materialized_predicate(storages, reads, kinds, fw)
-    extra, seconds, flops, in_place = forward_costs(fw, grouping, storages, reads, set(tracked), materialized,
+    extra, seconds, rerun, flops, in_place = forward_costs(fw, grouping, storages, reads, set(tracked), materialized,
                                                     scratch, kinds, rates)
     side = GradientSide(joint, storages, kinds, granule, graph.kinds)
     backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
-    record = _record(joint, graph, grouping, storages, reads, tracked, materialized, in_place, extra, seconds, flops,
-                     backward, rates)
+    record = _record(joint, graph, grouping, storages, reads, tracked, materialized, in_place, extra,
+                     (seconds, rerun), flops, backward, rates)
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports
 
@@ -116,8 +116,10 @@ def _tracked(grouping: OpGrouping, storages: StepStorages, reads: StorageReads) 
 
 
 def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
-            tracked: list[int], materialized, in_place: set[int], extra: list[int], seconds: list[float],
-            flops: list[int], backward: BackwardWalk, rates: DeviceRates) -> StepRecord:
+            tracked: list[int], materialized, in_place: set[int], extra: list[int],
+            seconds: tuple[list[float], list[float]], flops: list[int], backward: BackwardWalk,
+            rates: DeviceRates) -> StepRecord:
+    """``seconds``: per op, its forward's and its re-run's in backward."""
     fw, n_ops = joint.forward, len(grouping.nodes)
     op_of_node, produced = grouping.op_of_node, storages.produced_by
     captured = list(graph.graph_module.graph.nodes)
@@ -125,7 +127,7 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
                      flops=flops[o], forward_extra_bytes=extra[o], snapshot_bytes=0,
                      random=any(draws_random(fw[i]) for i in members),
                      mutates_state=any(writes_input(fw[i]) for i in members), pin_reason=grouping.pinned.get(o, ""),
-                     forward_seconds=seconds[o])
+                     forward_seconds=seconds[0][o], rerun_seconds=seconds[1][o])
            for o, members in enumerate(grouping.nodes)]
     op_inputs: list[dict[int, set[int]]] = [defaultdict(set) for _ in range(n_ops)]
     for key, readers in reads.readers.items():

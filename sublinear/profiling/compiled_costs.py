@@ -4,6 +4,7 @@ at once, its FLOPs and estimated seconds, and per backward rank the gradient-sid
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,14 +64,16 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
                   tracked: set[int], materialized, scratch: dict[fx.Node, int], kinds: InductorKinds,
                   rates: DeviceRates):
     """Per op: the most bytes its own allocations hold at once while it runs (its buffers, those that outlive it
-    included, and a library call's scratch), its FLOPs and its estimated seconds."""
+    included, and a library call's scratch), its FLOPs, and its estimated seconds in forward and when backward
+    re-runs it (fused into the kernels reading it: what is no buffer there is neither written nor launched)."""
     last_reader: dict[int, int] = {}
     for i, node in enumerate(fw):
         for arg in node.all_input_nodes:
             for key in storages.keys_of(arg):
                 last_reader[key] = i
     n_ops = len(grouping.nodes)
-    extra, seconds, flops = [0] * n_ops, [0.0] * n_ops, [0] * n_ops
+    extra, seconds, rerun, flops = [0] * n_ops, [0.0] * n_ops, [0.0] * n_ops, [0] * n_ops
+    rebuilt = functools.partial(materialized, rebuilt=True)
     produced, size_of = storages.produced_by, storages.size_of
     for o, members in enumerate(grouping.nodes):
         live = peak = 0
@@ -88,6 +91,8 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
             flops[o] += node_flops
             seconds[o] += estimate_node_seconds(node, node_flops, storages.keys_of, materialized, size_of,
                                                 storages.state, kinds, rates)
+            rerun[o] += estimate_node_seconds(node, node_flops, storages.keys_of, rebuilt, size_of, storages.state,
+                                              kinds, rates)
         extra[o] = peak
     for o, nbytes in _fused_early(fw, grouping, storages, materialized, kinds).items():
         extra[o] += nbytes
@@ -97,30 +102,33 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
         extra[o] = max(0, extra[o] - size_of[key])
     if storages.layout_copies:  # made by the forward's first kernel, beside what its first op makes
         extra[0] += sum(size_of[key] for key in storages.layout_copies)
-    return extra, seconds, flops, in_place
+    return extra, seconds, rerun, flops, in_place
 
 
 def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, materialized,
                  kinds: InductorKinds) -> dict[int, int]:
     """Per op: the bytes of buffers a later op makes that its kernel already holds. A pointwise value that is a
     buffer is computed by one kernel together with the chain of pointwise values it is made from that are not
-    buffers: the kernel, and the buffer, run where the chain starts, at an earlier op."""
+    buffers: the kernel, and the buffer, run where the chain starts, at an earlier op, but not before the buffers
+    the chain reads are made (a reduction's result, as a log-softmax reads its sum)."""
     early: dict[int, int] = defaultdict(int)
     produced, op_of_node = storages.produced_by, grouping.op_of_node
     for key, i in produced.items():
         if key < 0 or not materialized(key) or not kinds.fusible(fw[i]):
             continue
-        first, stack, seen = op_of_node[i], [fw[i]], set()
+        first, ready, stack, seen = op_of_node[i], 0, [fw[i]], set()
         while stack:
             node = stack.pop()
             for arg in node.all_input_nodes:
                 inner = [k for k in storages.keys_of(arg) if k in produced]
-                if inner and arg not in seen and all(not materialized(k) and kinds.fusible(fw[produced[k]])
-                                                     for k in inner):
+                fused = inner and all(not materialized(k) and kinds.fusible(fw[produced[k]]) for k in inner)
+                if fused and arg not in seen:
                     seen.add(arg)
                     first = min(first, op_of_node[produced[inner[0]]])
                     stack.append(arg)
-        for o in range(first, op_of_node[i]):
+                elif inner and not fused:
+                    ready = max(ready, *(op_of_node[produced[k]] for k in inner))
+        for o in range(max(first, ready), op_of_node[i]):
             early[o] += storages.size_of[key]
     return early
 

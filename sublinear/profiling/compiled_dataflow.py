@@ -16,7 +16,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from sublinear.capture.dynamo import INPUT, CapturedGraph
-from sublinear.capture.joint import JointGraph, origin
+from sublinear.capture.joint import JointGraph, is_view, origin
 from sublinear.profiling.compiled_nodes import (
     CONVOLUTION_OPS, InductorKinds, communicates, draws_random, storage_key_of, tensor_leaves, writes_input,
 )
@@ -53,12 +53,16 @@ class OpGrouping:
         return ops[k] - 1 if k < len(ops) else len(self.nodes) - 1
 
 
-def group_ops(fw: list[fx.Node]) -> OpGrouping:
-    """Runs of forward nodes from one captured node; random and state-writing nodes alone, pinned."""
+def group_ops(fw: list[fx.Node], kinds: InductorKinds) -> OpGrouping:
+    """Runs of forward nodes from one captured node; random and state-writing nodes alone, pinned. A run is split
+    where a reduction starts (:func:`_reduction_size`) and where the small values after it end, so that a plan can
+    keep a normalisation's or softmax's statistics and recompute only the pointwise part, which inductor fuses into
+    the backward kernel that reads it, instead of re-running the reduction over its whole input."""
     nodes: list[list[int]] = []
     origins: list[int | None] = []
     pinned: dict[int, str] = {}
     previous = ""  # why the previous node was pinned ("": it was not)
+    small = 0  # > 0: the current op holds a reduction's values, each at most this many elements
     for i, node in enumerate(fw):
         o = origin(node)
         pin = (f"{node.name} draws random numbers" if draws_random(node) else
@@ -66,14 +70,38 @@ def group_ops(fw: list[fx.Node]) -> OpGrouping:
                "writes into the graph's inputs (BatchNorm's running statistics)" if writes_input(node) else "")
         joins = nodes and (pin == previous if pin else
                            not previous and (o == origins[-1] or o is None and origins[-1] is None))
+        reduced = 0 if pin else _reduction_size(node, kinds)
+        if joins and not pin:
+            elements = _elements(node)
+            joins = (0 < elements <= small or is_view(node) or elements == 0) if small else not reduced
         if not joins or (pin and draws_random(node)):
             nodes.append([])
             origins.append(o)
+            small = 0
+        if reduced and (small or not nodes[-1]):
+            small = max(small, reduced)
         nodes[-1].append(i)
         previous = pin
         if pin:
             pinned[len(nodes) - 1] = pin
     return OpGrouping(nodes, origins, pinned, {i: o for o, members in enumerate(nodes) for i in members})
+
+
+REDUCTION_RATIO = 8  # a reduction's largest input has at least this many times the elements of its largest output
+
+
+def _elements(node: fx.Node) -> int:
+    return max((hint(t.numel()) for t in tensor_leaves(node.meta.get("val"))), default=0)
+
+
+def _reduction_size(node: fx.Node, kinds: InductorKinds) -> int:
+    """The elements of the largest value ``node`` makes when it is a reduction inductor computes in its own kernels
+    (an aten op, not a library call, not a view) over an input of :data:`REDUCTION_RATIO` times as many; else 0."""
+    if not isinstance(node.target, torch._ops.OpOverload) or is_view(node) or kinds.fusible(node) or kinds.extern(node):
+        return 0
+    made = _elements(node)
+    read = max((_elements(arg) for arg in node.all_input_nodes), default=0)
+    return made if 0 < made * REDUCTION_RATIO <= read else 0
 
 
 # --- Storages ------------------------------------------------------------------------------------------------------

@@ -3,9 +3,12 @@ the bytes the compiled forward and backward held (:mod:`sublinear.execute.compil
 
 The trace names, at every statement of the compiled code, the nodes of the partitioned graphs it computes. Time
 runs forward through the ops and backward down the ranks, and a kernel that fuses nodes of several runs where the
-first of them is due: a forward statement belongs to the lowest op among its nodes, a backward statement to the
-highest rank among its backward nodes, never before the statement that precedes it (a statement naming none
-belongs where the one before it does). A statement that only re-runs forward nodes belongs to the rank whose
+first of them is due. A forward statement belongs to the lowest op among the nodes it names that no statement
+before it named (a buffer's origins repeat those of the fused values it is made from, computed where first named),
+never before the statement that precedes it; a forward statement
+naming none belongs with the next that names one (it allocates that kernel's buffers). A backward statement
+belongs to the highest rank among its backward nodes, never before the statement that precedes it (one naming
+none belongs where the one before it does). A statement that only re-runs forward nodes belongs to the rank whose
 recompute re-runs them under the plan, where the simulation holds them, and time goes on from the rank before it:
 the compiled code may re-run a value a few ranks before the simulation does (the partitioned graph re-runs it
 right before its first reader), and counted at the rank before it, the whole recompute was taught to that rank,
@@ -65,17 +68,29 @@ def trace_by_slot(points: Iterable[tuple[str, int, tuple[str, ...]]], op_of: Map
     backward: dict[int, int] = {}
     rerun_at = rerun_at or {}
     op, rank = 0, num_ops - 1
+    computed: set[str] = set()  # forward nodes a statement before has named
+    waiting = 0  # the most bytes live at the forward statements naming no node since the last that named one
     for phase, live, nodes in points:
         if phase == "forward":
-            named = [op_of[n] for n in nodes if n in op_of]
-            op = max(op, min(named)) if named else op
-            forward[op] = max(forward.get(op, 0), live)
+            named = [op_of[n] for n in nodes if n in op_of and n not in computed]
+            computed.update(nodes)
+            if not named:
+                waiting = max(waiting, live)
+                continue
+            op = max(op, min(named))
+            forward[op] = max(forward.get(op, 0), live, waiting)
+            waiting = 0
         else:
+            if waiting:
+                forward[op] = max(forward.get(op, 0), waiting)
+                waiting = 0
             named = [rank_of[n] for n in nodes if n in rank_of]
             rerun = [rerun_at[op_of[n]] for n in nodes if n in op_of and op_of[n] in rerun_at]
             rank = min(rank, max(named)) if named else rank
             slot = rank if named or not rerun else min(rank, max(rerun))
             backward[slot] = max(backward.get(slot, 0), live)
+    if waiting:
+        forward[op] = max(forward.get(op, 0), waiting)
     return forward, backward
 
 

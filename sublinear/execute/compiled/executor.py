@@ -50,7 +50,7 @@ from sublinear.capture.dynamo import CapturedGraph
 from sublinear.core.analysis import PlanAnalysis, StorageState, analyse
 from sublinear.core.plan import Plan
 from sublinear.capture.shapes import Binding, describe_binding, guards_hold
-from sublinear.capture.joint import JointGraph, labelled_copy, normalise
+from sublinear.capture.joint import JointGraph, is_view, labelled_copy, normalise
 from sublinear.profiling.compiled import CompiledProfile
 from sublinear.execute.compiled.step_memory import CompiledStepMemory, compiled_step_memory
 from sublinear.profiling.kernels import kernel_memory
@@ -61,15 +61,21 @@ __all__ = ["CompiledGraph", "PlanPartitioner", "compile_plan", "inductor_unavail
 log = logging.getLogger("sublinear.execute.compiled")
 
 
-def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[str, bool]:
+def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[str, bool | None]:
     """Per forward node of the joint graph (by name): True when backward must recompute it, False when forward must
-    save it if anything in backward reads it."""
+    save it if anything in backward reads it, None when it is a value only its own recomputed op reads: recomputed
+    where a recomputed reader needs it, and otherwise no reason to recompute the multi-output node it is taken from
+    (a variance beside the mean a plan keeps)."""
     profile = analysis.profile
     retained = analysis.state == StorageState.RETAINED
-    tags = {}
+    tags: dict[str, bool | None] = {}
     for i, name in enumerate(node_names):
         op = profile.op_of_node[i]
-        storages = [s for s in profile.node_storages.get(i, ()) if s >= 0]
+        every = profile.node_storages.get(i, ())
+        storages = [s for s in every if s >= 0]
+        if every and not storages and analysis.recomputed[op]:
+            tags[name] = None
+            continue
         held = bool(storages) and all(retained[s] for s in storages)
         views_other_op = bool(storages) and all(profile.storage_producer[s] != op for s in storages)
         tags[name] = not held and (bool(analysis.recomputed[op]) or views_other_op)
@@ -79,7 +85,7 @@ def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[st
 class PlanPartitioner(CustomPartitionerFn):
     """Inductor's min-cut partitioner on a joint graph whose forward nodes carry a plan's recompute tags."""
 
-    def __init__(self, tags: dict[str, bool]) -> None:
+    def __init__(self, tags: dict[str, bool | None]) -> None:
         self.tags = tags
         self.applied: bool | None = None  # whether the joint graph matched the planned one
         self._uuid = hashlib.sha256(repr(sorted(tags.items())).encode()).hexdigest()
@@ -94,11 +100,14 @@ class PlanPartitioner(CustomPartitionerFn):
         joint = JointGraph.of(normalise(gm), kwargs["num_fwd_outputs"])
         self.applied = [n.name for n in joint.forward] == list(self.tags)
         if self.applied:
-            recompute = dict(self.tags)
-            for node in joint.forward:  # a multi-output node is recomputed when any output is: it cannot be saved
-                if not isinstance(node.meta.get("val"), torch.Tensor) and node.users:
-                    recompute[node.name] = recompute[node.name] or any(recompute.get(u.name, False)
-                                                                       for u in node.users)
+            # A multi-output node is recomputed when any output is (it cannot be saved); a value only its own op
+            # reads, when a recomputed reader needs it.
+            recompute: dict[str, bool] = {}
+            for node in reversed(joint.forward):
+                tag = self.tags[node.name]
+                multi_output = not isinstance(node.meta.get("val"), torch.Tensor) and node.users
+                recompute[node.name] = bool(tag) or ((tag is None or multi_output)
+                                                     and any(recompute.get(u.name, False) for u in node.users))
             for node in joint.forward:
                 node.meta["recompute"] = (CheckpointPolicy.MUST_RECOMPUTE if recompute[node.name]
                                           else CheckpointPolicy.MUST_SAVE)
@@ -240,8 +249,8 @@ class ResultsTakenAtOnce(CustomSchedulerPass):
     leave taking some out (a convolution backward's weight and bias gradients) until the end of the graph, and the
     tuple holds every element until then, so the input gradient a convolution's backward returns stays in memory
     through the rest of the backward after its last reader. It also records, per graph ("forward", "backward"),
-    the nodes of the partitioned graph that each buffer computes (``origins``), so that what the compiled code holds
-    can be told apart by node."""
+    the nodes of the partitioned graph that each buffer computes (``origins``, views left out: they compute
+    nothing), so that what the compiled code holds can be told apart by node."""
 
     def __init__(self) -> None:
         self.origins: dict[str, dict[str, tuple[str, ...]]] = {}
@@ -254,7 +263,7 @@ class ResultsTakenAtOnce(CustomSchedulerPass):
         origins = self.origins.setdefault("backward" if V.graph.is_backward else "forward", {})
         for node in nodes:
             for inner in node.get_nodes():
-                names = tuple(sorted(o.name for o in (getattr(inner.node, "origins", None) or ())))
+                names = tuple(sorted(o.name for o in (getattr(inner.node, "origins", None) or ()) if not is_view(o)))
                 for buffer in inner.get_outputs():
                     origins[buffer.get_name()] = names
             if isinstance(getattr(node, "node", None), ir.MultiOutput) and node.node.inputs:
