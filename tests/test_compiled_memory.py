@@ -21,12 +21,16 @@ from sublinear.execute.compiled import CompiledGraph
 from sublinear.execute.compiled.executor import PlanPartitioner
 from sublinear.execute.compiled.step_memory import compiled_step_memory
 from sublinear.execute.compiled.wrapper import StepWalk, parse_wrapper
+from sublinear.capture.joint import trace_joint
+from sublinear.profiling.compiled_costs import GradientSide
+from sublinear.profiling.compiled_dataflow import step_storages
+from sublinear.profiling.compiled_nodes import InductorKinds, channels_last_convolutions
 from sublinear.measurement import measure_cpu_allocator
 from sublinear.simulation.calibration import recompute_ranks, slot_peaks, taught, trace_by_slot
 from sublinear.simulation.timeline import simulate
 from sublinear.training import default_loss
 
-from conftest import PLAIN, chain
+from conftest import PLAIN, ResidualNet, chain
 
 INDUCTOR = dataclasses.replace(PLAIN, compiler="inductor")
 
@@ -342,6 +346,30 @@ def test_a_kept_normalisations_statistics_let_backward_recompute_its_values_with
     assert "aten.relu.default" in backward_targets  # the plan's recompute ran in backward
     assert not any("var_mean" in target for target in backward_targets), backward_targets
     assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
+
+
+def test_buffers_a_backward_value_without_a_buffer_is_made_from_are_held_until_its_last_reader():
+    """Inductor computes a pointwise backward value with few loads inside every kernel that reads it (a residual
+    block's ReLU gradient, read by its batch norm's backward and by the residual sum of the block before), so the
+    buffers it is made from (the convolutions' input gradients) stay until its last reader, not its own node."""
+    torch.manual_seed(0)
+    model = ResidualNet(width=8, blocks=3).train()
+    graph = sublinear.capture.dynamo.capture(model, (torch.randn(2, 3, 8, 8),)).graph
+    joint = trace_joint(graph, graph.example_values)
+    kinds = InductorKinds()
+    storages = step_storages(joint, graph, joint.forward, 1, channels_last_convolutions(joint.gm))
+    side = GradientSide(joint, storages, kinds, 1, graph.kinds)
+    position = {node: k for k, node in enumerate(joint.backward)}
+    checked = 0
+    for k, node in enumerate(joint.backward):
+        own = [key for key in storages.keys_of(node) if side.born.get(key) == k]
+        readers = [position[u] for u in node.users if u in position]
+        if not own or any(side.buffer(key) for key in own) or len(readers) < 2:
+            continue
+        made_from = [key for arg in node.all_input_nodes for key in storages.keys_of(arg) if side.buffer(key)]
+        checked += bool(made_from)
+        assert all(side.last[key] >= max(readers) for key in made_from), node.name
+    assert checked
 
 
 @pytest.mark.slow

@@ -225,6 +225,21 @@ class GradientSide:
         self.stored = _keys(storages, stored_by_lowering(
             bw, kinds, lambda n: _readers(n, in_backward),
             lambda n: any(self._made_or_read_as_buffer(k) for k in storages.keys_of(n))))
+        self._read_through_fused_values(storages)
+
+    def _read_through_fused_values(self, storages: StepStorages) -> None:
+        """A backward value without a buffer is computed again inside every kernel that reads it (a ReLU's gradient
+        read by its batch norm's backward and by the residual sum of the block before), so what it is made from is
+        read until its last reader runs: ``last`` is moved there, last readers first."""
+        for k in range(len(self.bw) - 1, -1, -1):
+            own = [key for key in storages.keys_of(self.bw[k]) if self.born.get(key) == k]
+            if not own or any(self.buffer(key) for key in own):
+                continue
+            end = max(self.last.get(key, k) for key in own)
+            for arg in self.bw[k].all_input_nodes:
+                for key in storages.keys_of(arg):
+                    if self.last.get(key, end) < end:
+                        self.last[key] = end
 
     def buffer(self, key: int) -> bool:
         """Whether a gradient-side value takes memory: an output's gradient, made by a kernel that cannot be fused,
@@ -256,6 +271,9 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     total_flops = 0
     all_sizes = {**storages.size_of, **side.sizes}
     in_place = _InPlace(storages, side, reads)
+    ending: dict[int, list[int]] = defaultdict(list)  # backward node -> the storages backward reads last there
+    for key, k in side.last.items():
+        ending[k].append(key)
 
     def readable(key: int) -> bool:
         return key in storages.produced_by or side.buffer(key)
@@ -274,9 +292,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                 after[r] = max(after[r], inside)
             else:
                 before[r], after[r] = max(before[r], inside), live
-        members = set(segment)
-        freed = {key for k in segment for arg in bw[k].all_input_nodes for key in storages.keys_of(arg)
-                 if side.last.get(key) in members}
+        freed = {key for k in segment for key in ending.get(k, ())}
         freed |= {key for key in made if key not in side.last}
         live -= sum(side.sizes[key] for key in freed if side.buffer(key) and key not in side.outputs
                     and key not in in_place.given)
