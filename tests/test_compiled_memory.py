@@ -140,13 +140,15 @@ def test_a_taught_profile_predicts_what_the_compiled_code_held_and_never_less_el
 
 def test_a_trace_is_read_op_by_op_in_forward_and_rank_by_rank_in_backward():
     points = [("forward", 10, ("a",)), ("forward", 30, ()), ("forward", 20, ("b", "c")), ("forward", 25, ("a",)),
-              ("forward", 22, ("a", "d")), ("backward", 40, ("grad_b", "grad_c")), ("backward", 45, ("grad_b",)),
-              ("backward", 50, ("grad_a",)), ("backward", 5, ())]
-    # a fused kernel runs where the first of its nodes is due; a statement naming no node (an allocation) goes with
-    # the next kernel; a node named again (a buffer made from it) is not run again; time never runs back
-    forward, backward = trace_by_slot(points, {"a": 0, "b": 1, "c": 2, "d": 3},
-                                      {"grad_a": 0, "grad_b": 1, "grad_c": 2}, 4)
-    assert forward == {0: 10, 1: 30, 3: 25} and backward == {2: 40, 1: 45, 0: 50}
+              ("forward", 22, ("a", "d")), ("forward", 60, ("call",)), ("forward", 40, ("d",)),
+              ("forward", 35, ()), ("forward", 30, ("e",)), ("backward", 40, ("grad_b", "grad_c")),
+              ("backward", 45, ("grad_b",)), ("backward", 50, ("grad_a",)), ("backward", 5, ())]
+    # a fused kernel runs where the first of its nodes is due; a statement naming no node of the graph (an
+    # allocation, a library call) goes with the next that names one: to a node first named there, else to the op
+    # running; a node named again (a buffer made from it) is not run again; time never runs back
+    forward, backward = trace_by_slot(points, {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4},
+                                      {"grad_a": 0, "grad_b": 1, "grad_c": 2}, 5)
+    assert forward == {0: 10, 1: 30, 3: 60, 4: 35} and backward == {2: 40, 1: 45, 0: 50}
 
 
 

@@ -5,8 +5,10 @@ The trace names, at every statement of the compiled code, the nodes of the parti
 runs forward through the ops and backward down the ranks, and a kernel that fuses nodes of several runs where the
 first of them is due. A forward statement belongs to the lowest op among the nodes it names that no statement
 before it named (a buffer's origins repeat those of the fused values it is made from, computed where first named),
-never before the statement that precedes it; a forward statement
-naming none belongs with the next that names one (it allocates that kernel's buffers). A backward statement
+never before the statement that precedes it; a forward statement naming no node of the graph (an allocation, or a
+library call named by another graph's node) belongs with the next that names one: to the op of a node first named
+there (it allocates that kernel's buffers), else to the op running (a library call's own memory, its results taken
+apart after it). A backward statement
 belongs to the highest rank among its backward nodes, never before the statement that precedes it (one naming
 none belongs where the one before it does). A statement that only re-runs forward nodes belongs to the rank whose
 recompute re-runs them under the plan, where the simulation holds them, and time goes on from the rank before it:
@@ -72,12 +74,13 @@ def trace_by_slot(points: Iterable[tuple[str, int, tuple[str, ...]]], op_of: Map
     waiting = 0  # the most bytes live at the forward statements naming no node since the last that named one
     for phase, live, nodes in points:
         if phase == "forward":
-            named = [op_of[n] for n in nodes if n in op_of and n not in computed]
+            known = [n for n in nodes if n in op_of]
+            named = [op_of[n] for n in known if n not in computed]
             computed.update(nodes)
-            if not named:
+            if not known:
                 waiting = max(waiting, live)
                 continue
-            op = max(op, min(named))
+            op = max(op, min(named)) if named else op
             forward[op] = max(forward.get(op, 0), live, waiting)
             waiting = 0
         else:
