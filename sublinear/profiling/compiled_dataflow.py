@@ -147,8 +147,15 @@ def step_storages(joint: JointGraph, graph: CapturedGraph, fw: list[fx.Node], gr
     size_of: dict[int, int] = {}
     node_keys: dict[fx.Node, list[int]] = {}
     for i, node in enumerate(fw):
+        leaves = tensor_leaves(node.meta.get("val"))
+        base = node.args[0] if is_view(node) and node.args and isinstance(node.args[0], fx.Node) else None
+        if base is not None and len(node_keys.get(base, ())) == 1:
+            # a view is its base's storage, whatever storage its traced value was given (an expand of a softmax's
+            # output, traced apart from it, made a phantom copy that backward seemed to read)
+            node_keys[node] = node_keys[base] * len(leaves)
+            continue
         keys = []
-        for t in tensor_leaves(node.meta.get("val")):
+        for t in leaves:
             key = storage_key_of(t)
             keys.append(key)
             if key not in state and key not in produced_by:
