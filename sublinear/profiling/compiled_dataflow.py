@@ -73,7 +73,7 @@ def group_ops(fw: list[fx.Node], kinds: InductorKinds) -> OpGrouping:
         reduced = 0 if pin else _reduction_size(node, kinds)
         if joins and not pin:
             elements = _elements(node)
-            joins = (0 < elements <= small or is_view(node) or elements == 0) if small else not reduced
+            joins = (elements <= small or is_view(node)) if small else not reduced
         if not joins or (pin and draws_random(node)):
             nodes.append([])
             origins.append(o)

@@ -1,24 +1,23 @@
 """Teach a compiled step's profile what its compiled code held: the simulation of a plan, slot by slot, against
 the bytes the compiled forward and backward held (:mod:`sublinear.execute.compiled.step_memory`'s trace).
 
-The trace names, at every statement of the compiled code, the nodes of the partitioned graphs it computes. Time
-runs forward through the ops and backward down the ranks, and a kernel that fuses nodes of several runs where the
-first of them is due. A forward statement belongs to the lowest op among the nodes it names that no statement
-before it named (a buffer's origins repeat those of the fused values it is made from, computed where first named),
-never before the statement that precedes it; a forward statement naming no node of the graph (an allocation, or a
-library call named by another graph's node) belongs with the next that names one: to the op of a node first named
-there (it allocates that kernel's buffers), else to the op running (a library call's own memory, its results taken
-apart after it). A backward statement
-belongs to the highest rank among its backward nodes, never before the statement that precedes it (one naming
-none belongs where the one before it does). A statement that only re-runs forward nodes belongs to the rank whose
-recompute re-runs them under the plan, where the simulation holds them, and time goes on from the rank before it:
-the compiled code may re-run a value a few ranks before the simulation does (the partitioned graph re-runs it
-right before its first reader), and counted at the rank before it, the whole recompute was taught to that rank,
-for every plan. Where the compiled code held more at an op's
-forward, or around a rank's backward, than the simulation of the same plan says, the op's forward extra bytes and
-the rank's backward peak are raised by the difference. The profile then predicts that plan as compiled, and every
-plan as held at least as much there: what a compiler adds at a slot (a kernel fused far from its place, a copy
-into the layout a library call needs) is counted for every plan, never subtracted. It never imports torch.
+The trace names, at every statement of the compiled code, the nodes of the partitioned graphs it computes. Time runs
+forward through the ops and backward down the ranks, and a kernel that fuses nodes of several runs where the first
+of them is due. A forward statement belongs to the lowest op among the nodes it names that no statement before it
+named (a buffer's origins repeat those of the fused values it is made from, computed where first named), never
+before the statement that precedes it; a forward statement naming no node of the graph (an allocation, or a library
+call named by another graph's node) belongs with the next that names one: to the op of a node first named there (it
+allocates that kernel's buffers), else to the op running (a library call's own memory, its results taken apart after
+it). A backward statement belongs to the highest rank among its backward nodes, never before the statement that
+precedes it (one naming none belongs where the one before it does). A statement that only re-runs forward nodes
+belongs to the rank whose recompute re-runs them under the plan, where the simulation holds them, and time goes on
+from the rank before it: the compiled code may re-run a value a few ranks before the simulation does (the
+partitioned graph re-runs it right before its first reader), and counted at the rank before it, the whole recompute
+was taught to that rank, for every plan. Where the compiled code held more at an op's forward, or around a rank's
+backward, than the simulation of the same plan says, the op's forward extra bytes and the rank's backward peak are
+raised by the difference. The profile then predicts that plan as compiled, and every plan as held at least as much
+there: what a compiler adds at a slot (a kernel fused far from its place, a copy into the layout a library call
+needs) is counted for every plan, never subtracted. It never imports torch.
 """
 
 from __future__ import annotations
