@@ -29,6 +29,9 @@ capture makes by itself); sublinear-inductor with torch.compile and with eager; 
 torch.compile, and the meta-inputs mode with torch.compile.
 
 ``--modes`` runs a subset of the modes, ``--models`` a subset of the models. Each subprocess uses one thread.
+``python benchmarks/third_party.py --one MODEL MODE FILE`` runs one mode of one model and saves its record (a dict
+for ``torch.load``); it also takes ``torch.compile-no-layout``, ``torch.compile`` with inductor's
+``layout_optimization`` off (its channels-last conversion of convolutions on the CPU), which no report includes.
 """
 
 from __future__ import annotations
@@ -568,10 +571,12 @@ def run_one(name: str, mode: str, path: str) -> None:
         model.train()
         res["phase"] = "setup"
         run = model
-        if mode == "torch.compile" or mode.startswith("sublinear-inductor"):
+        if mode.startswith("torch.compile") or mode.startswith("sublinear-inductor"):
             import torch._inductor.config as inductor_config
             inductor_config.fallback_random = True
-        if mode == "torch.compile":
+        if mode == "torch.compile-no-layout":  # inductor's channels-last conversion of convolutions turned off
+            inductor_config.layout_optimization = False
+        if mode.startswith("torch.compile"):
             run = torch.compile(model)
         elif mode == "dynamo-eager":
             run = torch.compile(model, backend="eager")
