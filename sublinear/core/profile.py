@@ -17,7 +17,7 @@ import numpy as np
 from sublinear.core.units import format_bytes
 
 __all__ = ["AutocastState", "GraphProfile", "NodeFacts", "OpProfile", "ProfileArrays", "ShardedParameters",
-           "StepContext", "costs_of", "with_costs"]
+           "StepContext", "costs_of", "profile_summary", "with_costs"]
 
 AutocastState = tuple[tuple[str, bool, str], ...]  # per device type: (device, enabled, dtype name)
 
@@ -284,17 +284,17 @@ class GraphProfile:
         """Predicted time of one eager training step (forward and backward)."""
         return self.forward_seconds + float(np.sum(self.backward_seconds))
 
-    def summary(self, top: int = 5) -> str:
-        order = np.argsort(-self.storage_bytes)[:top]
-        lines = [f"{self.num_ops} ops, forward {self.forward_flops / 1e9:.2f} GFLOP, eager step peak "
-                 f"{format_bytes(self.measured_peak_bytes)} (parameters {format_bytes(self.parameter_bytes)}, "
-                 f"buffers {format_bytes(self.buffer_bytes)}, inputs {format_bytes(self.input_bytes)}, "
-                 f"gradients {format_bytes(self.gradient_bytes)}); step time {self.step_seconds * 1e3:.1f} ms "
-                 f"({self.cost_source})"]
-        for s in order:
-            op = self.ops[self.storage_producer[s]]
-            lines.append(f"  {format_bytes(self.storage_bytes[s]):>10s}  from {op.name}")
-        return "\n".join(lines)
+def profile_summary(profile: GraphProfile, top: int = 5) -> str:
+    """The profile's sizes and time in one line, then its ``top`` largest storages and the ops that make them."""
+    p = profile
+    lines = [f"{p.num_ops} ops, forward {p.forward_flops / 1e9:.2f} GFLOP, eager step peak "
+             f"{format_bytes(p.measured_peak_bytes)} (parameters {format_bytes(p.parameter_bytes)}, "
+             f"buffers {format_bytes(p.buffer_bytes)}, inputs {format_bytes(p.input_bytes)}, "
+             f"gradients {format_bytes(p.gradient_bytes)}); step time {p.step_seconds * 1e3:.1f} ms "
+             f"({p.cost_source})"]
+    for s in np.argsort(-p.storage_bytes)[:top]:
+        lines.append(f"  {format_bytes(p.storage_bytes[s]):>10s}  from {p.ops[p.storage_producer[s]].name}")
+    return "\n".join(lines)
 
 
 class ProfileArrays:

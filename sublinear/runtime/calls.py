@@ -17,7 +17,7 @@ from sublinear.training import combined_use
 if TYPE_CHECKING:
     from sublinear.runtime.graph import GraphRuntime
 
-__all__ = ["CallTracker", "UNSEEN"]
+__all__ = ["CallTracker", "UNSEEN", "upcoming_context"]
 
 log = logging.getLogger("sublinear")
 
@@ -112,27 +112,6 @@ class CallTracker:
         backend never sees a call's result, so there the guess (outputs held) is all there is."""
         return not self.ahead and (not self.explicit or code in self.from_calls)
 
-    def context_for(self, runtime: GraphRuntime, values: Sequence[Any]) -> tuple[StepContext | None, bool]:
-        """The context of ``runtime``'s graph about to run next in the current call: this call's earlier graphs as
-        they ran, the later ones as the previous call ran them (None when it runs alone); and whether the call is
-        settled: every other graph of it runs its final plan (each earlier one planned knowing the graphs after it,
-        each later one too, and none of them taking its lowest peak for now). A graph planned in an unsettled call
-        may yet fit once the others are planned for it: what the earlier ones hold and the later ones' peaks are
-        their plans'."""
-        position, earlier, previous = len(self.current), self.current, self.previous
-        same_place = len(previous) > position and previous[position].runtime.graph.code == runtime.graph.code
-        later = previous[position + 1:] if same_place else []
-        settled = all(_final(r, last=r is later[-1] if later else False) for r in [*earlier, *later])
-        if not earlier and not later:
-            return None, settled
-        upcoming = GraphRun.of(runtime, None, values)
-        if same_place:  # the later runs read its outputs as the previous call made them
-            made = previous[position]
-            upcoming.outputs, upcoming.returned, upcoming.held_through_call = \
-                made.outputs, made.returned, made.held_through_call
-        runs = [*earlier, upcoming, *later]
-        return step_contexts(runs, first=position)[position], settled
-
     def _learn_output_uses(self, runs: Sequence[GraphRun], returned: Any) -> list[GraphRuntime]:
         """Record what the call did with each graph's outputs; forget the variants profiled otherwise and return
         their graphs. Where backward has yet to reach a graph, what the caller still holds then is known only after
@@ -177,6 +156,30 @@ class CallTracker:
                 run.runtime.forget(run.variant)
                 stale.append(run.runtime)
         return stale
+
+
+
+def upcoming_context(calls: CallTracker, runtime: GraphRuntime,
+                     values: Sequence[Any]) -> tuple[StepContext | None, bool]:
+    """The context of ``runtime``'s graph about to run next in the current call: this call's earlier graphs as
+    they ran, the later ones as the previous call ran them (None when it runs alone); and whether the call is
+    settled: every other graph of it runs its final plan (each earlier one planned knowing the graphs after it,
+    each later one too, and none of them taking its lowest peak for now). A graph planned in an unsettled call
+    may yet fit once the others are planned for it: what the earlier ones hold and the later ones' peaks are
+    their plans'."""
+    position, earlier, previous = len(calls.current), calls.current, calls.previous
+    same_place = len(previous) > position and previous[position].runtime.graph.code == runtime.graph.code
+    later = previous[position + 1:] if same_place else []
+    settled = all(_final(r, last=r is later[-1] if later else False) for r in [*earlier, *later])
+    if not earlier and not later:
+        return None, settled
+    upcoming = GraphRun.of(runtime, None, values)
+    if same_place:  # the later runs read its outputs as the previous call made them
+        made = previous[position]
+        upcoming.outputs, upcoming.returned, upcoming.held_through_call = \
+            made.outputs, made.returned, made.held_through_call
+    runs = [*earlier, upcoming, *later]
+    return step_contexts(runs, first=position)[position], settled
 
 
 def _final(run: GraphRun, last: bool) -> bool:

@@ -29,6 +29,7 @@ from sublinear.execute.eager import RewrittenGraph, rewrite
 from sublinear.planners import BudgetError, PlanningResult, make_plan, objective_for
 from sublinear.profiling.compiled import profile_joint
 from sublinear.profiling.graph import profile
+from sublinear.runtime.calls import upcoming_context
 from sublinear.runtime.compile_check import CompileCheck, Lesson, Profiled
 from sublinear.runtime.plans import summarise_plan
 from sublinear.runtime.variant import GraphVariant
@@ -94,7 +95,7 @@ class PlanPipeline:
               bound: Binding, lowest: bool = False) -> GraphVariant:
         started = time.perf_counter()
         graph, config = runtime.graph, self.config
-        context, settled = runtime.session.calls.context_for(runtime, values)
+        context, settled = upcoming_context(runtime.session.calls, runtime, values)
         uses = runtime.session.calls.uses.get(graph.code)
         compiler, why_eager = runtime.compiler(values)
         executor = "inductor" if compiler == "inductor" else f"sublinear's eager executor ({why_eager})"

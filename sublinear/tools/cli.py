@@ -20,6 +20,7 @@ import torch
 
 from sublinear import __version__
 from sublinear.config import SublinearMemoryConfig, parse_size
+from sublinear.core.profile import profile_summary
 from sublinear.core.units import format_bytes
 from sublinear.models import MODELS, ModelSpec, get_model
 
@@ -363,7 +364,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             where = f" graph {i} of {len(graphs)}" if len(graphs) > 1 else ""
             print(f"{spec.name} batch {args.batch}{where}: eager activations "
                   f"{format_bytes((p.measured_peak_bytes - fixed) / args.batch)} per sample")
-            print(p.summary())
+            print(profile_summary(p))
     return 0
 
 
