@@ -158,7 +158,6 @@ class CallTracker:
         return stale
 
 
-
 def upcoming_context(calls: CallTracker, runtime: GraphRuntime,
                      values: Sequence[Any]) -> tuple[StepContext | None, bool]:
     """The context of ``runtime``'s graph about to run next in the current call: this call's earlier graphs as
