@@ -12,17 +12,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import sublinear
 from sublinear.capture import returned_logits
+from sublinear.capture.lm_head import chunk_rows
 from sublinear.capture.lm_head_op import chunked_linear_cross_entropy
 from sublinear.measurement import measure_cpu_allocator
+from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates, device_rates, estimate_seconds
+from sublinear.profiling.tracking import inside_peak
+from sublinear.runtime import session
 
 from conftest import PLAIN
 
 CHUNKED = dataclasses.replace(PLAIN, chunk_lm_heads=True, memory_budget=None)
 INDUCTOR = dataclasses.replace(CHUNKED, compiler="inductor")
 RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _chunks_of_32_rows(monkeypatch):
+    """Chunks of 32 rows (24 for half-precision heads) whatever this machine's measured rates: these small heads
+    then span several chunks."""
+    monkeypatch.setattr(session, "device_rates", lambda device: DeviceRates(device, 0.6, 1.0, 0.0))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -238,6 +250,80 @@ def test_the_op_holds_two_chunks_of_logits_at_a_time_beside_the_weight_gradient(
     chunk, weight_sized = rows * vocabulary * 4, vocabulary * width
     bound = 2 * chunk + weight_sized * (4 + 2 + 2) + 64 * 1024  # float32 sum, a bf16 product, the bf16 result
     assert inside <= bound, (inside, bound)
+
+
+@pytest.mark.parametrize("reads_logits", [False, True], ids=["computes-logits", "reads-logits"])
+def test_the_ops_inside_peak_counted_on_meta_is_the_cpu_allocators(reads_logits):
+    """The chunks the op holds, counted by running its code on meta copies of its arguments (how meta plans and
+    ``sublinear.measure`` see them), are what the CPU allocator holds inside the call beyond its results (float32:
+    a half-precision matrix product may allocate inside the library, which no count on meta sees)."""
+    torch.manual_seed(0)
+    tokens, width, vocabulary, rows = 200, 32, 3000, 48  # a short last chunk
+    hidden, weight = torch.randn(tokens, width), torch.randn(vocabulary, width)
+    target = torch.randint(0, vocabulary, (tokens,))
+    logits = F.linear(hidden, weight) if reads_logits else None
+    args = (hidden, weight, None, target, logits, -100, "mean", 0.1, torch.float32, rows, 0.0)
+    op = torch.ops.sublinear.linear_cross_entropy.default
+    results = sum(t.untyped_storage().nbytes() for t in op(*args))
+    # the least of three: the allocator's count takes in what other threads of the process allocate meanwhile
+    allocator = min(measure_cpu_allocator(lambda _unused: op(*args), nn.Module()).peak_bytes for _ in range(3))
+    allocator -= results
+    counted = inside_peak(op, args)
+    assert counted > rows * vocabulary * 4  # at least a chunk's log-softmax
+    assert abs(counted - allocator) <= 1024, (counted, allocator)  # beside a scalar another thread may allocate
+
+
+def test_on_meta_the_predicted_and_the_measured_peak_both_hold_the_chunks(monkeypatch):
+    """On meta the op's registered meta kernel allocates only its results: the prediction and ``sublinear.measure``
+    count its two chunks of logits all the same, and agree (chunks of the reference GPU's rows, all 512 tokens)."""
+    monkeypatch.setattr(session, "device_rates", device_rates)
+    classes, tokens = 6000, 512
+    with torch.device("meta"):
+        model = _Head(classes=classes)
+    x, target = torch.randn(4, tokens // 4, 32, device="meta"), torch.zeros(4, tokens // 4, dtype=torch.long,
+                                                                             device="meta")
+    run = sublinear.compile(model, (x, target), config=CHUNKED)
+    _step(run, x, target)
+    measured = sublinear.measure(_step, run, x, target).peak_bytes
+    head = run.sublinear_plan.graphs[0].lm_heads[0]
+    rows = int(head.split("chunks of ")[1].split()[0])
+    held = sum(p.numel() * 4 for p in model.parameters()) + x.numel() * 4 + target.numel() * 8
+    assert measured > held + 2 * rows * classes * 4, (measured, rows, head)
+    predicted = run.sublinear_plan.predicted_peak_bytes
+    assert abs(predicted - measured) <= max(0.02 * measured, 256 * 1024), (predicted, measured)
+
+
+@pytest.mark.parametrize("rates", [REFERENCE_GPU, DeviceRates("cpu-like", 8e10, 2.4e10, 2e-6)], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_chunks_are_the_fewest_rows_whose_weight_passes_cost_at_most_five_percent(rates, itemsize):
+    """On the profiler's roofline times (``estimate_seconds``): the chunks' passes over the weight (read twice) and
+    its float32 gradient (read and written) take at most 5 % of the head's products' time, and would take more with
+    8 rows fewer."""
+    tokens, width, vocabulary = 1 << 24, 512, 32000
+    products = estimate_seconds(6 * tokens * width * vocabulary, 0, 0, rates)
+
+    def passes(rows: int) -> float:
+        return -(-tokens // rows) * estimate_seconds(0, (2 * itemsize + 8) * width * vocabulary, 0, rates)
+
+    rows = chunk_rows(tokens, itemsize, rates.flops_per_second / rates.bytes_per_second)
+    assert rows % 8 == 0
+    assert passes(rows) <= 0.05 * products < passes(rows - 8)
+    assert chunk_rows(rows // 2, itemsize, rates.flops_per_second / rates.bytes_per_second) == rows // 2  # all tokens
+
+
+def test_the_op_counts_the_flops_of_the_unchunked_heads_products():
+    torch.manual_seed(0)
+    hidden = torch.randn(96, 16, requires_grad=True)
+    weight = torch.randn(500, 16, requires_grad=True)
+    target = torch.randint(0, 500, (96,))
+    counts = []
+    for chunked in (True, False):
+        with FlopCounterMode(display=False) as counter:
+            loss = chunked_linear_cross_entropy(hidden, weight, None, target, None, -100, "mean", 0.0, torch.float32,
+                                                32) if chunked else F.cross_entropy(F.linear(hidden, weight), target)
+            loss.backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] == 6 * 96 * 16 * 500
 
 
 def _step(run, x, target):

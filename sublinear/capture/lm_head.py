@@ -42,15 +42,18 @@ _SAME_VALUES = ("contiguous",)
 _DTYPE = ("float", "to", "type")
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 ROW_MULTIPLE = 8  # chunks of whole multiples of 8 rows keep the matmuls aligned
+CHUNKING_COST = 0.05  # the most time chunking may add to the head's matrix products
 
 
-def chunk_rows(tokens: int, width: int, vocabulary: int) -> int:
-    """Tokens per chunk: a chunk's logits as many values as the hidden rows, but at least the hidden size in rows,
-    in whole multiples of 8 rows. Each chunk adds its product to the whole weight gradient (vocabulary x hidden, which
-    the op holds anyway, as large as a chunk of that many rows): over fewer rows that product is bound by the
-    gradient's memory traffic, not its arithmetic."""
-    rows = max(tokens * width / vocabulary, width, ROW_MULTIPLE)
-    return min(tokens, math.ceil(rows / ROW_MULTIPLE) * ROW_MULTIPLE)
+def chunk_rows(tokens: int, itemsize: int, flops_per_byte: float) -> int:
+    """Tokens per chunk: the fewest (in whole multiples of 8 rows) whose chunking adds at most ``CHUNKING_COST`` of
+    the head's matrix products' time on a device doing ``flops_per_byte`` FLOPs in the time it moves a byte. A chunk
+    of ``r`` rows does ``6 r x hidden x vocabulary`` FLOPs (its logits, the hidden rows' gradient, the weight's) and
+    reads the weight twice (``itemsize`` bytes a value) and the float32 weight gradient it adds into once each way:
+    ``(2 itemsize + 8) x hidden x vocabulary`` bytes whatever ``r``. Fewer rows hold less (two chunks of logits at
+    a time) and pass over the weight more often."""
+    rows = (2 * itemsize + 8) * flops_per_byte / (6 * CHUNKING_COST)
+    return min(tokens, max(ROW_MULTIPLE, math.ceil(rows / ROW_MULTIPLE) * ROW_MULTIPLE))
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class LMHead:
                 f"cross-entropy computed in chunks of {self.rows} of {self.tokens} tokens, {source}")
 
 
-def with_lm_heads_chunked(graph: CapturedGraph) -> CapturedGraph:
+def with_lm_heads_chunked(graph: CapturedGraph, flops_per_byte: float) -> CapturedGraph:
     """``graph`` with its LM heads' cross-entropies chunked (:func:`chunk_lm_heads`) in a copy of its module, and
     every cross-entropy found in ``lm_heads``; ``graph`` itself when it has no cross-entropy."""
     if not any(n.op == "call_function" and n.target in _CROSS_ENTROPY for n in graph.graph_module.graph.nodes):
@@ -91,7 +94,7 @@ def with_lm_heads_chunked(graph: CapturedGraph) -> CapturedGraph:
     output = copied.graph_copy(graph.graph_module.graph, {})
     copied.output(output)
     module = fx.GraphModule(graph.graph_module, copied)
-    heads = chunk_lm_heads(module)
+    heads = chunk_lm_heads(module, flops_per_byte)
     if not any(head.chunked for head in heads):
         return dataclasses.replace(graph, lm_heads=tuple(heads))
     return dataclasses.replace(graph, graph_module=module, lm_heads=tuple(heads),
@@ -109,20 +112,21 @@ def device_type(graph: CapturedGraph) -> str:
     return "cpu"
 
 
-def chunk_lm_heads(gm: fx.GraphModule) -> list[LMHead]:
-    """Replace, in place, each LM head's cross-entropy in ``gm`` by its chunked form; every cross-entropy found,
-    chunked or left alone with its reason."""
+def chunk_lm_heads(gm: fx.GraphModule, flops_per_byte: float) -> list[LMHead]:
+    """Replace, in place, each LM head's cross-entropy in ``gm`` by its chunked form, in chunks of
+    :func:`chunk_rows` on a device of ``flops_per_byte``; every cross-entropy found, chunked or left alone with its
+    reason."""
     found = []
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _CROSS_ENTROPY:
-            found.append(_chunk(gm.graph, node))
+            found.append(_chunk(gm.graph, node, flops_per_byte))
     if any(head.chunked for head in found):
         gm.graph.lint()
         gm.recompile()
     return found
 
 
-def _chunk(graph: fx.Graph, node: fx.Node) -> LMHead:
+def _chunk(graph: fx.Graph, node: fx.Node, flops_per_byte: float) -> LMHead:
     where = describe_node(node)
     bound = _CE_SIGNATURE.bind(*node.args, **node.kwargs)
     bound.apply_defaults()
@@ -151,7 +155,7 @@ def _chunk(graph: fx.Graph, node: fx.Node) -> LMHead:
     if tokens < 2 * width:
         return LMHead(where, reason=f"{tokens} tokens, fewer than twice the hidden size {width}: the weight's "
                                     "gradient, computed in forward, would hold about as much as the logits")
-    rows = chunk_rows(tokens, width, vocabulary)
+    rows = chunk_rows(tokens, _value(head.linear).dtype.itemsize, flops_per_byte)
     returned = return_logits_lazily(graph, top, steps[0] if steps else node, hidden, (weight, bias, head.added_bias),
                                     head.softcap, _value(head.linear).dtype, _where(head.linear))
     reads_logits = returned is None and len(top.users) > 1 and all(s.target != operator.getitem for s in steps)

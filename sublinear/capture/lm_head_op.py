@@ -19,9 +19,14 @@ upcast. The weight's and bias's gradients accumulate over chunks in float32.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from sublinear.profiling.tracking import count_inside
 
 __all__ = ["chunked_linear_cross_entropy", "linear_cross_entropy"]
 
@@ -36,7 +41,15 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
     (tokens, hidden), ``weight`` (vocabulary, hidden), ``target`` (tokens,), ``logits`` None or (tokens,
     vocabulary, soft-capped already); ``dtype`` the logits' dtype the loss is computed in; ``rows`` the tokens per
     chunk; ``softcap``: the logits are ``softcap * tanh(linear / softcap)`` (0: the linear's output)."""
-    with torch.autocast(hidden.device.type, enabled=False):  # the inputs come in the dtype the linear ran in
+    return _implementation(hidden, weight, bias, target, logits, ignore_index, reduction, label_smoothing, dtype, rows,
+                           softcap)
+
+
+def _implementation(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, logits: Tensor | None,
+                    ignore_index: int, reduction: str, label_smoothing: float, dtype: torch.dtype, rows: int,
+                    softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    device = hidden.device.type  # the inputs come in the dtype the linear ran in (meta has no autocast)
+    with torch.autocast(device, enabled=False) if device != "meta" else contextlib.nullcontext():
         return _chunked(hidden, weight, bias, target, logits, ignore_index, reduction, label_smoothing, dtype, rows,
                         softcap)
 
@@ -131,6 +144,18 @@ def _backward(ctx, grad_loss, *_unused):
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+count_inside(torch.ops.sublinear.linear_cross_entropy.default, _implementation)  # its chunks count wherever it is
+# measured, meta included
+
+
+@register_flop_formula(torch.ops.sublinear.linear_cross_entropy)
+def _flops(hidden_shape, weight_shape, _bias_shape, _target_shape, logits_shape, *_args, out_shape=None,
+           **_kwargs) -> int:
+    """Three products of tokens x hidden x vocabulary (the logits, unless given, and the hidden rows' and the
+    weight's gradients), two FLOPs per multiply-add."""
+    tokens, width = hidden_shape
+    products = 2 if logits_shape is not None else 3
+    return 2 * products * tokens * width * weight_shape[0]
 
 
 def chunked_linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import flop_registry
 from sublinear.capture.joint import is_view
 from sublinear.profiling.costs import DeviceRates, estimate_seconds
 from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout
+from sublinear.profiling.tracking import COUNTED_INSIDE, inside_peak
 from sublinear.tensors import size_hint as hint
 
 # Ops that inductor lowers to loads and stores it can fuse, although torch does not tag them pointwise.
@@ -163,9 +164,11 @@ def estimate_node_seconds(node: fx.Node, node_flops: int, keys_of, materialized,
 def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_last: bool,
                     kernels: KernelMemory | None) -> dict[fx.Node, int]:
     """Per library node: the bytes its kernel allocates inside the call beyond its results, measured on the
-    device, with convolutions' tensors channels-last where inductor lays them out so."""
+    device, with convolutions' tensors channels-last where inductor lays them out so. Where nothing is measured
+    (``kernels`` None: planning on meta), an operator whose allocations are its Python code's (sublinear's chunked LM
+    head) is still counted, by running its code on meta; the library kernels it calls may hold more on a device."""
     if kernels is None:
-        return {}
+        return {node: _counted_inside(node) for node in nodes if node.target in COUNTED_INSIDE}
     runs = {node: run for node in nodes if kinds.extern(node) and (run := _library_run(node, channels_last))}
     kernels.measure(list(runs.values()))
     scratch = {}
@@ -175,6 +178,11 @@ def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_las
             results = sum(hint(t.untyped_storage().nbytes()) for t in tensor_leaves(node.meta.get("val")))
             scratch[node] = max(0, measured.inside_peak - results)
     return scratch
+
+
+def _counted_inside(node: fx.Node) -> int:
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda arg: arg.meta.get("val"))
+    return inside_peak(node.target, args, kwargs)
 
 
 _TENSOR = "<tensor>"

@@ -4,20 +4,54 @@ Every tensor an aten op returns is resolved to its untyped storage. A storage is
 first seen, and released when its last reference dies (a weakref finalizer on the storage object, which
 PyTorch keeps unique per storage). Views and in-place results therefore alias their base: memory is per
 storage, never per tensor.
+
+An operator whose kernel is Python (sublinear's own, registered with :func:`count_inside`) allocates inside its call
+what a mode cannot see, since a mode sees the operator, not the calls its kernel makes: the tracker runs such an
+operator's implementation under itself instead, so its temporaries count, on every device, meta included (where the
+operator's registered meta kernel allocates only its results).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["StorageTracker", "storages_of"]
+from sublinear.tensors import size_hint
+
+__all__ = ["COUNTED_INSIDE", "StorageTracker", "count_inside", "inside_peak", "storages_of"]
+
+COUNTED_INSIDE: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+
+
+def count_inside(op: torch._ops.OpOverload, implementation: Callable[..., Any]) -> None:
+    """Have every tracker run ``implementation`` (which computes what ``op`` does, with the same allocations) in
+    place of ``op``, counting the storages its calls allocate."""
+    COUNTED_INSIDE[op] = implementation
+
+
+def inside_peak(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> int:
+    """The most bytes ``op(*args, **kwargs)`` holds at once inside its call beyond its results, run on meta copies
+    of its tensor arguments (any device's arguments, no memory): exact for an operator registered with
+    :func:`count_inside`, whose allocations are its Python code's."""
+    def on_meta(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return torch.empty_strided([size_hint(n) for n in value.shape], [size_hint(n) for n in value.stride()],
+                                       dtype=value.dtype, device="meta")
+        return size_hint(value) if isinstance(value, torch.SymInt) else value
+
+    args, kwargs = tree_map(on_meta, (tuple(args), dict(kwargs or {})))
+    tracker = StorageTracker()
+    tracker.track(tree_leaves((args, kwargs)))  # the arguments' storages (and views of them) are not the call's
+    before = tracker.live_bytes
+    with tracker:
+        out = op(*args, **kwargs)
+    return max(0, tracker.peak_bytes - before - sum(st.nbytes() for st in storages_of(out)))
 
 
 def storages_of(value: Any) -> list[torch.UntypedStorage]:
@@ -76,6 +110,10 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        inside = COUNTED_INSIDE.get(func)
+        if inside is not None:
+            with self:
+                return inside(*args, **kwargs)
         out = func(*args, **kwargs)
         for st in storages_of(out):
             self._register(st)

@@ -22,6 +22,7 @@ from sublinear.config import SublinearMemoryConfig
 from sublinear.core.plan import Plan
 from sublinear.core.profile import ShardedParameters
 from sublinear.execute.compiled import resolve_compiler
+from sublinear.profiling.costs import device_rates
 from sublinear.progress import PlanningProgress
 from sublinear.runtime.calls import UNSEEN, CallTracker
 from sublinear.runtime.graph import GraphRuntime
@@ -66,7 +67,9 @@ class SublinearBackend:
     def add_graph(self, graph: CapturedGraph) -> GraphRuntime:
         """A captured graph this session runs from now on, its LM heads chunked where the config says."""
         if self._chunks_lm_heads(graph):
-            graph = with_lm_heads_chunked(graph)
+            device = device_type(graph)
+            rates = device_rates(device if device in ("cpu", "cuda") else "meta")  # meta: the reference GPU's
+            graph = with_lm_heads_chunked(graph, rates.flops_per_second / rates.bytes_per_second)
         runtime = GraphRuntime(graph, self, len(self.graphs))
         self.graphs.append(runtime)
         self.calls.captures += 1
