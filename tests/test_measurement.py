@@ -35,6 +35,32 @@ def test_frees_are_seen():
     assert sublinear.measure(step).peak_bytes == 4000
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_an_operator_counted_inside_shows_its_temporaries_and_frees_stay_seen_after_it(device):
+    """The chunked LM head's op runs its code under the tracker: its chunks count (its meta kernel allocates only
+    its results), and storages that die after it are still released."""
+    from sublinear.capture.lm_head_op import linear_cross_entropy
+    tokens, width, vocabulary, rows = 64, 8, 1000, 16
+    hidden, weight = torch.randn(tokens, width, device=device), torch.randn(vocabulary, width, device=device)
+    target = torch.zeros(tokens, dtype=torch.long, device=device)
+
+    def head(hidden, weight, target):
+        return linear_cross_entropy(hidden, weight, None, target, None, -100, "mean", 0.0, torch.float32, rows, 0.0)
+
+    def then_more(hidden, weight, target):
+        before = torch.empty(10**6, device=device)  # 4 MB, dies after the op
+        results = head(hidden, weight, target)
+        del before
+        return torch.empty(5 * 10**6 // 4, device=device), results  # 5 MB, after the 4 MB died
+
+    results = 4 + tokens * width * 4 + vocabulary * width * 4
+    chunk = rows * vocabulary * 4
+    inside = sublinear.measure(head, hidden, weight, target)
+    assert inside.peak_bytes - inside.baseline_bytes >= results + 2 * chunk
+    after = sublinear.measure(then_more, hidden, weight, target)
+    assert after.peak_bytes - after.baseline_bytes < 5 * 10**6 + results + 4 * chunk  # the 4 MB released
+
+
 def test_parameters_and_gradients_reported_separately():
     lin = nn.Linear(10, 10)  # 440 B of parameters
     x = torch.randn(3, 10)

@@ -111,9 +111,12 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inside = COUNTED_INSIDE.get(func)
-        if inside is not None:
-            with self:
+        if inside is not None:  # entered again for the implementation's calls, not left as the step ends: leaving
+            TorchDispatchMode.__enter__(self)  # through __exit__ would stop watching every live storage
+            try:
                 return inside(*args, **kwargs)
+            finally:
+                TorchDispatchMode.__exit__(self, None, None, None)
         out = func(*args, **kwargs)
         for st in storages_of(out):
             self._register(st)
