@@ -107,6 +107,26 @@ def test_device_rates_are_measured_once_per_machine_and_read_back(tmp_path, monk
         device_rates.cache_clear()
 
 
+def test_implausible_cached_device_rates_are_measured_again(tmp_path, monkeypatch):
+    """A matrix product slower than a copy (the matmul rate measured while other processes held the cores) is not
+    believed: the rates are measured again and stored in its place."""
+    import json
+
+    from sublinear.profiling import costs
+
+    monkeypatch.setenv("SUBLINEAR_CACHE_DIR", str(tmp_path))
+    key = costs.machine_key(torch.device("cpu"))
+    (tmp_path / "device-rates.json").write_text(json.dumps({key: [8.7e8, 3.6e10, 2e-6]}))
+    monkeypatch.setattr(costs, "_measure_rates", lambda dev: costs.DeviceRates(str(dev), 8e10, 2.4e10, 2e-6))
+    costs.device_rates.cache_clear()
+    try:
+        rates = costs.device_rates("cpu")
+        assert (rates.flops_per_second, rates.bytes_per_second) == (8e10, 2.4e10)
+        assert json.loads((tmp_path / "device-rates.json").read_text())[key][:2] == [8e10, 2.4e10]
+    finally:
+        costs.device_rates.cache_clear()
+
+
 def test_device_rates_are_measured_in_float32_under_a_callers_autocast(monkeypatch):
     """The rates are cached per machine: planning under bfloat16 autocast must not measure (and store) a bfloat16
     matrix product's rate, nor pay for one on a CPU without bfloat16 units."""

@@ -128,15 +128,25 @@ def device_rates(device: str) -> DeviceRates:
     folder = cache_dir(None)
     path = folder / "device-rates.json" if folder is not None else None
     known = _read_rates(path)
-    if key in known:
+    if key in known and _plausible(DeviceRates(str(dev), *known[key])):
         rates = DeviceRates(str(dev), *known[key])
     else:
+        if key in known:
+            log.warning("sublinear: the device rates cached for %s (%s) are implausible, measured under load; "
+                        "measuring them again", key, DeviceRates(str(dev), *known[key]).describe())
         rates = _measure_rates(dev)
         if path is not None:
             _write_rates(path, {**_read_rates(path), key: [rates.flops_per_second, rates.bytes_per_second,
                                                              rates.seconds_per_call]})
     log.info("device rates %s", rates.describe())
     return rates
+
+
+def _plausible(rates: DeviceRates) -> bool:
+    """Whether a 1024-wide float32 matrix product ran at more FLOPs per second than a copy moved bytes: true of every
+    CPU and GPU idle (3-30 FLOPs per byte); a measurement taken while other processes held the cores can fall a
+    hundred times below."""
+    return rates.flops_per_second >= rates.bytes_per_second
 
 
 @torch.autocast("cpu", enabled=False)
