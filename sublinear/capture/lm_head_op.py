@@ -144,8 +144,8 @@ def _backward(ctx, grad_loss, *_unused):
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
-count_inside(torch.ops.sublinear.linear_cross_entropy.default, _implementation)  # its chunks count wherever it is
-# measured, meta included
+# a memory tracker runs the implementation, so that the op's chunks count wherever it is measured, meta included
+count_inside(torch.ops.sublinear.linear_cross_entropy.default, _implementation)
 
 
 @register_flop_formula(torch.ops.sublinear.linear_cross_entropy)

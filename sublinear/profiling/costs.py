@@ -128,12 +128,13 @@ def device_rates(device: str) -> DeviceRates:
     folder = cache_dir(None)
     path = folder / "device-rates.json" if folder is not None else None
     known = _read_rates(path)
-    if key in known and _plausible(DeviceRates(str(dev), *known[key])):
-        rates = DeviceRates(str(dev), *known[key])
+    cached = DeviceRates(str(dev), *known[key]) if key in known else None
+    if cached is not None and _plausible(cached):
+        rates = cached
     else:
-        if key in known:
+        if cached is not None:
             log.warning("sublinear: the device rates cached for %s (%s) are implausible, measured under load; "
-                        "measuring them again", key, DeviceRates(str(dev), *known[key]).describe())
+                        "measuring them again", key, cached.describe())
         rates = _measure_rates(dev)
         if path is not None:
             _write_rates(path, {**_read_rates(path), key: [rates.flops_per_second, rates.bytes_per_second,

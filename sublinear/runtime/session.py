@@ -67,8 +67,7 @@ class SublinearBackend:
     def add_graph(self, graph: CapturedGraph) -> GraphRuntime:
         """A captured graph this session runs from now on, its LM heads chunked where the config says."""
         if self._chunks_lm_heads(graph):
-            device = device_type(graph)
-            rates = device_rates(device if device in ("cpu", "cuda") else "meta")  # meta: the reference GPU's
+            rates = device_rates(device_type(graph))  # meta: the reference GPU's
             graph = with_lm_heads_chunked(graph, rates.flops_per_second / rates.bytes_per_second)
         runtime = GraphRuntime(graph, self, len(self.graphs))
         self.graphs.append(runtime)
