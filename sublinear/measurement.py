@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from sublinear.core.units import format_bytes
+from sublinear.profiling.attention import FusedAttentionOnMeta
 from sublinear.profiling.tracking import StorageTracker, storages_of
 
 __all__ = ["MemoryReport", "measure", "measure_cpu_allocator"]
@@ -48,8 +50,10 @@ def measure(step: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport
 
     Modules found among the arguments contribute their parameters and buffers to the baseline, tensors
     contribute themselves. On CPU and meta every storage returned by an aten op is tracked until released
-    (views and in-place results count once). On CUDA the caching allocator's ``max_memory_allocated`` is read
-    after a reset, so the figure is the allocator's (512-byte rounded) truth.
+    (views and in-place results count once); on meta, scaled dot-product attention runs the fused kernel CPU
+    would (:class:`~sublinear.profiling.attention.FusedAttentionOnMeta`), not the math path meta has. On CUDA
+    the caching allocator's ``max_memory_allocated`` is read after a reset, so the figure is the allocator's
+    (512-byte rounded) truth.
     """
     modules, tensors, (param_bytes, buffer_bytes, input_bytes) = _arguments(args, kwargs)
     device = _device_of(modules, tensors)
@@ -74,7 +78,7 @@ def measure(step: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport
     tracker.track(tensors)
     baseline = tracker.live_bytes
     tracker.listener = listener
-    with tracker:
+    with tracker, FusedAttentionOnMeta() if device.type == "meta" else contextlib.nullcontext():
         step(*args, **kwargs)
     grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
     grad_serials = {serial_of[st._cdata] for st in storages_of(grads) if st._cdata in serial_of}

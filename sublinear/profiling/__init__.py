@@ -12,3 +12,5 @@ profiling stage with two front ends, each producing a :class:`~sublinear.profili
 Costs: op times measured on the device or estimated from FLOPs and bytes moved (:mod:`.costs`); library kernels'
 scratch space measured on the device whatever times the ops (:mod:`.kernels`).
 """
+
+from sublinear.profiling import attention as _attention  # noqa: F401  (counts CPU's fused attention's FLOPs)

@@ -31,6 +31,7 @@ from sublinear.tools.baselines import BASELINES, NotApplicable
 from sublinear.capture.dynamo import CaptureError, FakeTwin
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core.units import format_bytes
+from sublinear.profiling.attention import FusedAttentionOnMeta
 from sublinear.profiling.costs import REFERENCE_GPU, StepCost, device_rates
 from sublinear.measurement import measure
 from sublinear.models import ModelSpec
@@ -440,6 +441,8 @@ class _Environment:
         stack = contextlib.ExitStack()
         if self.fake is not None:
             stack.enter_context(self.fake)
+        elif self.device == "meta":  # attention's cost as counted for every strategy: CPU's fused kernel, as planned
+            stack.enter_context(FusedAttentionOnMeta())
         self._stack.append(stack)
         return self
 
