@@ -49,6 +49,7 @@ __all__ = ["DISPATCH", "Capture", "CaptureError", "CapturedGraph", "FakeTwin", "
 log = logging.getLogger("sublinear.capture.dynamo")
 
 PARAMETER, BUFFER, INPUT, SYMBOL = "parameter", "buffer", "input", "symbol"
+_ONCE_ONLY_LOGGING = ("warning_once", "info_once")  # logging.Logger methods transformers adds
 
 
 class CaptureError(RuntimeError):
@@ -510,10 +511,24 @@ def compile_entry(target: Callable[..., Any], name: str, dynamic: bool | None) -
         # An int attribute that a forward changes (a call counter) is an input to the graph, not a constant
         # TorchDynamo guards on: otherwise each new value captures the forward again, until TorchDynamo's recompile
         # limit runs it eagerly. An int that never changes stays a constant.
-        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True,
+                                        ignore_logging_functions=_ignored_logging()):
             return compiled(*args, **kwargs)
 
     return run
+
+
+def _ignored_logging() -> set[Callable[..., Any]]:
+    """The logging calls TorchDynamo leaves out of the graphs it captures, instead of breaking the graph at them:
+    the user's own set, and the once-only logger methods transformers adds (``logger.warning_once``,
+    ``info_once``). TorchDynamo cannot put a logging call in a graph; transformers makes such calls inside forwards
+    (GPT-2's loss property warns once that its class names no loss type), and a break there puts the LM head and its
+    loss in two graphs, which no plan can chunk or see whole. Left out, a once-only message is not printed; since it
+    repeats nothing the step computes, the step is the same."""
+    ignored = set(torch._dynamo.config.ignore_logging_functions)
+    ignored.update(method for method in (getattr(logging.Logger, name, None) for name in _ONCE_ONLY_LOGGING)
+                   if method is not None)
+    return ignored
 
 
 def _pack_detached(t: torch.Tensor) -> torch.Tensor:

@@ -184,11 +184,6 @@ class _Builder:
             model = self.model_class(copy.deepcopy(self.config))
         except (ImportError, ValueError) as exc:  # e.g. an attention implementation the class lacks
             raise ValueError(f"{self.name}: {_one_line(exc)}") from None
-        if getattr(model, "loss_type", "") is None and self.model_class.__name__.endswith(CAUSAL_SUFFIXES):
-            # transformers picks ForCausalLM for a causal LM whose class name does not name its loss (GPT2LMHeadModel),
-            # warning through its logger, which TorchDynamo cannot trace: the loss would run in a graph of its own,
-            # apart from the LM head. Naming the loss it picks keeps them in one graph.
-            model.loss_type = "ForCausalLM"
         return model
 
 
