@@ -4,12 +4,16 @@
     python benchmarks/simulator_accuracy.py --models tiny-resnet,tiny-bert --batches 2,4
 
 Each model is compiled with ``sublinear.compile`` on meta tensors (op costs estimated, no memory budget). Each plan
-below is made for every graph TorchDynamo captures (Hugging Face's GPT-2 runs as two graphs), applied with
+below is made for every graph TorchDynamo captures, applied with
 ``SublinearModule.use``, and one training step runs: eager (one block), the planner's default plan (the lowest peak
 within ``max_time_ratio`` 1.35), a random flat plan (sqrt(n) random split points), one block per op, a random nested
 plan (the same split points, half of them soft) and the plan of grid + genetic(20). Predicted: the whole step's peak,
 ``sublinear_plan.predicted_peak_bytes`` after the step; measured: ``sublinear.measure`` (storage tracking) of that
 step. Eager activations per sample: the eager peak less parameters, buffers and gradients, over the batch.
+
+``hf-sdpa:<Class>`` is the transformers class at 4 layers, hidden size 1,024, with SDPA attention, and
+``timm:<name>`` a timm model (224x224 images): on meta, scaled dot-product attention runs as on CPU (its fused
+kernel), as the plan, captured on fake CPU tensors, models it.
 
 Hugging Face models run without an attention mask and without a KV cache: a real call on meta tensors cannot run
 transformers' mask checks, nor its packed-sequence check. The uncompiled model runs those checks on the meta
@@ -33,7 +37,8 @@ from sublinear.models import get_model
 from sublinear.training import training_step
 
 CASES = {"resnet50": (32, 64), "bert-base": (4, 8), "gpt": (4, 8), "hf:BertForSequenceClassification": (4,),
-         "hf:GPT2LMHeadModel": (2,)}  # model -> batches, at the model's default sequence length
+         "hf:GPT2LMHeadModel": (2,), "hf-sdpa:LlamaForCausalLM": (4,),
+         "timm:vit_small_patch16_224": (32,)}  # model -> batches, at the model's default sequence length
 CONFIG = sublinear.SublinearMemoryConfig(memory_budget=None, cost_model="estimate", cache_dir="")
 GENETIC = dataclasses.replace(CONFIG, planners=("grid", "genetic"), genetic_nr_iter=20)
 EAGER = "eager (one block)"
@@ -41,7 +46,18 @@ EAGER = "eager (one block)"
 
 def meta_model(name: str, batch: int):
     """The model on meta in training mode, and its inputs (Hugging Face: without the attention mask)."""
-    spec = get_model(name)
+    if name.startswith("timm:"):
+        from third_party import _import_timm
+
+        with torch.device("meta"):
+            model = _import_timm().create_model(name[len("timm:"):], pretrained=False).train()
+        return model, (torch.empty(batch, 3, 224, 224, device="meta"),), {}
+    if name.startswith("hf-sdpa:"):
+        from sublinear.models.hf import hf_model
+
+        spec = hf_model(name[len("hf-sdpa:"):], layers=4, hidden=1024, attn="sdpa")
+    else:
+        spec = get_model(name)
     with torch.device("meta"):
         model = spec.build().train()
     args, kwargs = spec.example_inputs(batch, device="meta")

@@ -133,6 +133,9 @@ def _setup_context(ctx, inputs, output) -> None:
     _loss, grad_hidden, grad_weight, grad_bias = output
     ctx.has_bias = inputs[2] is not None
     ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias)
+    # autograd would otherwise hand backward a zero "gradient" for each of those outputs, allocated as backward
+    # reaches the op and held through its recompute: as large as the weight and the hidden rows
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
 
 
