@@ -192,8 +192,10 @@ class PlanPipeline:
     def compiled_within_budget(self, runtime: GraphRuntime, variant: GraphVariant, values: Sequence[Any],
                                key: tuple) -> GraphVariant:
         """``variant`` compiled, its profile taught what the compiled code held, planned again while above the
-        budget (:class:`~sublinear.runtime.compile_check.CompileCheck`)."""
-        return self.compile_check.within_budget(runtime, variant, values, key)
+        budget (:class:`~sublinear.runtime.compile_check.CompileCheck`). Outside the caller's dispatch modes, as
+        planning is: a memory tracker around the first call sees the step, not the kernels measured for the check."""
+        with _disable_current_modes():
+            return self.compile_check.within_budget(runtime, variant, values, key)
 
 
 class _Profiles:
