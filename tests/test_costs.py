@@ -98,11 +98,17 @@ def test_device_rates_are_measured_once_per_machine_and_read_back(tmp_path, monk
         measured = device_rates("cpu")
         stored = json.loads((tmp_path / "device-rates.json").read_text())
         (key, values), = stored.items()
-        assert values == [measured.flops_per_second, measured.bytes_per_second, measured.seconds_per_call]
-        (tmp_path / "device-rates.json").write_text(json.dumps({key: [1e12, 2e11, 3e-6]}))
+        assert values == [measured.flops_per_second, measured.bytes_per_second, measured.seconds_per_call,
+                          measured.half_flops_per_second]
+        (tmp_path / "device-rates.json").write_text(json.dumps({key: [1e12, 2e11, 3e-6, 4e12]}))
         device_rates.cache_clear()  # a new process: reads what the first one measured
         again = device_rates("cpu")
-        assert (again.flops_per_second, again.bytes_per_second, again.seconds_per_call) == (1e12, 2e11, 3e-6)
+        assert (again.flops_per_second, again.bytes_per_second, again.seconds_per_call,
+                again.half_flops_per_second) == (1e12, 2e11, 3e-6, 4e12)
+        assert (again.matmul_flops_per_second(2), again.matmul_flops_per_second(4)) == (4e12, 1e12)
+        (tmp_path / "device-rates.json").write_text(json.dumps({key: [1e12, 2e11, 3e-6]}))  # an older version's
+        device_rates.cache_clear()
+        assert device_rates("cpu").half_flops_per_second not in (None, 1e12)  # measured again
     finally:
         device_rates.cache_clear()
 
@@ -127,9 +133,9 @@ def test_implausible_cached_device_rates_are_measured_again(tmp_path, monkeypatc
         costs.device_rates.cache_clear()
 
 
-def test_device_rates_are_measured_in_float32_under_a_callers_autocast(monkeypatch):
+def test_device_rates_are_measured_in_their_own_dtypes_under_a_callers_autocast(monkeypatch):
     """The rates are cached per machine: planning under bfloat16 autocast must not measure (and store) a bfloat16
-    matrix product's rate, nor pay for one on a CPU without bfloat16 units."""
+    matrix product's rate as the float32 one; the half-precision product is measured in bfloat16 on CPU."""
     from sublinear.profiling import costs
 
     dtypes = []
@@ -141,4 +147,4 @@ def test_device_rates_are_measured_in_float32_under_a_callers_autocast(monkeypat
     monkeypatch.setattr(costs, "_fastest", first_result)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         costs._measure_rates(torch.device("cpu"))
-    assert dtypes[0] == torch.float32  # the matrix product
+    assert dtypes == [torch.float32, torch.float32, torch.float32, torch.bfloat16]  # copy, call, the two products

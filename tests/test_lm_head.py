@@ -573,3 +573,19 @@ def test_a_chunked_head_recomputed_in_backward_measures_its_prediction(plan_of, 
     run.use(sublinear.ParetoPoint(plan, 0, 0, 1.0, 1.0, code))
     measured = sublinear.measure(lambda m: m(input_ids=ids, labels=ids).loss.backward(), run).peak_bytes
     assert measured == run.sublinear_plan.predicted_peak_bytes
+
+
+def test_a_half_precision_head_is_chunked_on_the_half_precision_product_rate(monkeypatch):
+    """Under autocast the head's products run in bfloat16 (on tensor cores, often ten times the float32 rate): the
+    5 % rule weighs its passes over the weight against that rate, so its chunks are that many times larger."""
+    float32 = DeviceRates("pinned", 0.6, 1.0, 0.0)
+    monkeypatch.setattr(session, "device_rates", lambda device: dataclasses.replace(float32, half_flops_per_second=3.0))
+    torch.manual_seed(0)
+    model = _ShiftedHead(tied=False)
+    ids = torch.randint(0, 500, (3, 400))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run = sublinear.compile(model, (ids, ids), {"summed": False}, config=CHUNKED)
+    head = run.sublinear_plan.graphs[0].lm_heads[0]
+    tokens = ids.numel() - 3  # the label shift drops each sequence's last position
+    assert f"chunks of {chunk_rows(tokens, 2, 3.0)} of {tokens} tokens" in head, head
+    assert chunk_rows(tokens, 2, 3.0) > chunk_rows(tokens, 2, 0.6)

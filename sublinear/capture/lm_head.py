@@ -22,6 +22,7 @@ import dataclasses
 import inspect
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ _DTYPE = ("float", "to", "type")
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 ROW_MULTIPLE = 8  # chunks of whole multiples of 8 rows keep the matmuls aligned
 CHUNKING_COST = 0.05  # the most time chunking may add to the head's matrix products
+FlopsPerByte = Callable[[int], float]  # a device's matrix-product FLOPs per byte moved, by operand itemsize
 
 
 def chunk_rows(tokens: int, itemsize: int, flops_per_byte: float) -> int:
@@ -85,7 +87,7 @@ class LMHead:
                 f"cross-entropy computed in chunks of {self.rows} of {self.tokens} tokens, {source}")
 
 
-def with_lm_heads_chunked(graph: CapturedGraph, flops_per_byte: float) -> CapturedGraph:
+def with_lm_heads_chunked(graph: CapturedGraph, flops_per_byte: FlopsPerByte) -> CapturedGraph:
     """``graph`` with its LM heads' cross-entropies chunked (:func:`chunk_lm_heads`) in a copy of its module, and
     every cross-entropy found in ``lm_heads``; ``graph`` itself when it has no cross-entropy."""
     if not any(n.op == "call_function" and n.target in _CROSS_ENTROPY for n in graph.graph_module.graph.nodes):
@@ -112,9 +114,10 @@ def device_type(graph: CapturedGraph) -> str:
     return "cpu"
 
 
-def chunk_lm_heads(gm: fx.GraphModule, flops_per_byte: float) -> list[LMHead]:
+def chunk_lm_heads(gm: fx.GraphModule, flops_per_byte: FlopsPerByte) -> list[LMHead]:
     """Replace, in place, each LM head's cross-entropy in ``gm`` by its chunked form, in chunks of
-    :func:`chunk_rows` on a device of ``flops_per_byte``; every cross-entropy found, chunked or left alone with its
+    :func:`chunk_rows` on a device doing ``flops_per_byte(itemsize)`` FLOPs of a matrix product on operands of
+    ``itemsize`` bytes in the time it moves a byte; every cross-entropy found, chunked or left alone with its
     reason."""
     found = []
     for node in list(gm.graph.nodes):
@@ -126,7 +129,7 @@ def chunk_lm_heads(gm: fx.GraphModule, flops_per_byte: float) -> list[LMHead]:
     return found
 
 
-def _chunk(graph: fx.Graph, node: fx.Node, flops_per_byte: float) -> LMHead:
+def _chunk(graph: fx.Graph, node: fx.Node, flops_per_byte: FlopsPerByte) -> LMHead:
     where = describe_node(node)
     bound = _CE_SIGNATURE.bind(*node.args, **node.kwargs)
     bound.apply_defaults()
@@ -155,7 +158,8 @@ def _chunk(graph: fx.Graph, node: fx.Node, flops_per_byte: float) -> LMHead:
     if tokens < 2 * width:
         return LMHead(where, reason=f"{tokens} tokens, fewer than twice the hidden size {width}: the weight's "
                                     "gradient, computed in forward, would hold about as much as the logits")
-    rows = chunk_rows(tokens, _value(head.linear).dtype.itemsize, flops_per_byte)
+    itemsize = _value(head.linear).dtype.itemsize  # the dtype the product runs in (autocast's, under autocast)
+    rows = chunk_rows(tokens, itemsize, flops_per_byte(itemsize))
     returned = return_logits_lazily(graph, top, steps[0] if steps else node, hidden, (weight, bias, head.added_bias),
                                     head.softcap, _value(head.linear).dtype, _where(head.linear))
     reads_logits = returned is None and len(top.users) > 1 and all(s.target != operator.getitem for s in steps)

@@ -36,6 +36,8 @@ __all__ = ["DeviceRates", "NodeCosts", "StepCost", "TensorSpec", "aten_work", "d
            "estimate_seconds", "measure_node_costs", "measure_node_memory"]
 
 log = logging.getLogger("sublinear.profiling.costs")
+# a cached entry is these, in this order; an entry of another length (an older version's) is measured again
+_CACHED_FIELDS = ("flops_per_second", "bytes_per_second", "seconds_per_call", "half_flops_per_second")
 
 
 @dataclass(frozen=True)
@@ -43,12 +45,21 @@ class DeviceRates:
     """Throughputs that turn FLOPs and bytes into seconds on one device."""
 
     device: str
-    flops_per_second: float
+    flops_per_second: float  # a float32 matrix product's
     bytes_per_second: float
     seconds_per_call: float  # launch and dispatch overhead of one aten call
+    # A half-precision matrix product's (bfloat16 where the device has it, else float16: what autocast runs on tensor
+    # cores, often ten times the float32 rate); None where unmeasured (the reference GPU): the float32 rate stands in.
+    half_flops_per_second: float | None = None
+
+    def matmul_flops_per_second(self, itemsize: int) -> float:
+        """The matrix-product rate for operands of ``itemsize`` bytes."""
+        return self.half_flops_per_second if itemsize == 2 and self.half_flops_per_second else self.flops_per_second
 
     def describe(self) -> str:
-        return (f"{self.device}: {self.flops_per_second / 1e12:.2f} TFLOP/s, "
+        half = (f" ({self.half_flops_per_second / 1e12:.2f} in half precision)" if self.half_flops_per_second
+                else "")
+        return (f"{self.device}: {self.flops_per_second / 1e12:.2f} TFLOP/s{half}, "
                 f"{self.bytes_per_second / 1e9:.0f} GB/s, {self.seconds_per_call * 1e6:.0f} us per call")
 
 
@@ -137,8 +148,7 @@ def device_rates(device: str) -> DeviceRates:
                         "measuring them again", key, cached.describe())
         rates = _measure_rates(dev)
         if path is not None:
-            _write_rates(path, {**_read_rates(path), key: [rates.flops_per_second, rates.bytes_per_second,
-                                                             rates.seconds_per_call]})
+            _write_rates(path, {**_read_rates(path), key: [getattr(rates, name) for name in _CACHED_FIELDS]})
     log.info("device rates %s", rates.describe())
     return rates
 
@@ -153,18 +163,23 @@ def _plausible(rates: DeviceRates) -> bool:
 @torch.autocast("cpu", enabled=False)
 @torch.autocast("cuda", enabled=False)
 def _measure_rates(dev: torch.device) -> DeviceRates:
-    """float32 rates, whatever autocast the caller plans under (they are cached per machine, and a bfloat16 matrix
-    product on a CPU without bfloat16 units is a hundred times slower)."""
-    n = 1024 if dev.type == "cpu" else 4096
-    a = torch.randn(n, n, device=dev)
-    b = torch.randn(n, n, device=dev)
-    matmul = _fastest(lambda: torch.mm(a, b), dev)
+    """The rates, whatever autocast the caller plans under (they are cached per machine). The half-precision
+    product is smaller on CPU, where one without bfloat16 units runs it a hundred times slower than float32."""
     big = torch.empty(32 * 2**20 // 4, device=dev)
     out = torch.empty_like(big)
     copy = _fastest(lambda: out.copy_(big), dev)
     one = torch.ones(1, device=dev)
     call = _fastest(lambda: one.add(one), dev, repeats=50)
-    return DeviceRates(str(dev), 2 * n**3 / matmul, 2 * big.nbytes / copy, call)
+    half = torch.bfloat16 if dev.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    return DeviceRates(str(dev), _matmul_rate(dev, torch.float32, 1024 if dev.type == "cpu" else 4096),
+                       2 * big.nbytes / copy, call, _matmul_rate(dev, half, 256 if dev.type == "cpu" else 4096))
+
+
+def _matmul_rate(dev: torch.device, dtype: torch.dtype, n: int) -> float:
+    """FLOPs per second of an ``n``-wide square matrix product in ``dtype``."""
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    return 2 * n**3 / _fastest(lambda: torch.mm(a, b), dev)
 
 
 def machine_key(dev: torch.device) -> str:
@@ -189,8 +204,8 @@ def _read_rates(path: Path | None) -> dict[str, list[float]]:
         return {}
     try:
         known = json.loads(path.read_text())
-        return {k: v for k, v in known.items() if isinstance(v, list) and len(v) == 3} if isinstance(known, dict) \
-            else {}
+        return {k: v for k, v in known.items() if isinstance(v, list) and len(v) == len(_CACHED_FIELDS)} \
+            if isinstance(known, dict) else {}
     except (OSError, ValueError):
         return {}
 

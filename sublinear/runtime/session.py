@@ -68,7 +68,8 @@ class SublinearBackend:
         """A captured graph this session runs from now on, its LM heads chunked where the config says."""
         if self._chunks_lm_heads(graph):
             rates = device_rates(device_type(graph))  # meta: the reference GPU's
-            graph = with_lm_heads_chunked(graph, rates.flops_per_second / rates.bytes_per_second)
+            graph = with_lm_heads_chunked(
+                graph, lambda itemsize: rates.matmul_flops_per_second(itemsize) / rates.bytes_per_second)
         runtime = GraphRuntime(graph, self, len(self.graphs))
         self.graphs.append(runtime)
         self.calls.captures += 1
