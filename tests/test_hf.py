@@ -51,6 +51,19 @@ def tiny_model(family: str, attn: str, vocab: int = VOCAB):
     return T.ViTForImageClassification._from_config(config, attn_implementation=attn), "image"
 
 
+def _loss_in_a_graph_of_its_own(model):
+    """``model`` with a graph break right before its loss (as a print, an ``.item()`` or a logging call in loss code
+    makes one): the loss runs as a second graph, beside everything the first one holds."""
+    loss = model.loss_function
+
+    def broken(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return loss(*args, **kwargs)
+
+    model.loss_function = broken
+    return model
+
+
 def tiny_inputs(kind: str) -> dict:
     """Labels so that the model returns its loss; token inputs come with a padded attention mask."""
     g = torch.Generator().manual_seed(0)
@@ -107,12 +120,11 @@ def test_trains_bit_for_bit_like_eager(family, attn):
 
 @pytest.mark.slow
 def test_a_step_split_into_graphs_is_predicted_as_one_step(caplog):
-    # GPT-2 in transformers 5 logs a warning in its loss property, and TorchDynamo breaks the graph there: the loss
-    # runs as a second graph beside everything the first one holds. Its vocabulary is 65 times its width, as GPT-2's
-    # is, so the loss graph's peak can decide the step's.
+    # The loss runs as a second graph beside everything the first one holds. Its vocabulary is 65 times its width,
+    # as GPT-2's is, so the loss graph's peak can decide the step's.
     torch.manual_seed(0)
     model, kind = tiny_model("gpt2", "eager", vocab=2048)
-    model.train()
+    _loss_in_a_graph_of_its_own(model).train()
     inputs = tiny_inputs(kind)
     with caplog.at_level(logging.WARNING, logger="sublinear"):
         compiled = sublinear.compile(model, example_kwargs=inputs, config=PLAIN)
@@ -136,7 +148,7 @@ def test_a_budget_holds_for_a_step_split_into_graphs():
     # planned for it, which planning ahead does in a few rounds.
     torch.manual_seed(0)
     model, kind = tiny_model("gpt2", "eager", vocab=2048)
-    model.train()
+    _loss_in_a_graph_of_its_own(model).train()
     inputs = tiny_inputs(kind)
     eager = sublinear.compile(model, example_kwargs=inputs, config=PLAIN).sublinear_plan.baseline_peak_bytes
     budget = int(0.9 * eager)
@@ -168,7 +180,7 @@ def _peak_after_steps(model, config, steps: int, **inputs) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("compiler", ["inductor", "eager"])
 def test_logits_a_loss_graph_read_are_let_go_before_backward_and_the_compiled_code_kept(compiler, monkeypatch):
-    # GPT-2's loss runs in a second graph; a loop that reads only the loss lets the logits go before backward. The
+    # The loss runs in a second graph; a loop that reads only the loss lets the logits go before backward. The
     # first call cannot know that (it plans before its backward, and captures the loss graph after the first): the
     # third profiles again for what the second showed, keeps the plan and its compiled code, and predicts the step.
     compiles = []
@@ -176,7 +188,7 @@ def test_logits_a_loss_graph_read_are_let_go_before_backward_and_the_compiled_co
     monkeypatch.setattr(CompiledGraph, "_compile", lambda self, *a: compiles.append(self) or real_compile(self, *a))
     torch._dynamo.reset()  # GPT-2's frames captured fresh (static), whatever GPT-2 ran in this process before
     torch.manual_seed(0)
-    model, _ = tiny_model("gpt2", "eager", vocab=2048)
+    model = _loss_in_a_graph_of_its_own(tiny_model("gpt2", "eager", vocab=2048)[0])
     ids = torch.randint(1, 2048, (4, 32), generator=torch.Generator().manual_seed(0))
     config = dataclasses.replace(PLAIN, compiler=compiler, min_memory_per_time=0)
     measured = _peak_after_steps(model.train(), config, 3, input_ids=ids, labels=ids)
