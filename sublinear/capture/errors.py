@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 __all__ = ["CaptureError", "GraphBreak", "ModelErrorsAsEager", "NeedsData", "capture_error", "eager_or_model_error",
            "graph_breaks", "model_error"]
 
+
 class CaptureError(RuntimeError):
     """TorchDynamo could not capture the forward; the message names the file, line and reason."""
 
