@@ -98,3 +98,45 @@ def test_grad_scaler_works_unchanged():
     scaler.update()
     assert not torch.equal(before, model.classifier.weight)
     assert torch.isfinite(model.classifier.weight).all()
+
+
+class _AutocastLinear(nn.Module):
+    """A product under bf16 autocast inside the captured forward, then a float32 reduction."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.proj(x)
+        return y.float().relu()
+
+
+@pytest.mark.parametrize("front", ["eager", "compiled"])
+def test_products_under_autocast_are_timed_at_the_half_precision_rate(front):
+    """The forward and backward products run in bf16: their estimated seconds follow the half-precision rate (and
+    only theirs: the other ops' times are the same at any half-precision rate)."""
+    import dataclasses
+
+    from sublinear.capture.dynamo import capture
+    from sublinear.capture.joint import trace_joint
+    from sublinear.profiling.compiled import profile_joint
+    from sublinear.profiling.costs import DeviceRates
+    from sublinear.profiling.graph import profile
+
+    torch.manual_seed(0)
+    graph = capture(_AutocastLinear(), (torch.randn(32, 64, requires_grad=True),)).graph
+    slow = DeviceRates("cpu-like", 1e11, 2e10, 1e-6, half_flops_per_second=1e9)
+    fast = dataclasses.replace(slow, half_flops_per_second=1e12)
+    if front == "eager":
+        profiles = [profile(graph, cost_model="estimate", rates=r) for r in (slow, fast)]
+    else:
+        joint = trace_joint(graph, graph.example_values)
+        profiles = [profile_joint(joint, graph, None, rates=r).profile for r in (slow, fast)]
+    forward = [sum(op.forward_seconds for op in p.ops) for p in profiles]
+    backward = [float(p.backward_seconds.sum()) for p in profiles]
+    per_flop = 1 / slow.half_flops_per_second - 1 / fast.half_flops_per_second
+    assert forward[0] - forward[1] == pytest.approx(2 * 32 * 64 * 64 * per_flop, rel=1e-6)
+    # backward: the input's and the weight's gradient products
+    assert backward[0] - backward[1] == pytest.approx(2 * 2 * 32 * 64 * 64 * per_flop, rel=1e-6)

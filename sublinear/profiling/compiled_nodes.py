@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from sublinear.capture.joint import is_view
-from sublinear.profiling.costs import DeviceRates, estimate_seconds
+from sublinear.profiling.costs import DeviceRates, computes_in_half, estimate_seconds
 from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout
 from sublinear.profiling.tracking import COUNTED_INSIDE, inside_peak
 from sublinear.tensors import size_hint as hint
@@ -158,7 +158,8 @@ def estimate_node_seconds(node: fx.Node, node_flops: int, keys_of, materialized,
     written = [key for key in keys_of(node) if materialized(key)]
     wrote = sum(size_of[key] for key in written)
     kernels = 1 if (written or kinds.extern(node)) else 0
-    return estimate_seconds(node_flops, read + wrote, kernels, rates)
+    half = node_flops if computes_in_half(node.meta.get("val")) else 0
+    return estimate_seconds(node_flops, read + wrote, kernels, rates, half)
 
 
 def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_last: bool,

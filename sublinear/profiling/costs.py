@@ -8,8 +8,9 @@ Two sources:
   Time: CPU wall clock, or CUDA events on a GPU; the fastest of ``repeats`` runs after one warm-up. Memory: the
   allocator's peak during the node (CPU: the profiler's memory events; CUDA: ``max_memory_allocated``). One node at
   a time, so it needs the memory of one node's inputs and outputs, not of the step.
-- :func:`estimate_seconds` charges every aten call FLOPs over the device's matmul rate plus bytes moved over its
-  memory bandwidth plus a fixed per-call overhead, with :class:`DeviceRates` calibrated once per process on the
+- :func:`estimate_seconds` charges every aten call FLOPs over the device's matmul rate for its dtype (a
+  half-precision call, as autocast runs products, at the half-precision rate) plus bytes moved over its memory
+  bandwidth plus a fixed per-call overhead, with :class:`DeviceRates` calibrated once per process on the
   device (on meta, a reference GPU's published rates). Elementwise ops are never free.
 """
 
@@ -32,8 +33,8 @@ from torch.utils.flop_counter import flop_registry
 
 from sublinear.cache import cache_dir, write_json
 
-__all__ = ["DeviceRates", "NodeCosts", "StepCost", "TensorSpec", "aten_work", "device_model", "device_rates",
-           "estimate_seconds", "measure_node_costs", "measure_node_memory"]
+__all__ = ["DeviceRates", "NodeCosts", "StepCost", "TensorSpec", "aten_work", "computes_in_half", "device_model",
+           "device_rates", "estimate_seconds", "measure_node_costs", "measure_node_memory"]
 
 log = logging.getLogger("sublinear.profiling.costs")
 # a cached entry is these, in this order; an entry of another length (an older version's) is measured again
@@ -68,9 +69,20 @@ class DeviceRates:
 REFERENCE_GPU = DeviceRates("reference GPU (RTX 2080 Ti)", 13.4e12, 616e9, 5e-6)
 
 
-def estimate_seconds(flops: float, io_bytes: float, calls: int, rates: DeviceRates) -> float:
-    """Roofline-style time of ``calls`` aten calls doing ``flops`` and moving ``io_bytes``."""
-    return flops / rates.flops_per_second + io_bytes / rates.bytes_per_second + calls * rates.seconds_per_call
+def estimate_seconds(flops: float, io_bytes: float, calls: int, rates: DeviceRates, half_flops: float = 0) -> float:
+    """Roofline-style time of ``calls`` aten calls doing ``flops`` and moving ``io_bytes``; ``half_flops`` of those
+    FLOPs are computed in a half-precision dtype and run at its rate."""
+    return ((flops - half_flops) / rates.flops_per_second + half_flops / rates.matmul_flops_per_second(2)
+            + io_bytes / rates.bytes_per_second + calls * rates.seconds_per_call)
+
+
+def computes_in_half(out: Any) -> bool:
+    """Whether a call whose result is ``out`` computes in a 2-byte floating dtype (its first floating result's): a
+    product under autocast returns the dtype it multiplied in."""
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.element_size() == 2
+    return False
 
 
 _aten = torch.ops.aten
@@ -85,7 +97,7 @@ _WRITE_ONLY = frozenset({_aten.zeros_like, _aten.ones_like, _aten.full_like, _at
 
 def aten_work(func, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
     """(FLOPs, bytes read and written) of one aten call: torch.utils.flop_counter's formulas (0 for ops it has none
-    for); each tensor argument read once over the memory its view spans (a broadcast mask is its storage, not its
+    for, counted in whatever dtype the call computes: see :func:`computes_in_half`); each tensor argument read once over the memory its view spans (a broadcast mask is its storage, not its
     expanded size), each result written in full. Views, aliases and bare allocations move nothing."""
     count = flop_registry.get(func._overloadpacket)
     flops = count(*args, **kwargs, out_val=out) if count is not None else 0
@@ -121,7 +133,7 @@ class StepCost(TorchDispatchMode):
         out = func(*args, **kwargs)
         flops, moved = aten_work(func, args, kwargs, out)
         self.flops += flops
-        self.seconds += estimate_seconds(flops, moved, 1, self.rates)
+        self.seconds += estimate_seconds(flops, moved, 1, self.rates, flops if computes_in_half(out) else 0)
         return out
 
 

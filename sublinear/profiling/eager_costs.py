@@ -91,15 +91,15 @@ def _node_times(trace: StepTrace, rank_of_node: dict[int, int], device: torch.de
                           {i: round_up(costs.forward_peak_bytes.get(i, 0)) for i in nodes},
                           {i: round_up(costs.backward_peak_bytes.get(i, 0)) for i in nodes})
     rates = rates or (device_rates(str(device)) if device.type in ("cpu", "cuda") else REFERENCE_GPU)
-    forward = {i: estimate_seconds(rec.flops.get(i, 0), rec.io_bytes.get(i, 0), rec.calls.get(i, 0), rates)
-               for i in operators}
+    forward = {i: estimate_seconds(rec.flops.get(i, 0), rec.io_bytes.get(i, 0), rec.calls.get(i, 0), rates,
+                                   rec.half_flops.get(i, 0)) for i in operators}
     starts = [s for s, _ in trace.node_seq]
     owners = [n for _, n in trace.node_seq]
     backward: dict[int, float] = defaultdict(float)
-    for seq, flops, moved in rec.backward_work:
+    for seq, flops, moved, half in rec.backward_work:
         k = bisect.bisect_right(starts, seq) - 1
         if 0 <= k and seq < 2**62 and owners[k] in rank_of_node:
-            backward[owners[k]] += estimate_seconds(flops, moved, 1, rates)
+            backward[owners[k]] += estimate_seconds(flops, moved, 1, rates, flops if half else 0)
     if not nodes:
         return _NodeTimes(forward, dict(backward), f"estimated for {rates.describe()}")
     signatures = {i: f"{program.operation(i)}|{trace.node_inputs[i]}|{grad_mode[i]}" for i in nodes}

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph, FakeTwin, describe_node
 from sublinear.core.profile import AutocastState
 from sublinear.execute.program import NodeProgram
-from sublinear.profiling.costs import aten_work, spec_tree
+from sublinear.profiling.costs import aten_work, computes_in_half, spec_tree
 from sublinear.profiling.tracking import StorageTracker
 from sublinear.tensors import autocast_state, storage_key
 from sublinear.training import (DROPPED, GRADIENT, HELD, gradient_receivers, held_to_end, receives_gradient,
@@ -78,9 +78,11 @@ class _StepRecorder(StorageTracker):
         self.comm_nodes: set[int] = set()
         self.writes: dict[int, list[int]] = defaultdict(list)  # node -> serials written in place
         self.flops: dict[int, int] = defaultdict(int)  # node -> forward FLOPs (torch.utils.flop_counter's formulas)
+        self.half_flops: dict[int, int] = defaultdict(int)  # node -> those of its FLOPs computed in half precision
         self.io_bytes: dict[int, int] = defaultdict(int)  # node -> bytes its aten calls read and write
         self.calls: dict[int, int] = defaultdict(int)  # node -> aten calls
-        self.backward_work: list[tuple[int, int, int]] = []  # per backward aten call: (sequence nr, FLOPs, bytes)
+        # per backward aten call: (sequence nr, FLOPs, bytes, whether it computes in half precision)
+        self.backward_work: list[tuple[int, int, int, bool]] = []
         self.state_serials: set[int] = set()
         self.backward_flops = 0
         self.autocast_cached: set[int] = set()  # casts of parameters that autocast's cache holds until forward ends
@@ -107,7 +109,7 @@ class _StepRecorder(StorageTracker):
         flops, moved = aten_work(func, args, kwargs, out)
         if self.backward:
             self.backward_flops += flops
-            self.backward_work.append((self._context(), flops, moved))
+            self.backward_work.append((self._context(), flops, moved, computes_in_half(out)))
             return
         if self.node is None:
             return
@@ -117,6 +119,8 @@ class _StepRecorder(StorageTracker):
             self.autocast_cached.update(self.serial_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                                         and t.untyped_storage()._cdata in self.serial)
         self.flops[self.node] += flops
+        if computes_in_half(out):
+            self.half_flops[self.node] += flops
         self.io_bytes[self.node] += moved
         self.calls[self.node] += 1
         if torch.Tag.nondeterministic_seeded in func.tags:
