@@ -193,6 +193,18 @@ def test_with_no_budget_the_knee_stops_where_time_buys_little_memory():
     assert knee([c(90, 0.0), c(70, 0.1)], eager, 1.0).simulation.peak_bytes == 70  # a free saving is taken
 
 
+def test_the_reported_objective_names_the_rule_that_chose_the_plan(small_chain):
+    """With no budget the default takes the knee, and says so; ``min_memory_per_time=0`` and a budget do not."""
+    config = SublinearMemoryConfig(max_time_ratio=1.35)
+    knee_objective = make_plan(small_chain, config).objective
+    assert knee_objective.min_memory_per_time == 1.0
+    assert knee_objective.describe().startswith("the knee of the peak-time front")
+    lowest = make_plan(small_chain, dataclasses_replace(config, min_memory_per_time=0)).objective
+    assert lowest.describe() == "lowest peak, predicted time <= x1.35 eager"
+    budget = make_plan(small_chain, config, memory_budget=2**40).objective
+    assert budget.min_memory_per_time == 0 and budget.describe().startswith("least time within")
+
+
 @pytest.mark.slow
 def test_the_default_with_no_budget_takes_the_knee_not_the_lowest_peak(resnet):
     _, _, p = resnet

@@ -54,10 +54,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Objective:
-    """Ranks candidates; lower is better. ``memory_budget`` None: lowest peak within the time cap."""
+    """Ranks candidates; lower is better. ``memory_budget`` None: lowest peak within the time cap, of which the
+    driver takes the knee of the peak-time front where ``min_memory_per_time`` is above 0 (the least fraction of
+    eager's peak each step along the front must save per unit of step-time ratio)."""
 
     memory_budget: int | None = None
     max_time_ratio: float = math.inf
+    min_memory_per_time: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.max_time_ratio >= 1.0:
@@ -88,6 +91,9 @@ class Objective:
 
     def describe(self) -> str:
         cap = "" if math.isinf(self.max_time_ratio) else f", predicted time <= x{self.max_time_ratio:g} eager"
+        if self.memory_budget is None and self.min_memory_per_time > 0:
+            return (f"the knee of the peak-time front (each step saves at least {self.min_memory_per_time:g} % of "
+                    f"eager's peak per 1 % of step time){cap}")
         if self.memory_budget is None:
             return f"lowest peak{cap}"
         return f"least time within {format_bytes(self.memory_budget)}{cap}"

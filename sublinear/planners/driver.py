@@ -112,7 +112,8 @@ class PlanningResult:
 
 def objective_for(config: SublinearMemoryConfig, memory_budget: int | None) -> Objective:
     """The config's objective with its memory budget resolved to bytes (``"auto"`` is resolved by the caller)."""
-    return Objective(memory_budget, config.max_time_ratio)
+    return Objective(memory_budget, config.max_time_ratio,
+                     config.min_memory_per_time if memory_budget is None else 0.0)
 
 
 _FROM_CONFIG = object()
@@ -161,8 +162,8 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
         raise BudgetError(problem.objective, min(capped, key=lambda c: c.simulation.peak_bytes),
                           min(fitting, key=lambda c: c.simulation.recompute_seconds) if fitting else None,
                           floor=step_floor(profile))
-    if memory_budget is None and config.min_memory_per_time > 0:
-        best = knee([c for c in ranked if problem.objective.accepts(c)], eager, config.min_memory_per_time)
+    if problem.objective.min_memory_per_time > 0:
+        best = knee([c for c in ranked if problem.objective.accepts(c)], eager, problem.objective.min_memory_per_time)
     if config.lb_memory and best.simulation.peak_bytes < config.lb_memory:
         best = hand_back(problem, best, config.lb_memory)
     history = _running_best(problem.history, problem.objective)
