@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import types
 
 import pytest
 import torch
@@ -275,6 +276,43 @@ def test_a_compiled_step_above_its_budget_is_planned_again_on_what_it_held(monke
     assert not extras  # the first plan compiled held more than its budget
     assert plan.compiled_peak_bytes <= budget and plan.predicted_peak_bytes <= budget
     assert plan.predicted_before_compile_bytes is not None
+
+
+class _SetsWhatItReadsAtItsFirstCall(nn.Module):
+    """Sets a config attribute its forward reads, as Hugging Face's classifiers set ``config.problem_type`` at
+    their first call: TorchDynamo's guard on it fails at the second call, which captures the same graph again."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+        self.config = types.SimpleNamespace(problem_type=None)
+
+    def forward(self, x):
+        if self.config.problem_type is None:
+            self.config.problem_type = "regression"
+        return self.net(x)
+
+
+def test_a_graph_captured_again_keeps_its_plan_and_compiled_code(monkeypatch):
+    """The graph captured again is the one planned and compiled at the first call, its profile since taught by the
+    compile check: its plan, still meeting the objective there, and its compiled code serve (one search, one
+    compile: a second cost as much as the first call's planning)."""
+    from sublinear.runtime import pipeline
+
+    searches, compiles = [], []
+    make_plan = pipeline.make_plan
+    monkeypatch.setattr(pipeline, "make_plan", lambda *a, **k: searches.append(1) or make_plan(*a, **k))
+    compile_ = CompiledGraph._compile
+    monkeypatch.setattr(CompiledGraph, "_compile", lambda self, *a: compiles.append(1) or compile_(self, *a))
+    torch.manual_seed(0)
+    model = _SetsWhatItReadsAtItsFirstCall().train()
+    applied = sublinear.apply(model, INDUCTOR)
+    for _ in range(3):
+        out = applied(torch.randn(64, 32))  # held through backward: the uses the first call guessed
+        default_loss(out).backward()
+    graphs = model.forward.sublinear_backend.graphs
+    assert len(graphs) == 2 and graphs[0].graph.code == graphs[1].graph.code  # captured again
+    assert (len(searches), len(compiles)) == (1, 1)
 
 
 _COMPILE_ONCE = """

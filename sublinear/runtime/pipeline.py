@@ -104,7 +104,9 @@ class PlanPipeline:
                                  uses=uses, compiler=compiler, bound=sorted(bound.items()))
         entry = self.plans.load(disk_key) if graph.code not in self.overrides else None
         profiled, entry = self.profiles.lookup(graph, values, key, bound, uses, compiler, profile_key, disk_key, entry)
-        store_key = (*profile_key, context, repr(sorted(config.planning_key().items())), profiled.lessons)
+        # not keyed by the profile's lessons: a plan remembered before a compile check taught the profile is reused
+        # only while it meets the objective on the taught profile (a graph captured again keeps its compiled code)
+        store_key = (*profile_key, context, repr(sorted(config.planning_key().items())))
         # the lowest plan is chosen, predicted and (by the compile check) taught on the profile before any lesson
         profile_ = dataclasses.replace(profiled.untaught if lowest else profiled.profile, sharding=key[-1],
                                        step_context=context)
