@@ -97,8 +97,9 @@ _WRITE_ONLY = frozenset({_aten.zeros_like, _aten.ones_like, _aten.full_like, _at
 
 def aten_work(func, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
     """(FLOPs, bytes read and written) of one aten call: torch.utils.flop_counter's formulas (0 for ops it has none
-    for, counted in whatever dtype the call computes: see :func:`computes_in_half`); each tensor argument read once over the memory its view spans (a broadcast mask is its storage, not its
-    expanded size), each result written in full. Views, aliases and bare allocations move nothing."""
+    for; counted in whatever dtype the call computes, see :func:`computes_in_half`); each tensor argument read once
+    over the memory its view spans (a broadcast mask is its storage, not its expanded size), each result written in
+    full. Views, aliases and bare allocations move nothing."""
     count = flop_registry.get(func._overloadpacket)
     flops = count(*args, **kwargs, out_val=out) if count is not None else 0
     if func.is_view or func._overloadpacket in _NO_TRAFFIC:
