@@ -374,6 +374,21 @@ def test_buffers_a_backward_value_without_a_buffer_is_made_from_are_held_until_i
     assert checked
 
 
+def test_a_max_pools_indices_are_computed_inside_its_backwards_scatter_not_stored():
+    """Inductor saves a max-pool's window offsets (int8) and, in backward, turns them into indices inside the
+    scatter that adds the gradient up (a pointwise computation it inlines): the int64 indices get no buffer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1), nn.Conv2d(8, 8, 1)).train()
+    graph = sublinear.capture.dynamo.capture(model, (torch.randn(2, 3, 16, 16),)).graph
+    joint = trace_joint(graph, graph.example_values)
+    storages = step_storages(joint, graph, joint.forward, 1, channels_last_convolutions(joint.gm))
+    side = GradientSide(joint, storages, InductorKinds(), 1, graph.kinds)
+    indices = [node for node in joint.backward
+               if node.target is torch.ops.prims._low_memory_max_pool_offsets_to_indices.default]
+    assert indices
+    assert not any(side.buffer(key) for node in indices for key in storages.keys_of(node))
+
+
 def test_a_view_in_forward_is_its_bases_storage():
     """Attention written as matmuls: the product of the probabilities and the values expands the probabilities (a
     view), whose traced value may carry a storage of its own; counted apart, the profile saved a phantom copy of

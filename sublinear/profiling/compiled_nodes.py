@@ -23,7 +23,7 @@ from sublinear.tensors import size_hint as hint
 _FUSIBLE = ("aten.embedding.default", "aten.index.Tensor", "aten.full.default", "aten.scalar_tensor.default",
             "prims.iota.default", "aten.constant_pad_nd.default", "aten.slice_scatter.default",
             "aten.select_scatter.default", "prims.inductor_random.default", "prims.inductor_lookup_seed.default",
-            "aten.zeros.default", "aten.ones.default")
+            "aten.zeros.default", "aten.ones.default", "prims._low_memory_max_pool_offsets_to_indices.default")
 # Matrix products inductor calls as library kernels although they are not in its needs-realized set.
 _EXTERN = ("aten.addmm.default", "aten.baddbmm.default", "aten.addbmm.default", "aten._addmm_activation.default")
 # The convolutions, forward and backward: inductor may run them on channels-last copies of their tensors.
