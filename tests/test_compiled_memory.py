@@ -22,6 +22,7 @@ from sublinear.execute.compiled.executor import PlanPartitioner
 from sublinear.execute.compiled.step_memory import compiled_step_memory
 from sublinear.execute.compiled.wrapper import StepWalk, parse_wrapper
 from sublinear.capture.joint import is_view, trace_joint
+from sublinear.profiling.compiled import profile_joint
 from sublinear.profiling.compiled_costs import GradientSide
 from sublinear.profiling.compiled_dataflow import step_storages
 from sublinear.profiling.compiled_nodes import InductorKinds, channels_last_convolutions
@@ -387,6 +388,63 @@ def test_a_max_pools_indices_are_computed_inside_its_backwards_scatter_not_store
                if node.target is torch.ops.prims._low_memory_max_pool_offsets_to_indices.default]
     assert indices
     assert not any(side.buffer(key) for node in indices for key in storages.keys_of(node))
+
+
+class _Bottleneck(nn.Module):
+    """ResNet's bottleneck block: its output's ReLU mask is read, fused, by the batch-norm backward of both
+    branches (the 1x1 downsample's, if any, and the third convolution's)."""
+
+    def __init__(self, cin: int, mid: int, cout: int) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.c2, self.b2 = nn.Conv2d(mid, mid, 3, padding=1, bias=False), nn.BatchNorm2d(mid)
+        self.c3, self.b3 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout)) if cin != cout else None
+
+    def forward(self, x):
+        out = F.relu(self.b1(self.c1(x)))
+        out = F.relu(self.b2(self.c2(out)))
+        out = self.b3(self.c3(out))
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
+@pytest.mark.slow
+def test_a_forward_value_read_through_a_fused_backward_value_is_held_until_its_last_reader():
+    """A block's output is read in backward by its ReLU's mask, which inductor computes again inside each kernel
+    that reads the masked gradient (both branches' batch-norm backward), so the output lives until the last of
+    them: compiled without recompute, no convolution's backward rank holds more than the profile says (it held the
+    output beside the convolutions of the branch, 512 KiB, when the profile let it go at the mask's rank)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), _Bottleneck(16, 8, 32), _Bottleneck(32, 8, 32),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).train()
+    x = torch.randn(4, 3, 32, 32)
+    compiled = sublinear.compile(model, (x,), config=INDUCTOR)
+    profile = compiled.sublinear_profile
+    compiled.use(Plan.no_split(profile.num_ops))
+    _held_output_step(compiled, x)
+    raised = compiled.sublinear_profile.grad_peak - profile.grad_peak  # what the compile check taught
+    convolutions = [r for r, op in enumerate(profile.ops) if op.name.split(" (")[0].endswith((".c1", ".c2", ".c3",
+                                                                                               ".down.0"))]
+    assert len(convolutions) == 7
+    assert {profile.ops[r].name: int(raised[r]) for r in convolutions if raised[r]} == {}
+
+
+def test_backward_nodes_made_from_forward_values_alone_place_no_statement_of_the_compiled_code():
+    """Inductor may compute a max-pool's indices from its window offsets inside the kernel that recomputes the pool,
+    many ranks before the pool's backward: placed at the pool's rank, every statement after it was read as that
+    rank's (ResNet-50's stem recompute taught 42 MiB to the max-pool's rank). Only nodes a gradient flows into
+    have a rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1), nn.Conv2d(8, 8, 1)).train()
+    graph = sublinear.capture.dynamo.capture(model, (torch.randn(2, 3, 16, 16),)).graph
+    joint = trace_joint(graph, graph.example_values)
+    ranks = profile_joint(joint, graph, None, measure_scratch=False).backward_ranks
+    names = {node.name: node for node in joint.backward}
+    indices = [name for name, node in names.items()
+               if node.target is torch.ops.prims._low_memory_max_pool_offsets_to_indices.default]
+    assert indices and not set(indices) & set(ranks)
+    convolutions = [name for name, node in names.items() if node.target is torch.ops.aten.convolution_backward.default]
+    assert len(convolutions) == 2 and set(convolutions) <= set(ranks)
 
 
 def test_a_view_in_forward_is_its_bases_storage():

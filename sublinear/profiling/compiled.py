@@ -63,7 +63,7 @@ CUDA_ALLOCATION_GRANULARITY = 512
 class CompiledProfile:
     """A profile of the compiled step, with per forward node of the joint graph (the profile's node indices) its
     name, so that a plan can be turned into tags on the joint graph inductor traces again when it compiles, and per
-    backward node its rank."""
+    backward node that a gradient flows into its rank (where the compiled code runs it)."""
 
     profile: GraphProfile
     node_names: tuple[str, ...]
@@ -102,8 +102,20 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
 
     profile = dataclasses.replace(profile, measured_peak_bytes=simulate(profile, Plan.no_split(profile.num_ops))
                                   .peak_bytes)
+    flows = _gradient_flows(joint)
     return CompiledProfile(profile, tuple(node.name for node in fw),
-                           {node.name: reads.rank_of_backward[k] for k, node in enumerate(bw)})
+                           {node.name: reads.rank_of_backward[k] for k, node in enumerate(bw) if node in flows})
+
+
+def _gradient_flows(joint: JointGraph) -> set[fx.Node]:
+    """The backward nodes an output's gradient flows into. The others are computed from forward values alone
+    (a max-pool's indices from its window offsets, a ReLU's mask), and inductor may run them wherever those values
+    are: fused into the kernel that recomputes them, many ranks before the backward that reads them."""
+    flows = set(joint.tangents)
+    for node in joint.backward:
+        if any(arg in flows for arg in node.all_input_nodes):
+            flows.add(node)
+    return flows
 
 
 def _tracked(grouping: OpGrouping, storages: StepStorages, reads: StorageReads) -> list[int]:
