@@ -91,8 +91,9 @@ class PlanAnalysis:
         """Per pair of :attr:`recompute_pairs`: the rank before whose backward the op is re-run. Where recomputes
         are shared (a compiled backward, which recomputes each value just before the first kernel that needs it)
         it is the highest rank that needs one of the op's values: its backward reads a rebuilt storage the op
-        makes, or a re-run op reading a value of it that is not retained runs before it. Otherwise it is the
-        trigger of the pair's block (a block's recompute runs whole)."""
+        makes, or a re-run op reading any value of it runs before it (the partitioned backward's re-run reader
+        reads the re-run producer's value, kept by the plan or not). Otherwise it is the trigger of the pair's block
+        (a block's recompute runs whole)."""
         blocks, ops = self.recompute_pairs
         if not self.profile.recompute_shared or not len(ops):
             return self.trigger[blocks]
@@ -103,10 +104,9 @@ class PlanAnalysis:
         np.maximum.at(need, p.storage_producer[saved[rebuilt]], ranks[rebuilt])
         rerun = np.zeros(p.num_ops, dtype=bool)
         rerun[ops] = True
-        retained = self.retained.tolist()
         for c in sorted(set(ops.tolist()), reverse=True):  # consumers come after their producers
-            for producer, storage in p.arrays.inputs_by_reader[c]:
-                if rerun[producer] and not retained[storage]:
+            for producer, _ in p.arrays.inputs_by_reader[c]:
+                if rerun[producer]:
                     need[producer] = max(need[producer], need[c])
         return need[ops]
 
