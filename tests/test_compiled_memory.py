@@ -27,6 +27,7 @@ from sublinear.profiling.compiled_costs import GradientSide
 from sublinear.profiling.compiled_dataflow import step_storages
 from sublinear.profiling.compiled_nodes import InductorKinds, channels_last_convolutions
 from sublinear.measurement import measure_cpu_allocator
+from sublinear.models.resnet import Bottleneck, conv1x1
 from sublinear.simulation.calibration import recompute_ranks, slot_peaks, taught, trace_by_slot
 from sublinear.simulation.timeline import simulate
 from sublinear.training import default_loss
@@ -390,22 +391,12 @@ def test_a_max_pools_indices_are_computed_inside_its_backwards_scatter_not_store
     assert not any(side.buffer(key) for node in indices for key in storages.keys_of(node))
 
 
-class _Bottleneck(nn.Module):
-    """ResNet's bottleneck block: its output's ReLU mask is read, fused, by the batch-norm backward of both
-    branches (the 1x1 downsample's, if any, and the third convolution's)."""
-
-    def __init__(self, cin: int, mid: int, cout: int) -> None:
-        super().__init__()
-        self.c1, self.b1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
-        self.c2, self.b2 = nn.Conv2d(mid, mid, 3, padding=1, bias=False), nn.BatchNorm2d(mid)
-        self.c3, self.b3 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
-        self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout)) if cin != cout else None
-
-    def forward(self, x):
-        out = F.relu(self.b1(self.c1(x)))
-        out = F.relu(self.b2(self.c2(out)))
-        out = self.b3(self.c3(out))
-        return F.relu(out + (x if self.down is None else self.down(x)))
+def _bottleneck(inplanes: int, planes: int) -> nn.Module:
+    """The zoo's ResNet bottleneck (output ``4 * planes`` channels), with a 1x1 downsample where the channels change:
+    its output's ReLU mask is read, fused, by the batch-norm backward of both branches."""
+    out = planes * Bottleneck.expansion
+    downsample = nn.Sequential(conv1x1(inplanes, out), nn.BatchNorm2d(out)) if inplanes != out else None
+    return Bottleneck(inplanes, planes, downsample=downsample)
 
 
 @pytest.mark.slow
@@ -415,7 +406,7 @@ def test_a_forward_value_read_through_a_fused_backward_value_is_held_until_its_l
     them: compiled without recompute, no convolution's backward rank holds more than the profile says (it held the
     output beside the convolutions of the branch, 512 KiB, when the profile let it go at the mask's rank)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), _Bottleneck(16, 8, 32), _Bottleneck(32, 8, 32),
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), _bottleneck(16, 8), _bottleneck(32, 8),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).train()
     x = torch.randn(4, 3, 32, 32)
     compiled = sublinear.compile(model, (x,), config=INDUCTOR)
@@ -423,8 +414,8 @@ def test_a_forward_value_read_through_a_fused_backward_value_is_held_until_its_l
     compiled.use(Plan.no_split(profile.num_ops))
     _held_output_step(compiled, x)
     raised = compiled.sublinear_profile.grad_peak - profile.grad_peak  # what the compile check taught
-    convolutions = [r for r, op in enumerate(profile.ops) if op.name.split(" (")[0].endswith((".c1", ".c2", ".c3",
-                                                                                               ".down.0"))]
+    modules = (".conv1", ".conv2", ".conv3", ".downsample.0")
+    convolutions = [r for r, op in enumerate(profile.ops) if op.name.split(" (")[0].endswith(modules)]
     assert len(convolutions) == 7
     assert {profile.ops[r].name: int(raised[r]) for r in convolutions if raised[r]} == {}
 
@@ -457,7 +448,7 @@ def test_a_rerun_op_reads_a_rerun_producers_value_even_where_the_plan_keeps_it()
     count (8 % over there)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
-                          _Bottleneck(16, 8, 32), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).train()
+                          _bottleneck(16, 8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).train()
     x = torch.randn(4, 3, 64, 64)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
