@@ -275,7 +275,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     for key, k in side.last.items():
         ending[k].append(key)
 
-    past_saves = _held_past_saves(reads, side, storages)
+    held_from, held_until = _held_past_saves(reads, side, storages)
 
     def readable(key: int) -> bool:
         return key in storages.produced_by or side.buffer(key)
@@ -298,7 +298,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
         freed |= {key for key in made if key not in side.last}
         live -= sum(side.sizes[key] for key in freed if side.buffer(key) and key not in side.outputs
                     and key not in in_place.given)
-        live += sum(past_saves.get(k, 0) for k in segment) - sum(past_saves.get(-1 - k, 0) for k in segment)
+        live += sum(held_from.get(k, 0) - held_until.get(k, 0) for k in segment)
         for k in segment:
             left[ranks[k]] = live
             if last_release.get(ranks[k]) == k:
@@ -318,20 +318,22 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken)
 
 
-def _held_past_saves(reads: StorageReads, side: GradientSide, storages: StepStorages) -> dict[int, int]:
+def _held_past_saves(reads: StorageReads, side: GradientSide, storages: StepStorages
+                     ) -> tuple[dict[int, int], dict[int, int]]:
     """Forward values read by a backward value without a buffer, which every kernel reading that value computes again
     (a ReLU's output, read by its mask, read by the batch norm backward of both branches of a residual block): the
     simulation releases them at the backward of the last rank that reads them directly, whatever the plan; the
-    gradient side holds them from there to the last kernel that reads them through fused values. Per backward node
-    ``k``, the bytes taken on after it (key ``k``) and let go after it (key ``-1 - k``)."""
+    gradient side holds them from there to the last kernel that reads them through fused values. Per backward node,
+    the bytes taken on after it, and the bytes let go after it."""
     ranks = reads.rank_of_backward
-    held: dict[int, int] = defaultdict(int)
+    held_from: dict[int, int] = defaultdict(int)
+    held_until: dict[int, int] = defaultdict(int)
     for key, k in reads.last_backward_read.items():
         last = side.last.get(key, k)
         if last > k and ranks[last] < ranks[k] and key not in reads.output_use:
-            held[k] += storages.size_of[key]
-            held[-1 - last] += storages.size_of[key]
-    return held
+            held_from[k] += storages.size_of[key]
+            held_until[last] += storages.size_of[key]
+    return held_from, held_until
 
 
 class _InPlace:
