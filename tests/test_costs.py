@@ -113,6 +113,26 @@ def test_device_rates_are_measured_once_per_machine_and_read_back(tmp_path, monk
         device_rates.cache_clear()
 
 
+def test_a_fresh_measurement_taken_under_load_is_taken_again_before_it_is_used(tmp_path, monkeypatch):
+    """The process that measures the rates plans with them; were an implausible measurement used and stored, the
+    next process would measure again and plan otherwise."""
+    import json
+
+    from sublinear.profiling import costs
+
+    monkeypatch.setenv("SUBLINEAR_CACHE_DIR", str(tmp_path))
+    measurements = iter([costs.DeviceRates("cpu", 8.7e8, 3.6e10, 2e-6), costs.DeviceRates("cpu", 8e10, 2.4e10, 2e-6)])
+    monkeypatch.setattr(costs, "_measure_rates", lambda dev: next(measurements))
+    costs.device_rates.cache_clear()
+    try:
+        rates = costs.device_rates("cpu")
+        assert (rates.flops_per_second, rates.bytes_per_second) == (8e10, 2.4e10)
+        stored = json.loads((tmp_path / "device-rates.json").read_text())
+        assert stored[costs.machine_key(torch.device("cpu"))][:2] == [8e10, 2.4e10]
+    finally:
+        costs.device_rates.cache_clear()
+
+
 def test_implausible_cached_device_rates_are_measured_again(tmp_path, monkeypatch):
     """A matrix product slower than a copy (the matmul rate measured while other processes held the cores) is not
     believed: the rates are measured again and stored in its place."""

@@ -159,11 +159,24 @@ def device_rates(device: str) -> DeviceRates:
         if cached is not None:
             log.warning("sublinear: the device rates cached for %s (%s) are implausible, measured under load; "
                         "measuring them again", key, cached.describe())
-        rates = _measure_rates(dev)
+        rates = _measure_plausible_rates(dev)
         if path is not None:
             _write_rates(path, {**_read_rates(path), key: [getattr(rates, name) for name in _CACHED_FIELDS]})
     log.info("device rates %s", rates.describe())
     return rates
+
+
+_MEASURE_TRIES = 5
+
+
+def _measure_plausible_rates(dev: torch.device) -> DeviceRates:
+    """The rates, measured again while implausible (up to ``_MEASURE_TRIES`` times): a measurement taken under load
+    and stored would be used by this process but measured again by the next one, which would then plan otherwise."""
+    for _ in range(_MEASURE_TRIES - 1):
+        rates = _measure_rates(dev)
+        if _plausible(rates):
+            return rates
+    return _measure_rates(dev)
 
 
 def _plausible(rates: DeviceRates) -> bool:
