@@ -110,6 +110,10 @@ def measure_cpu_allocator(step: Callable[..., Any], *args: Any, **kwargs: Any) -
     baseline = param_bytes + buffer_bytes + input_bytes
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(*args, **kwargs)
+        if not torch.autograd.profiler._is_profiler_enabled:
+            raise RuntimeError("the step ended the profiler session that counts its allocations (it ran a torch "
+                               "profiler of its own), so the count is incomplete: measure a step that profiles "
+                               "nothing")
     changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                      if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
     live = peak = 0

@@ -126,6 +126,25 @@ def test_a_library_calls_integer_scalars_are_made_on_the_cpu_whatever_device_it_
     assert TensorLayout((2,), (1,), "int64").make(meta).device == meta  # index tensors stay with the kernel
 
 
+def test_library_calls_planned_under_a_running_profiler_leave_its_session_running(caplog):
+    """Measuring a call's scratch on the CPU needs a profiler session of its own, and starting one ends the session
+    already running (the caller's, or :func:`sublinear.measure_cpu_allocator`'s, which then counted half a step):
+    the calls are left unmeasured, unremembered and named in a warning."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout
+
+    kernels = KernelMemory(torch.device("cpu"), use_disk=False)
+    layout = TensorLayout((4, 4), (4, 1), "float32")
+    run = KernelRun("aten.mm.default((4, 4), (4, 4))", {"a": layout, "b": layout}, lambda t: torch.mm(t["a"], t["b"]))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True), caplog.at_level(logging.WARNING):
+        kernels.measure([run])
+        assert torch.autograd.profiler._is_profiler_enabled
+    assert kernels.get(run.key) is None and "1 library calls is not measured" in caplog.text
+    kernels.measure([run])  # no profiler running: measured
+    assert kernels.get(run.key) is not None and kernels.get(run.key).result_dtypes == ("float32",)
+
+
 def test_a_taught_profile_predicts_what_the_compiled_code_held_and_never_less_elsewhere():
     p = chain(6)
     plan = Plan.of([2], 6)

@@ -146,3 +146,16 @@ def test_a_compiled_step_measures_the_same_at_its_first_call():
         peaks.append(sublinear.measure(lambda m, x: m(x).square().mean().backward(), run, x).peak_bytes)
         model.zero_grad(set_to_none=True)
     assert peaks[0] == peaks[1]
+
+
+def test_a_step_that_ends_the_allocators_profiler_session_is_refused_not_counted_in_part():
+    from torch.profiler import profile
+
+    def step(x):
+        y = x * 2
+        with profile():  # ends the session counting the step's allocations
+            pass
+        return y.sum()
+
+    with pytest.raises(RuntimeError, match="ended the profiler session"):
+        sublinear.measure_cpu_allocator(step, torch.randn(64))

@@ -105,6 +105,11 @@ class KernelMemory:
         todo = list({run.key: run for run in runs if run.key not in self._known}.values())
         if not todo:
             return
+        if self.device.type == "cpu" and torch.autograd.profiler._is_profiler_enabled:
+            log.warning("sublinear: a torch profiler is running, and measuring would end its session: the scratch of "
+                        "%d library calls is not measured, and the peak predicted for this plan leaves it out. Plan "
+                        "outside the profiler (run one training step before profiling) to count it", len(todo))
+            return
         generator = torch.Generator(self.device).manual_seed(0)
         measure = _cpu_peaks if self.device.type == "cpu" else _cuda_peaks
         cuda = [self.device.index or 0] if self.device.type == "cuda" else []
