@@ -232,6 +232,21 @@ class _LanguageModelHead(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), torch.arange(x.shape[1]).repeat(x.shape[0]) % logits.shape[-1])
 
 
+class _TiedHead(nn.Module):
+    """A head whose weight is the embedding's: inductor makes the head's weight gradient one ``addmm`` with the
+    embedding's, at the end of backward, so the logits' gradient it reads is held through backward."""
+
+    def __init__(self, width: int = 64, vocab: int = 4000) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(3)])
+
+    def forward(self, x):
+        ids = torch.arange(x.shape[0] * x.shape[1]).view(x.shape[:2]) * 7 % self.embed.num_embeddings
+        logits = F.linear(self.body(self.embed(ids) + x), self.embed.weight)
+        return F.cross_entropy(logits.flatten(0, 1), ids.flatten().roll(1))
+
+
 class _Recurrence(nn.Module):
     """An unrolled linear recurrence, as a state-space model's scan without its fused kernel: the state decays and
     takes in a drive per step, and is read out per step. Inductor's lowering stores many of the backward's sums of
@@ -258,7 +273,8 @@ class _Recurrence(nn.Module):
 
 CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "recurrence": (_Recurrence, (8, 16, 64)),
          "attention": (_Attention, (4, 128, 64)), "pointwise": (_pointwise_chain, (256, 128)),
-         "head": (_LanguageModelHead, (4, 64, 64)), "unchunked-head": (_LanguageModelHead, (4, 64, 64))}
+         "head": (_LanguageModelHead, (4, 64, 64)), "unchunked-head": (_LanguageModelHead, (4, 64, 64)),
+         "tied-head": (_TiedHead, (4, 64, 64))}
 
 
 def _held_output_step(m, inputs):
@@ -277,7 +293,7 @@ def _compiled_step_peak(compiled: nn.Module, model: nn.Module, x: torch.Tensor) 
     return measured
 
 
-@pytest.mark.parametrize("case", [pytest.param("convolution"), pytest.param("head"),
+@pytest.mark.parametrize("case", [pytest.param("convolution"), pytest.param("head"), pytest.param("tied-head"),
                                   pytest.param("recurrence", marks=pytest.mark.slow),
                                   pytest.param("unchunked-head", marks=pytest.mark.slow),
                                   pytest.param("attention", marks=pytest.mark.slow),
@@ -287,13 +303,13 @@ def _compiled_step_peak(compiled: nn.Module, model: nn.Module, x: torch.Tensor) 
                                       "reading the GELU, which the simulation holds beside the recomputed values: "
                                       "256.5 KiB (5.5 %) over the measured peak")])])
 def test_the_compiled_step_is_predicted_before_compiling_and_measured_as_the_cpu_allocator_counts(case):
-    """"head": the head and its loss chunked (a custom op inductor calls as it is); "unchunked-head": the
-    cross-entropy as inductor compiles it."""
+    """"head": the head and its loss chunked (a custom op inductor calls as it is); "unchunked-head" and
+    "tied-head": the cross-entropy as inductor compiles it."""
     build, shape = CASES[case]
     torch.manual_seed(0)
     model = build().train()
     x = torch.randn(*shape)
-    config = dataclasses.replace(INDUCTOR, chunk_lm_heads=case != "unchunked-head")
+    config = dataclasses.replace(INDUCTOR, chunk_lm_heads=case == "head")
     compiled = sublinear.compile(model, (x,), config=config)
     assert len(compiled.sublinear_plan.graphs[0].lm_heads) == (case == "head")
     profile = compiled.sublinear_profile

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,6 +76,7 @@ class JointGraph:
     tangents: list[fx.Node]
     forward_outputs: list[Any]
     gradients: list[Any]
+    runs_with: dict[fx.Node, fx.Node] = field(default_factory=dict)  # a backward node moved to the one it runs with
 
     @staticmethod
     def of(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
@@ -118,9 +119,45 @@ class JointGraph:
         for node in outputs[num_fwd_outputs:]:  # a gradient that reads no gradient, placed last as the output is
             if isinstance(node, fx.Node):
                 place(node)
+        backward, runs_with = _products_at_their_sums(backward)
         return JointGraph(gm, forward, backward, [n for n in placeholders if not is_backward(n)], tangents,
-                          outputs[:num_fwd_outputs],
-                          outputs[num_fwd_outputs:])
+                          outputs[:num_fwd_outputs], outputs[num_fwd_outputs:], runs_with)
+
+
+def _products_at_their_sums(backward: list[fx.Node]) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:
+    """``backward`` in the order inductor runs it: a matrix product whose only reader adds it to a tensor of its
+    dtype (of a shape that broadcasts to the product's) is made one ``addmm`` with that sum by inductor's post-grad
+    pass, which runs where the sum is, so the product's operands are held until then. A tied weight's two gradients
+    are such a sum: the output projection's weight gradient waits, with the logits' gradient it reads, for the
+    embedding's at the end of backward. On a GPU the pass leaves the pair apart where only pointwise ops read the
+    sum. Returns the order and, per product moved, the sum it runs with."""
+    from torch._inductor.utils import is_gpu, is_pointwise_use  # noqa: PLC0415
+    from torch._prims_common import is_expandable_to  # noqa: PLC0415
+
+    aten = torch.ops.aten
+    in_backward = set(backward)
+    runs_with: dict[fx.Node, fx.Node] = {}
+    for node in backward:
+        if node.target is not aten.mm.default or len(node.users) != 1:
+            continue
+        (total,) = node.users
+        if total not in in_backward or total.target is not aten.add.Tensor or total.kwargs or len(total.args) != 2:
+            continue
+        other = total.args[1] if total.args[0] is node else total.args[0]
+        values = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in (other, *node.args)]
+        if other is node or not all(isinstance(v, torch.Tensor) for v in values):
+            continue
+        inp, mat1, mat2 = values
+        if len({inp.dtype, mat1.dtype, mat2.dtype}) != 1 or \
+                not is_expandable_to(inp.shape, (mat1.shape[0], mat2.shape[1])):
+            continue
+        if is_gpu(inp.device.type) and all(is_pointwise_use(u) for u in total.users):
+            continue
+        runs_with[node] = total
+    order = [n for n in backward if n not in runs_with]
+    for node, total in runs_with.items():
+        order.insert(order.index(total), node)
+    return order, runs_with
 
 
 class _Stop(Exception):

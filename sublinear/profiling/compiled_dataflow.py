@@ -227,16 +227,21 @@ def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping,
     for key in storages.layout_copies:  # forward returns the copy for backward whatever the plan
         readers[key].add(n_ops - 1)
     output_use, uses, output_keys = _output_uses(joint, graph, storages, uses)
-    rank_of_backward = _backward_ranks(bw, grouping, storages)
+    rank_of_backward, natural = _backward_ranks(bw, grouping, storages, joint.runs_with)
+    last_of_rank = {rank: k for k, rank in enumerate(rank_of_backward)}
     saved_at: dict[int, set[int]] = defaultdict(set)
     last_backward_read: dict[int, int] = {}
     for k, node in enumerate(bw):
+        # a node run with a later one reads forward values as saved for its own rank; the gradient side holds them
+        # from that rank's end to the node (see compiled_costs._held_past_saves)
+        rank = natural.get(k, rank_of_backward[k])
+        at = last_of_rank.get(rank, k) if k in natural else k
         for arg in node.all_input_nodes:
             for key in storages.read_keys(node, arg):
                 if key in produced:
-                    saved_at[key].add(rank_of_backward[k])
-                    readers[key].add(rank_of_backward[k])  # held for that op's backward, as if read in forward
-                    last_backward_read[key] = k
+                    saved_at[key].add(rank)
+                    readers[key].add(rank)  # held for that op's backward, as if read in forward
+                    last_backward_read[key] = max(last_backward_read.get(key, at), at)
                     if kinds.extern(node):
                         needs_buffer.add(key)
     return StorageReads(readers, needs_buffer, output_use, saved_at, last_backward_read, rank_of_backward, uses,
@@ -266,16 +271,26 @@ def _output_uses(joint: JointGraph, graph: CapturedGraph, storages: StepStorages
     return output_use, tuple(uses[:len(user_outputs)]), keys
 
 
-def _backward_ranks(bw: list[fx.Node], grouping: OpGrouping, storages: StepStorages) -> list[int]:
+def _backward_ranks(bw: list[fx.Node], grouping: OpGrouping, storages: StepStorages,
+                    runs_with: dict[fx.Node, fx.Node]) -> tuple[list[int], dict[int, int]]:
     """Per backward node its rank: the op it was traced from, at least the ops that made what it reads, folded
-    into the op running at the time when that is later (autograd's order is kept)."""
+    into the op running at the time when that is later (autograd's order is kept). A node inductor runs with a
+    later one (``runs_with``) has that node's rank; its own rank (where autograd runs it) is returned beside, per
+    such node."""
     ranks: list[int] = []
+    natural: dict[int, int] = {}
     current = len(grouping.nodes) - 1
-    for node in bw:
+    for k, node in enumerate(bw):
         made_by = [grouping.op_of_node[storages.produced_by[key]] for arg in node.all_input_nodes
                    for key in storages.keys_of(arg) if key in storages.produced_by]
         own = grouping.op_of_origin(origin(node))
         rank = max([own if own is not None else current, *made_by])
+        if node in runs_with:
+            natural[k] = max(rank, 0)
+            ranks.append(-1)  # the rank of the node after it, set below
+            continue
         current = min(current, rank)
         ranks.append(max(rank, 0))
-    return ranks
+    for k in sorted(natural, reverse=True):
+        ranks[k] = ranks[k + 1]
+    return ranks, natural
