@@ -325,6 +325,39 @@ def test_the_compiled_step_is_predicted_before_compiling_and_measured_as_the_cpu
     assert np.all(compiled.sublinear_profile.grad_peak >= profile.grad_peak)  # taught, never lowered
 
 
+class _HeadReturningLogits(_LanguageModelHead):
+    """As a Hugging Face causal LM: the loss and the logits, which the caller holds and does not differentiate."""
+
+    def forward(self, x):
+        logits = self.head(self.body(x))
+        return F.cross_entropy(logits.flatten(0, 1), torch.arange(x.shape[1]).repeat(x.shape[0]) % 4000), logits
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="with the logits a differentiable output the caller holds, the simulation "
+                   "counts one logits-sized buffer more than the compiled code at the log-softmax's exponentials and "
+                   "at the head's and the loss's backward (+29.9 %); the same head returning detached logits is "
+                   "predicted within 4 bytes")
+def test_a_head_whose_caller_holds_the_logits_is_predicted_before_compiling():
+    torch.manual_seed(0)
+    model = _HeadReturningLogits().train()
+    x = torch.randn(4, 64, 64)
+
+    def step(m, v):
+        out = m(v)
+        out[0].backward()
+        return out
+
+    compiled = sublinear.compile(model, (x,), config=dataclasses.replace(INDUCTOR, chunk_lm_heads=False))
+    profile = compiled.sublinear_profile
+    before = simulate(profile, Plan.no_split(profile.num_ops)).peak_bytes
+    compiled.use(Plan.no_split(profile.num_ops))
+    step(compiled, x)
+    model.zero_grad(set_to_none=True)
+    measured = measure_cpu_allocator(step, compiled, x).peak_bytes
+    assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
+
+
 def test_an_activation_a_kept_linear_reads_is_recomputed_alone_and_its_memory_freed_in_the_compiled_step():
     """A linear of a 3-d input reshapes it first (a view inside the linear's op). Recomputing only the activation
     before it drops the activation: backward re-runs the view from the rebuilt value rather than saving the view
