@@ -61,10 +61,16 @@ def stored_by_lowering(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: 
     returns or saves it)."""
     kernel = {nodes[k]: i for i, segment in enumerate(kernel_segments(nodes, kinds)) for k in segment}
 
+    local: dict[fx.Node, bool] = {}
+
     def kernel_local(node: fx.Node) -> bool:
-        """Read only in its kernel, by reductions and by values with buffers of their own: fused with them."""
-        return all(kernel.get(user, -1) == kernel[node] and (buffered(user) or not kinds.fusible(user))
-                   and not kinds.extern(user) for user in node.users)
+        """Read only in its kernel: by reductions, by values with buffers of their own, and by values without one
+        that are themselves read only there (inlined into that kernel alone): fused with them."""
+        if node not in local:
+            local[node] = all(kernel.get(user, -1) == kernel[node] and not kinds.extern(user)
+                              and (buffered(user) or not kinds.fusible(user) or kernel_local(user))
+                              for user in node.users)
+        return local[node]
 
     return {node for node in _realized(nodes, kinds, readers) if not kernel_local(node)}
 
