@@ -330,7 +330,8 @@ class _HeadReturningLogits(_LanguageModelHead):
 
     def forward(self, x):
         logits = self.head(self.body(x))
-        return F.cross_entropy(logits.flatten(0, 1), torch.arange(x.shape[1]).repeat(x.shape[0]) % 4000), logits
+        labels = torch.arange(x.shape[1]).repeat(x.shape[0]) % logits.shape[-1]
+        return F.cross_entropy(logits.flatten(0, 1), labels), logits
 
 
 def test_a_head_whose_caller_holds_the_logits_is_predicted_before_compiling():

@@ -172,11 +172,11 @@ _MEASURE_TRIES = 5
 def _measure_plausible_rates(dev: torch.device) -> DeviceRates:
     """The rates, measured again while implausible (up to ``_MEASURE_TRIES`` times): a measurement taken under load
     and stored would be used by this process but measured again by the next one, which would then plan otherwise."""
-    for _ in range(_MEASURE_TRIES - 1):
+    for _ in range(_MEASURE_TRIES):
         rates = _measure_rates(dev)
         if _plausible(rates):
-            return rates
-    return _measure_rates(dev)
+            break
+    return rates
 
 
 def _plausible(rates: DeviceRates) -> bool:
