@@ -69,6 +69,29 @@ def test_the_walk_holds_a_library_calls_results_from_the_call_until_its_tuple_is
     assert parse_wrapper("void call(void) {}") is None  # not a Python wrapper
 
 
+CUSTOM_OP_FORWARD = '''
+    def call(self, args):
+        primals_1, primals_2 = args
+        args.clear()
+        buf0 = torch.ops.mylib.grouped.default(primals_1, primals_2)
+        buf1 = buf0
+        assert_size_stride(buf1, (64, 128), (128, 1), 'torch.ops.mylib.grouped.default')
+        del buf0
+        buf2 = empty_strided_cpu((64, 128), (128, 1), torch.float32)
+        del buf1
+        return (buf2, )
+'''
+
+
+def test_a_custom_operators_result_checked_under_the_name_it_is_assigned_to_is_memory():
+    """Inductor's fallback for a custom operator assigns the result a new name (``buf1 = buf0``) and checks that
+    name's size: the result is 32 KiB from the call until its last name is deleted."""
+    walk = StepWalk()
+    walk.storage(100)
+    result = walk.walk(parse_wrapper(CUSTOM_OP_FORWARD), [(None, None), (None, None)])
+    assert (result.start, result.peak, result.end) == (100, 100 + 2 * 32768, 100 + 32768)
+
+
 FORWARD = '''
     def call(self, args):
         primals_1, primals_2 = args

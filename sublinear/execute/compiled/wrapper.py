@@ -25,6 +25,7 @@ _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64"
 _UNPACK = re.compile(r"([\w\s,]+?),?\s*= args$")
 _ALLOC = re.compile(r"(\w+) = empty_strided_\w+\((.*)\)$")
 _MOVE = re.compile(r"(\w+) = (\w+); del (\w+)$")
+_ASSIGN = re.compile(r"(\w+) = ([A-Za-z_]\w*)$")
 _VIEW = re.compile(r"(\w+) = reinterpret_tensor\((\w+),")
 _ITEM = re.compile(r"(\w+) = (\w+)\[(\d+)\]$")
 _LIBRARY = re.compile(r"(?:(\w+) = )?((?:extern_kernels\.\w+|torch\.ops\.[\w.]+)\(.*\))$")
@@ -43,7 +44,8 @@ class Statement:
     """One wrapper statement that changes what is live: ``kind`` is one of ``unpack`` (the arguments, ``names``),
     ``allocate`` (``name``: a buffer of ``shape``/``stride``/``dtype``), ``alias`` (``name`` shares ``base``'s
     storage), ``move`` (``name`` takes ``base``'s storage and ``base`` is dropped), ``item`` (``name`` is element
-    ``index`` of ``base``, a library call's result tuple), ``call`` (a library kernel: ``call``, its result
+    ``index`` of ``base``, a library call's result tuple), ``assign`` (``name`` is ``base`` itself: the same tensor,
+    layout included, or the same size value), ``call`` (a library kernel: ``call``, its result
     ``name`` or None), ``check`` (the shape and stride of ``name``, a library result the first time), ``free``,
     ``size`` (a size variable ``name`` = ``text``) and ``return`` (``names``: each returned value's base name, or
     None)."""
@@ -118,6 +120,8 @@ def _statement(text: str, comment: tuple[str, ...]) -> Statement | None:
             return Statement("move", name=name, base=base) if text.rsplit("; del ", 1)[1].split()[0] == base else \
                 Statement("alias", name=name, base=base)
         return Statement("alias", name=name, base=base)
+    if match := _ASSIGN.match(text):
+        return Statement("assign", name=match.group(1), base=match.group(2))
     if match := _ITEM.match(text):
         return Statement("item", name=match.group(1), base=match.group(2), index=int(match.group(3)))
     if match := _LIBRARY.match(text):
@@ -330,6 +334,17 @@ class StepWalk:
                 self._hold(name, key)
             if kind == "move":
                 self._drop(statement.base)
+        elif kind == "assign":
+            if statement.base in self._names:
+                self._hold(name, self._names[statement.base])
+                if statement.base in self._layouts:
+                    self._layouts[name] = self._layouts[statement.base]
+            elif statement.base in self._tuples:
+                self._tuples[name] = dict(self._tuples[statement.base])
+                for key in self._tuples[name].values():
+                    self.holders[key].add(name)
+            elif statement.base in self.sizes:
+                self.sizes[name] = self.sizes[statement.base]
         elif kind == "item":
             key = self._tuples.get(statement.base, {}).get(statement.index)
             if key is not None:
@@ -378,16 +393,19 @@ SINGLE = -1  # the position of a library call's result that is one tensor, not a
 
 def _call_results(statements: Sequence[Statement]) -> dict[str, dict[int, tuple[tuple, tuple]]]:
     """Per library call's result name: the shape and stride of each tensor it returns, from the size checks the
-    wrapper makes of it (``SINGLE``: the result itself; ``k``: element ``k`` of its tuple, checked where the
-    wrapper takes it out, which may be long after the call)."""
-    calls = {s.name for s in statements if s.kind == "call" and s.name}
-    element_of = {s.name: (s.base, s.index) for s in statements if s.kind == "item" and s.base in calls}
+    wrapper makes of it or of a name assigned it (``SINGLE``: the result itself; ``k``: element ``k`` of its tuple,
+    checked where the wrapper takes it out, which may be long after the call)."""
+    calls = {s.name: s.name for s in statements if s.kind == "call" and s.name}
+    for s in statements:  # a fallback kernel's result is checked under a new name: ``buf38 = buf37``
+        if s.kind == "assign" and s.base in calls:
+            calls[s.name] = calls[s.base]
+    element_of = {s.name: (calls[s.base], s.index) for s in statements if s.kind == "item" and s.base in calls}
     results: dict[str, dict[int, tuple[tuple, tuple]]] = {}
     for s in statements:
         if s.kind != "check":
             continue
         if s.name in calls:
-            results.setdefault(s.name, {})[SINGLE] = (s.shape, s.stride)
+            results.setdefault(calls[s.name], {}).setdefault(SINGLE, (s.shape, s.stride))
         elif s.name in element_of:
             call, index = element_of[s.name]
             results.setdefault(call, {}).setdefault(index, (s.shape, s.stride))
