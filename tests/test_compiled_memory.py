@@ -294,7 +294,14 @@ class _Recurrence(nn.Module):
         return self.out(torch.stack(outs, 1) * F.silu(gate))
 
 
-CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "recurrence": (_Recurrence, (8, 16, 64)),
+def _dropout_chain() -> nn.Module:
+    """Dropout between wide linears: with inductor's ``fallback_random`` each dropout is the aten op, called as a
+    library kernel."""
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Dropout(0.1), nn.Linear(1024, 256))
+                           for _ in range(3)])
+
+
+CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "dropout": (_dropout_chain, (256, 256)), "recurrence": (_Recurrence, (8, 16, 64)),
          "attention": (_Attention, (4, 128, 64)), "pointwise": (_pointwise_chain, (256, 128)),
          "head": (_LanguageModelHead, (4, 64, 64)), "unchunked-head": (_LanguageModelHead, (4, 64, 64)),
          "tied-head": (_TiedHead, (4, 64, 64))}
@@ -317,6 +324,11 @@ def _compiled_step_peak(compiled: nn.Module, model: nn.Module, x: torch.Tensor) 
 
 
 @pytest.mark.parametrize("case", [pytest.param("convolution"), pytest.param("head"), pytest.param("tied-head"),
+                                  pytest.param("dropout", marks=pytest.mark.xfail(
+                                      strict=True, reason="predicted before compiling to 8 bytes, but the compile "
+                                      "check reads each recomputed dropout at another backward rank than the "
+                                      "simulation runs it and teaches every plan the difference: the taught profile "
+                                      "predicts this plan 2.0 MiB (14 %) above what it compiled to")),
                                   pytest.param("recurrence", marks=pytest.mark.slow),
                                   pytest.param("unchunked-head", marks=pytest.mark.slow),
                                   pytest.param("attention", marks=pytest.mark.slow),
@@ -327,7 +339,12 @@ def _compiled_step_peak(compiled: nn.Module, model: nn.Module, x: torch.Tensor) 
                                       "256.5 KiB (5.5 %) over the measured peak")])])
 def test_the_compiled_step_is_predicted_before_compiling_and_measured_as_the_cpu_allocator_counts(case):
     """"head": the head and its loss chunked (a custom op inductor calls as it is); "unchunked-head" and
-    "tied-head": the cross-entropy as inductor compiles it."""
+    "tied-head": the cross-entropy as inductor compiles it; "dropout": under inductor's ``fallback_random``."""
+    with torch._inductor.config.patch(fallback_random=case == "dropout"):
+        _predicted_before_compiling_and_measured(case)
+
+
+def _predicted_before_compiling_and_measured(case: str) -> None:
     build, shape = CASES[case]
     torch.manual_seed(0)
     model = build().train()
