@@ -123,7 +123,7 @@ class CompileCheck:
         profiled = lesson.profiled
         if afresh:
             profiled.profile = profiled.untaught
-        forward, backward = trace_by_slot(((p.phase, p.live, p.nodes) for p in memory.trace),
+        forward, backward = trace_by_slot(((p.phase, p.live, p.nodes, p.call) for p in memory.trace),
                                           {name: profiled.profile.op_of_node[i]
                                            for i, name in enumerate(profiled.node_names)},
                                           profiled.backward_ranks, profiled.profile.num_ops,

@@ -8,7 +8,9 @@ named (a buffer's origins repeat those of the fused values it is made from, comp
 before the statement that precedes it; a forward statement naming no node of the graph (an allocation, or a library
 call named by another graph's node) belongs with the next that names one: to the op of a node first named there (it
 allocates that kernel's buffers), else to the op running (a library call's own memory, its results taken apart after
-it). A backward statement belongs to the highest rank among its backward nodes, never before the statement that
+it). A library call belongs to the latest op among its nodes even where a statement before it named them: its own
+node comes after the values inductor fused into it, and the fused kernel that made its input may name it too. A
+backward statement belongs to the highest rank among its backward nodes, never before the statement that
 precedes it (one naming none belongs where the one before it does). A statement that only re-runs forward nodes
 belongs to the rank whose recompute re-runs them under the plan, where the simulation holds them, and time goes on
 from the rank before it: the compiled code may re-run a value a few ranks before the simulation does (the
@@ -63,18 +65,22 @@ def trace_by_slot(points: Iterable[tuple[str, int, tuple[str, ...]]], op_of: Map
                   rank_of: Mapping[str, int], num_ops: int, rerun_at: Mapping[int, int] | None = None
                   ) -> tuple[dict[int, int], dict[int, int]]:
     """The most bytes live at each op's forward and each rank's backward, from ``points`` ((phase, live bytes with
-    the parameters, buffers and inputs, node names) per statement, in order); ``rerun_at``: per op the plan
-    re-runs, the rank of its recompute (:func:`recompute_ranks`). See the module docstring."""
+    the parameters, buffers and inputs, node names, whether it is a library call) per statement, in order);
+    ``rerun_at``: per op the plan re-runs, the rank of its recompute (:func:`recompute_ranks`). See the module
+    docstring."""
     forward: dict[int, int] = {}
     backward: dict[int, int] = {}
     rerun_at = rerun_at or {}
     op, rank = 0, num_ops - 1
     computed: set[str] = set()  # forward nodes a statement before has named
     waiting = 0  # the most bytes live at the forward statements naming no node since the last that named one
-    for phase, live, nodes in points:
+    for phase, live, nodes, call in points:
         if phase == "forward":
             known = [n for n in nodes if n in op_of]
-            named = [op_of[n] for n in known if n not in computed]
+            if call:
+                named = [max(op_of[n] for n in known)] if known else []
+            else:
+                named = [op_of[n] for n in known if n not in computed]
             computed.update(nodes)
             if not known:
                 waiting = max(waiting, live)

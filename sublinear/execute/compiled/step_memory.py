@@ -46,12 +46,14 @@ class CompiledStepMemory:
 
 @dataclass(frozen=True)
 class TracePoint:
-    """The bytes live at one wrapper statement of the step, in ``phase`` ("forward" or "backward"), and the nodes
-    of the partitioned graphs it computes (a buffer's origins, a library call's own node; empty: unknown)."""
+    """The bytes live at one wrapper statement of the step, in ``phase`` ("forward" or "backward"), the nodes
+    of the partitioned graphs it computes (a buffer's origins, a library call's result's or its own node; empty:
+    unknown), and whether it is a library call."""
 
     phase: str
     live: int
     nodes: tuple[str, ...]
+    call: bool = False
 
 
 def _dtype(value: torch.Tensor) -> str:
@@ -99,9 +101,12 @@ def _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins: O
     phase = ["forward"]
 
     def listen(statement: Statement, live: int) -> None:
-        nodes = (statement.call.node,) if statement.call is not None else \
-            tuple(origins.get(phase[0], {}).get(statement.name, ()))
-        trace.append(TracePoint(phase[0], live, tuple(nodes)))
+        call, made = statement.call, origins.get(phase[0], {})
+        if call is not None and statement.name not in made:  # a call writing into a buffer made before it
+            nodes = (call.node,) if call.node else call.source_nodes
+        else:
+            nodes = made.get(statement.name, ())
+        trace.append(TracePoint(phase[0], live, tuple(nodes), call is not None))
 
     walk = StepWalk(sizes, measure, listen if origins is not None else None)
     storages: dict[int, int] = {}  # untyped storage -> walk storage (parameters and inputs sharing one count once)

@@ -36,7 +36,7 @@ _DEL = re.compile(r"del (\w+)$")
 _RETURN = re.compile(r"return \((.*)\)$")
 RETURNED = "<returned>"  # the holder of what a graph returned
 CALLER = "<caller>"  # the holder of what the step's caller holds (parameters, inputs)
-_SOURCE_NODES = re.compile(r"# Topologically Sorted Source Nodes: \[(.*?)\]")
+_SOURCE_NODES = re.compile(r"# (Topologically Sorted|Unsorted) Source Nodes: \[(.*?)\]")
 
 
 @dataclass(frozen=True)
@@ -65,14 +65,16 @@ class Statement:
 @dataclass(frozen=True)
 class LibraryCall:
     """A library kernel the wrapper calls: its source text, and the captured graph's nodes it computes (the wrapper's
-    comment; the last is the kernel's own node)."""
+    comment: topologically sorted, the last is the kernel's own node; unsorted where they come from more than one
+    graph, and then the own node is unknown)."""
 
     text: str
     source_nodes: tuple[str, ...]
+    ordered: bool = True
 
     @property
     def node(self) -> str:
-        return self.source_nodes[-1] if self.source_nodes else ""
+        return self.source_nodes[-1] if self.source_nodes and self.ordered else ""
 
 
 def parse_wrapper(source: str) -> list[Statement] | None:
@@ -82,11 +84,12 @@ def parse_wrapper(source: str) -> list[Statement] | None:
     if start_at < 0:
         return None
     statements: list[Statement] = []
-    comment: tuple[str, ...] = ()
+    comment: tuple[tuple[str, ...], bool] = ((), True)
     for line in source[start_at:].splitlines()[1:]:
         text = line.strip()
         if nodes := _SOURCE_NODES.match(text):
-            comment = tuple(n.strip() for n in nodes.group(1).split(",") if n.strip())
+            comment = (tuple(n.strip() for n in nodes.group(2).split(",") if n.strip()),
+                       nodes.group(1) == "Topologically Sorted")
             continue
         text = re.sub(r"\s+#.*$", "", text)
         if not text or text.startswith("#"):
@@ -96,14 +99,14 @@ def parse_wrapper(source: str) -> list[Statement] | None:
         statement = _statement(text, comment)
         if statement is not None:
             if statement.kind == "call":
-                comment = ()
+                comment = ((), True)
             statements.append(statement)
             if statement.kind == "return":
                 break
     return statements
 
 
-def _statement(text: str, comment: tuple[str, ...]) -> Statement | None:
+def _statement(text: str, comment: tuple[tuple[str, ...], bool]) -> Statement | None:
     if match := _UNPACK.match(text):
         return Statement("unpack", names=tuple(n.strip() for n in match.group(1).split(",") if n.strip()))
     if match := _ALLOC.match(text):
@@ -125,7 +128,7 @@ def _statement(text: str, comment: tuple[str, ...]) -> Statement | None:
     if match := _ITEM.match(text):
         return Statement("item", name=match.group(1), base=match.group(2), index=int(match.group(3)))
     if match := _LIBRARY.match(text):
-        return Statement("call", name=match.group(1) or "", call=LibraryCall(match.group(2), comment))
+        return Statement("call", name=match.group(1) or "", call=LibraryCall(match.group(2), *comment))
     if match := _CHECK.match(text):
         call = ast.parse(f"f({match.group(2)})", mode="eval").body
         return Statement("check", name=match.group(1), shape=tuple(call.args[0].elts),
