@@ -14,9 +14,11 @@ pointwise value it is made from:
 
 A long unrolled recurrence (a state-space scan's steps) or a chain of sums of gradients trips them: inductor's fused
 kernel then writes several such buffers, all of them allocated before it runs. A stored value that only reductions
-and values with buffers of their own read, in the kernel that makes it, is removed again (its scheduler's
-kernel-local buffers): fused with its readers, it never leaves the kernel. Every load through a different view of a
-different shape, strides or offset counts as a read of its own (inductor indexes the buffer anew).
+and values with buffers of their own read, in the kernel that makes it and in one loop of it, is removed again (its
+scheduler's kernel-local buffers): fused with its readers, it never leaves the kernel. Read by sums over different
+dimensions, the kernel runs a loop for each and loads the value from its buffer, which stays. Every load through a
+different view of a different shape, strides or offset counts as a read of its own (inductor indexes the buffer
+anew).
 """
 
 from __future__ import annotations
@@ -61,16 +63,36 @@ def stored_by_lowering(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: 
     returns or saves it)."""
     kernel = {nodes[k]: i for i, segment in enumerate(kernel_segments(nodes, kinds)) for k in segment}
 
-    local: dict[fx.Node, bool] = {}
+    loops: dict[fx.Node, frozenset | None] = {}
+
+    def reading_loops(node: fx.Node) -> frozenset | None:
+        """The loops that read ``node`` in its kernel (a reduction's: the dimensions it sums over), or None when a
+        reader is in another kernel: readers with buffers of their own read it where they store theirs, and readers
+        without one that read all of it, element for element, inline it into their own readers. A reader of a part
+        of it (a strided slice) loops over other indices."""
+        if node not in loops:
+            found: set = set()
+            for user in node.users:
+                if kernel.get(user, -1) != kernel[node] or kinds.extern(user):
+                    found = None
+                    break
+                if not kinds.fusible(user):
+                    found.add(_loop(user))
+                    continue
+                if buffered(user):
+                    continue
+                inner = reading_loops(user) if _same_elements(user, node) else None
+                if inner is None:
+                    found = None
+                    break
+                found |= inner
+            loops[node] = None if found is None else frozenset(found)
+        return loops[node]
 
     def kernel_local(node: fx.Node) -> bool:
-        """Read only in its kernel: by reductions, by values with buffers of their own, and by values without one
-        that are themselves read only there (inlined into that kernel alone): fused with them."""
-        if node not in local:
-            local[node] = all(kernel.get(user, -1) == kernel[node] and not kinds.extern(user)
-                              and (buffered(user) or not kinds.fusible(user) or kernel_local(user))
-                              for user in node.users)
-        return local[node]
+        """Read only in its kernel, and in one loop of it: fused with its readers, never loaded from memory."""
+        read = reading_loops(node)
+        return read is not None and len(read) <= 1
 
     return {node for node in _realized(nodes, kinds, readers) if not kernel_local(node)}
 
@@ -122,6 +144,29 @@ def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[
         else:
             expressions[node] = _Expression(frozenset(loads), frozenset(operations), costly)
     return realized
+
+
+def _loop(reduction: fx.Node) -> tuple:
+    """The loop a reduction (or another kernel that is not fused pointwise) reads its input in: its input's shape
+    and the dimensions it reduces over."""
+    source = reduction.args[0] if reduction.args and isinstance(reduction.args[0], fx.Node) else None
+    value = source.meta.get("val") if source is not None else None
+    rank = value.dim() if isinstance(value, torch.Tensor) else 0
+    dims = reduction.args[1] if len(reduction.args) > 1 else reduction.kwargs.get("dim")
+    if isinstance(dims, int):
+        dims = [dims]
+    if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
+        return (str(reduction.target), reduction.name)
+    return (tuple(value.shape) if rank else (), tuple(sorted(d % rank for d in dims)) if rank else ())
+
+
+def _same_elements(reader: fx.Node, node: fx.Node) -> bool:
+    """Whether ``reader`` reads every element of ``node`` once, in its order: as many elements, and a view that
+    keeps them in place (both contiguous)."""
+    value, read = node.meta.get("val"), reader.meta.get("val")
+    if not isinstance(value, torch.Tensor) or not isinstance(read, torch.Tensor) or value.numel() != read.numel():
+        return False
+    return not is_view(reader) or (value.is_contiguous() and read.is_contiguous())
 
 
 def _layout(view: fx.Node) -> tuple:
