@@ -148,7 +148,7 @@ def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[
 
 def _loop(reduction: fx.Node) -> tuple:
     """The loop a reduction (or another kernel that is not fused pointwise) reads its input in: its input's shape
-    and the dimensions it reduces over."""
+    (sizes may be symbols) and the dimensions it reduces over."""
     source = reduction.args[0] if reduction.args and isinstance(reduction.args[0], fx.Node) else None
     value = source.meta.get("val") if source is not None else None
     rank = value.dim() if isinstance(value, torch.Tensor) else 0
@@ -157,14 +157,15 @@ def _loop(reduction: fx.Node) -> tuple:
         dims = [dims]
     if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
         return (str(reduction.target), reduction.name)
-    return (tuple(value.shape) if rank else (), tuple(sorted(d % rank for d in dims)) if rank else ())
+    return (str(tuple(value.shape)) if rank else "", tuple(sorted(d % rank for d in dims)) if rank else ())
 
 
 def _same_elements(reader: fx.Node, node: fx.Node) -> bool:
     """Whether ``reader`` reads every element of ``node`` once, in its order: as many elements, and a view that
     keeps them in place (both contiguous)."""
     value, read = node.meta.get("val"), reader.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not isinstance(read, torch.Tensor) or value.numel() != read.numel():
+    if not isinstance(value, torch.Tensor) or not isinstance(read, torch.Tensor) \
+            or str(value.numel()) != str(read.numel()):  # sizes may be symbols
         return False
     return not is_view(reader) or (value.is_contiguous() and read.is_contiguous())
 
