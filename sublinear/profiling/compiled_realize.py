@@ -14,11 +14,11 @@ pointwise value it is made from:
 
 A long unrolled recurrence (a state-space scan's steps) or a chain of sums of gradients trips them: inductor's fused
 kernel then writes several such buffers, all of them allocated before it runs. A stored value that only reductions
-and values with buffers of their own read, in the kernel that makes it and in one loop of it, is removed again (its
-scheduler's kernel-local buffers): fused with its readers, it never leaves the kernel. Read by sums over different
-dimensions, the kernel runs a loop for each and loads the value from its buffer, which stays. Every load through a
-different view of a different shape, strides or offset counts as a read of its own (inductor indexes the buffer
-anew).
+and values with buffers of their own read, in the kernel that makes it, is removed again (its scheduler's
+kernel-local buffers): fused with its readers, it never leaves the kernel. Inlined into values that sums over
+different dimensions read, the kernel runs a loop for each and loads the value from its buffer, which stays. Every
+load through a different view of a different shape, strides or offset counts as a read of its own (inductor indexes
+the buffer anew).
 """
 
 from __future__ import annotations
@@ -63,35 +63,37 @@ def stored_by_lowering(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: 
     returns or saves it)."""
     kernel = {nodes[k]: i for i, segment in enumerate(kernel_segments(nodes, kinds)) for k in segment}
 
-    loops: dict[fx.Node, frozenset | None] = {}
+    loops: dict[tuple[fx.Node, bool], frozenset | None] = {}
 
-    def reading_loops(node: fx.Node) -> frozenset | None:
-        """The loops that read ``node`` in its kernel (a reduction's: the dimensions it sums over), or None when a
-        reader is in another kernel: readers with buffers of their own read it where they store theirs, and readers
-        without one that read all of it, element for element, inline it into their own readers. A reader of a part
-        of it (a strided slice) loops over other indices."""
-        if node not in loops:
-            found: set = set()
+    def reading_loops(node: fx.Node, inlined: bool) -> frozenset | None:
+        """The loops of its kernel that read ``node`` through values inlined into them (``inlined``: ``node``
+        itself is one; a reduction's loop: the dimensions it sums over), or None when a reader is in another kernel.
+        Readers with buffers of their own read it where they store theirs, and readers without one that read all of
+        it, element for element, inline it into their own readers; a reader of a part of it (a strided slice) loops
+        over other indices."""
+        if (node, inlined) not in loops:
+            found: set | None = set()
             for user in node.users:
                 if kernel.get(user, -1) != kernel[node] or kinds.extern(user):
                     found = None
                     break
                 if not kinds.fusible(user):
-                    found.add(_loop(user))
+                    if inlined:
+                        found.add(_loop(user))
                     continue
                 if buffered(user):
                     continue
-                inner = reading_loops(user) if _same_elements(user, node) else None
+                inner = reading_loops(user, True) if _same_elements(user, node) else None
                 if inner is None:
                     found = None
                     break
                 found |= inner
-            loops[node] = None if found is None else frozenset(found)
-        return loops[node]
+            loops[node, inlined] = None if found is None else frozenset(found)
+        return loops[node, inlined]
 
     def kernel_local(node: fx.Node) -> bool:
-        """Read only in its kernel, and in one loop of it: fused with its readers, never loaded from memory."""
-        read = reading_loops(node)
+        """Read only in its kernel, and where inlined, in one loop of it: fused with its readers."""
+        read = reading_loops(node, False)
         return read is not None and len(read) <= 1
 
     return {node for node in _realized(nodes, kinds, readers) if not kernel_local(node)}
