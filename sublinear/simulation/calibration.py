@@ -61,7 +61,7 @@ def recompute_ranks(profile: GraphProfile, plan: Plan) -> dict[int, int]:
     return first
 
 
-def trace_by_slot(points: Iterable[tuple[str, int, tuple[str, ...]]], op_of: Mapping[str, int],
+def trace_by_slot(points: Iterable[tuple[str, int, tuple[str, ...], bool]], op_of: Mapping[str, int],
                   rank_of: Mapping[str, int], num_ops: int, rerun_at: Mapping[int, int] | None = None
                   ) -> tuple[dict[int, int], dict[int, int]]:
     """The most bytes live at each op's forward and each rank's backward, from ``points`` ((phase, live bytes with
