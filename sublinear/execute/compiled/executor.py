@@ -1,7 +1,6 @@
 """Run a plan compiled: the plan as AOTAutograd's partition, forward and backward compiled by inductor.
 
-The partitioner splits the joint graph (:mod:`sublinear.capture.joint`) into a forward graph, which returns
-what
+The partitioner splits the joint graph (:mod:`sublinear.capture.joint`) into a forward graph, which returns what
 backward reads (the saved values), and a backward graph, which recomputes every other forward value it reads.
 Inductor compiles both, so recompute fuses into the backward's kernels. The plan enters as the partitioner's
 recompute tags (``CheckpointPolicy`` in ``node.meta["recompute"]``), set on every forward node of the joint graph by
@@ -18,8 +17,7 @@ a :class:`~torch._inductor.custom_graph_pass.CustomPartitionerFn` that then runs
   is exactly what backward reads.
 
 With every node tagged the partition is the plan's, and the simulator's reading of it
-(:mod:`sublinear.execute.compiled.profile`) is what runs. Random numbers recompute as drawn in forward: inductor draws
-them
+(:mod:`sublinear.profiling.compiled`) is what runs. Random numbers recompute as drawn in forward: inductor draws them
 from seeds that forward saves (where it falls back to aten's generators, the partitioner saves and restores the
 generator state around each recomputed random op). BatchNorm updates its running statistics once: AOTAutograd traces
 the update as a write after the forward, which a recompute does not repeat.
