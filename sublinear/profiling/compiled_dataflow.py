@@ -290,7 +290,7 @@ def _backward_ranks(bw: list[fx.Node], grouping: OpGrouping, storages: StepStora
             ranks.append(-1)  # the rank of the node after it, set below
             continue
         current = min(current, rank)
-        ranks.append(max(rank, 0))
+        ranks.append(max(current, 0))
     for k in sorted(natural, reverse=True):
         ranks[k] = ranks[k + 1]
     return ranks, natural

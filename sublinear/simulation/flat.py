@@ -28,8 +28,10 @@ that can be in its own block's closure is counted as held by that closure's fram
 frame before its last reader is counted both as carried and as read in the blocks up to that reader; a storage
 held for autograd that autocast's cache or a non-reaching node also holds is counted both ways. None arises when
 every storage read across a block boundary is saved by a reaching node and nothing else holds it (chains such as
-Linear/GELU stacks); elsewhere it may be above the simulator (docs/optimal.md measures by how much). A plan whose
-model peak fits therefore fits in simulation, and every plan proposed is scored by the simulator.
+Linear/GELU stacks); elsewhere it may be above the simulator (docs/optimal.md measures by how much). It counts less
+in one case: a compiled backward node that runs after a later op's backward began (inductor's order) reads its
+forward values there, below their producer's ranks, where the model releases them at the producer's backward.
+Every plan proposed is scored by the simulator.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class FlatModel:
     """Block costs of flat plans with the kept set ``kept`` on one profile (see the module docstring).
 
     Invariants: ``block(i, j)[0]`` is the simulator's recompute seconds of block ``[i..j]`` in any such plan where
-    it is not the last; ``peak(plan) >= simulate(profile, plan).peak_bytes``, with equality on chains."""
+    it is not the last; ``peak(plan) >= simulate(profile, plan).peak_bytes`` (but for the one case the module
+    docstring names), with equality on chains."""
 
     def __init__(self, profile: GraphProfile, kept: frozenset[int] = frozenset()) -> None:
         p = profile
@@ -98,6 +101,10 @@ class FlatModel:
                     max_saver[s] = max(max_saver[s], r)
                 else:
                     fixed_stop[s] = max(fixed_stop[s], released[o])
+        # a compiled backward node that runs after a later op's backward began reads its values there, which may
+        # be below their producer's ranks: the model releases such a value at its producer's backward
+        first_rank = np.where(producer >= 0, self.rank_lo[np.maximum(producer, 0)], 0)
+        min_saver = np.where(max_saver >= 0, np.maximum(min_saver, first_rank), min_saver)
         self.min_saver, self.max_saver = min_saver, max_saver
         self.saved = max_saver >= 0
         self.to_end = fixed_stop >= NEVER  # live to the end of the step whatever the plan
