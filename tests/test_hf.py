@@ -218,6 +218,27 @@ def test_a_llamas_recomputing_plan_is_predicted_before_compiling_as_inductor_run
     assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
 
 
+@pytest.mark.slow
+def test_a_t5s_plan_under_fallback_random_is_predicted_before_compiling_as_inductor_runs_it():
+    # With inductor's fallback_random, T5's backward has nodes traced from the loss that run late, among other ops'
+    # backward (the ReLUs' gradient selects): counted at the loss's rank, that rank took the memory live where they
+    # ran, and the prediction was 16 % over. The model is tiny, so the bound is relative only.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    model = transformers.T5ForConditionalGeneration._from_config(config).train()
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(input_ids=torch.randint(2, 100, (2, 12), generator=g),
+                  labels=torch.randint(2, 100, (2, 8), generator=g))
+    with torch._inductor.config.patch(fallback_random=True):
+        measured = _peak_after_steps(model, dataclasses.replace(PLAIN, compiler="inductor", min_memory_per_time=0), 2,
+                                     **inputs)
+    (graph,) = model.sublinear_plan.graphs
+    assert graph.num_blocks > 1
+    assert abs(graph.predicted_before_compile_bytes - measured) <= 0.02 * measured, (graph, measured)
+
+
 def _full_size(family: str):
     T = transformers
     with torch.device("meta"):
