@@ -81,6 +81,18 @@ class Chain(nn.Module):
         return x
 
 
+class LossAndWideOutput(nn.Module):
+    """A chain whose call returns its loss and a wide tensor no loss reads: the caller may keep it or drop it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chain, self.wide = Chain(12, 32), nn.Linear(32, 512)
+
+    def forward(self, x):
+        h = self.chain(x)
+        return h.square().mean(), self.wide(h)
+
+
 class ResidualNet(nn.Module):
     """Conv/BN/ReLU(inplace) residual blocks, dropout, a multi-output op (max_pool2d with indices)."""
 

@@ -21,7 +21,7 @@ from sublinear.core import Plan
 from sublinear.planners import make_plan
 from sublinear.models import get_model
 
-from conftest import PLAIN, Chain, ResidualNet, assert_same_training, profile_of, train_steps
+from conftest import PLAIN, Chain, LossAndWideOutput, ResidualNet, assert_same_training, profile_of, train_steps
 
 
 def _eager_losses(model, batches, steps):
@@ -862,18 +862,6 @@ def test_a_graph_whose_outputs_calls_use_differently_is_planned_for_the_most_dem
     assert first.uses == ("passed", "passed")  # each read by the second graph on some call, let go before backward
 
 
-class _LossAndWideOutput(nn.Module):
-    """A chain whose call returns its loss and a wide tensor no loss reads: the caller may keep it or drop it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.chain, self.wide = Chain(12, 32), nn.Linear(32, 512)
-
-    def forward(self, x):
-        h = self.chain(x)
-        return h.square().mean(), self.wide(h)
-
-
 @pytest.mark.parametrize("keeps", [False, True], ids=["dropped", "kept"])
 def test_a_budget_met_only_without_an_output_the_caller_drops_is_refused_only_once_a_call_shows_it_kept(keeps):
     """Before any call the outputs no loss reads are guessed held; a budget the lowest plan meets only without them
@@ -882,7 +870,7 @@ def test_a_budget_met_only_without_an_output_the_caller_drops_is_refused_only_on
 
     def fresh():
         torch.manual_seed(0)
-        return _LossAndWideOutput().train()
+        return LossAndWideOutput().train()
 
     def step(m, inputs):
         loss, wide = m(inputs)

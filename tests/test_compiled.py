@@ -27,7 +27,7 @@ from sublinear.measurement import measure_cpu_allocator
 from sublinear.training import default_loss, training_step
 from sublinear.simulation.timeline import simulate
 
-from conftest import PLAIN, ResidualNet, train_steps
+from conftest import PLAIN, LossAndWideOutput, ResidualNet, train_steps
 
 INDUCTOR = dataclasses.replace(PLAIN, compiler="inductor")
 
@@ -276,6 +276,52 @@ def test_a_compiled_step_above_its_budget_is_planned_again_on_what_it_held(monke
     assert not extras  # the first plan compiled held more than its budget
     assert plan.compiled_peak_bytes <= budget and plan.predicted_peak_bytes <= budget
     assert plan.predicted_before_compile_bytes is not None
+
+
+def test_a_compiled_step_over_its_budget_only_by_outputs_guessed_held_is_checked_again_not_compiled_again(
+        monkeypatch):
+    """The first call guesses held the outputs no loss reads. A compiled step above the budget by less than them is
+    checked again when a call shows the caller dropping them, with the same plan and compiled code: one search, one
+    compile, and the step within its budget."""
+    from sublinear.runtime import pipeline
+
+    x = torch.randn(64, 32)
+
+    def fresh():
+        torch.manual_seed(0)
+        return LossAndWideOutput().train()
+
+    free = sublinear.apply(fresh(), INDUCTOR)  # no budget: the lowest peak, planned with the wide output held
+    free(x)[0].backward()
+    plan = free.sublinear_plan.graphs[0]
+    held_budget = plan.predicted_peak_bytes
+    wide = 64 * 512 * 4
+    searches, compiles = [], []
+    make_plan = pipeline.make_plan
+    monkeypatch.setattr(pipeline, "make_plan", lambda *a, **k: searches.append(1) or make_plan(*a, **k))
+    compile_ = CompiledGraph._compile
+    monkeypatch.setattr(CompiledGraph, "_compile", lambda self, *a: compiles.append(1) or compile_(self, *a))
+    step_memory = compiled_executor._step_memory
+    extras = [held_budget - plan.compiled_peak_bytes + wide // 2]  # the first walk: over by half the wide output
+
+    def holding_more(graphs, sizes, device, origins, uses):
+        memory = step_memory(graphs, sizes, device, origins, uses)
+        extra = extras.pop() if extras else 0
+        trace = tuple(dataclasses.replace(p, live=p.live + extra) if p.phase == "backward" else p
+                      for p in memory.trace)
+        return dataclasses.replace(memory, peak=max(memory.peak, memory.backward_peak + extra), trace=trace)
+
+    monkeypatch.setattr(compiled_executor, "_step_memory", holding_more)
+    model = fresh()
+    run = sublinear.apply(model, dataclasses.replace(INDUCTOR, memory_budget=held_budget))
+    for _ in range(3):
+        loss, _wide = run(x)
+        del _wide
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    assert not extras  # the first compiled step was walked above its budget
+    assert (len(searches), len(compiles)) == (1, 1)
+    assert model.sublinear_plan.predicted_peak_bytes <= held_budget
 
 
 class _SetsWhatItReadsAtItsFirstCall(nn.Module):

@@ -95,6 +95,12 @@ class CompileCheck:
                 lowest = (memory.peak, variant)
             if variant.budget is None or variant.settling or variant.peak_bytes <= variant.budget:
                 return variant  # settling: over the budget until the call's other graphs are planned for it
+            if _over_by_guessed_outputs(runtime, variant):
+                log.info("sublinear: graph %d as compiled holds %s, above the budget of %s only by outputs guessed "
+                         "held; checked again once a call shows what the caller does with them", runtime.index,
+                         format_bytes(variant.peak_bytes), format_bytes(variant.budget))
+                variant.settling = True
+                return variant
             if round_ == COMPILED_ROUNDS or tried_lowest:
                 raise _over_budget(lowest[1])
             log.info("sublinear: graph %d as compiled holds %s, above the budget of %s (%s predicted before "
@@ -135,6 +141,16 @@ class CompileCheck:
             self.plans.store(lesson.disk_key, {**entry, "costs": costs_of(profiled.profile)})
         variant.note_compiled(memory.peak, dataclasses.replace(profiled.profile, sharding=variant.profile.sharding,
                                                                 step_context=variant.profile.step_context))
+
+
+def _over_by_guessed_outputs(runtime: GraphRuntime, variant: GraphVariant) -> bool:
+    """Whether ``variant``'s compiled step may fit its budget once a call shows what the caller does with the
+    outputs: no call has yet, they are guessed held, and dropping them could take the peak within the budget. Such a
+    variant settles: the call that shows the outputs' uses plans and checks its graph again, with the compiled code
+    kept while its plan still meets the objective (one compile where the guess was wrong)."""
+    if runtime.session.calls.uses_seen(runtime.graph.code):
+        return False
+    return variant.peak_bytes - variant.profile.held_output_bytes <= variant.budget
 
 
 def _over_budget(variant: GraphVariant) -> BudgetError:
