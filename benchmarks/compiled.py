@@ -88,9 +88,7 @@ class Bench:
         return model.to(self.device).train()
 
     def step(self, net: torch.nn.Module) -> None:
-        out = net(*self.args, **self.kwargs)
-        loss = getattr(out, "loss", None)
-        (loss if loss is not None else default_loss(out)).backward()
+        _step(net, *self.args, **self.kwargs)
 
     def run(self, label: str, model: torch.nn.Module, net: torch.nn.Module, first: contextlib.AbstractContextManager
             = contextlib.nullcontext()) -> Row:
@@ -116,8 +114,10 @@ class Bench:
             torch.cuda.synchronize(self.device)
 
     def peak(self, net: torch.nn.Module) -> int:
+        """The step's peak with the model's parameters and buffers and the step's inputs (token ids, attention mask
+        and labels too: they are the step's memory, and sublinear's prediction counts them)."""
         if self.device.type != "cuda":
-            return sublinear.measure_cpu_allocator(self.step, net).peak_bytes
+            return sublinear.measure_cpu_allocator(_step, net, *self.args, **self.kwargs).peak_bytes
         # What this step allocates beyond what was allocated before it, plus this model's parameters, buffers and
         # inputs: earlier strategies' compiled code may still hold memory of its own, which is not this step's.
         gc.collect()
@@ -126,8 +126,17 @@ class Bench:
         torch.cuda.reset_peak_memory_stats(self.device)
         self.step(net)
         torch.cuda.synchronize(self.device)
-        own = sum(t.untyped_storage().nbytes() for t in [*net.parameters(), *net.buffers(), *self.args])
-        return torch.cuda.max_memory_allocated(self.device) - before + own
+        inputs = [t for t in [*self.args, *self.kwargs.values()] if isinstance(t, torch.Tensor)]
+        own = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+               for t in [*net.parameters(), *net.buffers(), *inputs]}
+        return torch.cuda.max_memory_allocated(self.device) - before + sum(own.values())
+
+
+def _step(net: torch.nn.Module, *args, **kwargs) -> None:
+    """One training step: forward, the model's own loss (or the outputs' sum), backward."""
+    out = net(*args, **kwargs)
+    loss = getattr(out, "loss", None)
+    (loss if loss is not None else default_loss(out)).backward()
 
 
 def sublinear_row(bench: Bench, label: str, config: sublinear.SublinearMemoryConfig) -> Row:

@@ -79,8 +79,9 @@ def main() -> None:
     predicted = net.sublinear_plan.predicted_peak_bytes
     asked = "none" if budget is None else f"{budget / MIB:,.1f} MiB"
     before = net.sublinear_plan.graphs[0].predicted_before_compile_bytes
-    print(f"budget {asked}; the plan run: predicted {before / MIB:,.1f} MiB before compiling, "
-          f"{predicted / MIB:,.1f} MiB as taught; measured {bench.peak(net) / MIB:,.1f} MiB")
+    measured = bench.peak(net)
+    print(f"budget {asked}; the plan run: predicted {before / MIB:,.1f} MiB before compiling ({before:,} bytes), "
+          f"{predicted / MIB:,.1f} MiB as taught ({predicted:,}); measured {measured / MIB:,.1f} MiB ({measured:,})")
 
 
 if __name__ == "__main__":
