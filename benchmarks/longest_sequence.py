@@ -64,7 +64,7 @@ def measure_length(model, mode: str, length: int, budget: int, device: str, comp
         run = sublinear.apply(model, sublinear.SublinearMemoryConfig(memory_budget=budget, compiler=compiler,
                                                                      cache_dir="", chunk_lm_heads=True))
 
-    def step(_model=None):
+    def step(_model=None, _ids=None):  # measured with the model and the ids as arguments: both are counted
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = run(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -77,7 +77,7 @@ def measure_length(model, mode: str, length: int, budget: int, device: str, comp
             step()
             model.zero_grad(set_to_none=True)
         result["warmup_s"] = time.perf_counter() - started
-        result["peak_bytes"] = sublinear.measure(step, model).peak_bytes
+        result["peak_bytes"] = sublinear.measure(step, model, ids).peak_bytes
         plan = model.__dict__.get("sublinear_plan")
         if plan is not None:
             result["predicted_bytes"] = plan.predicted_peak_bytes
