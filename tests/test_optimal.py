@@ -133,6 +133,21 @@ def test_on_dags_the_plan_fits_and_is_the_cheapest_whose_model_peak_fits(seed, f
     assert sim.recompute_seconds >= least_seconds(rows, budget) - 1e-12
 
 
+def test_the_model_counts_a_compile_checks_forward_lesson_at_the_ops_forward_only():
+    """A forward lesson (what compiled forward code held at an op beyond the simulation) is the op's forward's, not
+    its recompute's: the model equals the simulator on every flat plan of a chain whose ops hold both."""
+    p = chain(5, 8)
+    peak = simulate(p, Plan.no_split(p.num_ops)).peak_bytes
+    ops = [dataclasses.replace(op, forward_extra_bytes=64 * (op.index % 2),
+                               forward_lesson_bytes=peak if op.index == 2 else 0) for op in p.ops]
+    taught = dataclasses.replace(p, ops=ops)
+    model = FlatModel(taught)
+    peaks = {model.peak(plan) for plan in flat_plans(taught.num_ops)}
+    for plan in flat_plans(taught.num_ops):
+        assert model.peak(plan) == simulate(taught, plan).peak_bytes, plan
+    assert len(peaks) > 1
+
+
 def test_the_model_overcounts_some_dags():
     """The DAG property above is not vacuous: on this graph the model is above the simulator for some plans."""
     p = dag(4)

@@ -56,6 +56,9 @@ class OpProfile:
     # into the backward kernels that read it (no launch, no write of a value that is no buffer there). None: as
     # forward.
     rerun_seconds: float | None = None
+    # Bytes a compile check found the compiled forward holding at the op beyond the simulation: counted at its
+    # forward only (a re-run in backward is compiled into other kernels, and taught at the rank it runs at).
+    forward_lesson_bytes: int = 0
 
     @property
     def pinned(self) -> bool:
@@ -246,6 +249,11 @@ class GraphProfile:
         return np.array([op.forward_extra_bytes for op in self.ops], dtype=np.int64)
 
     @functools.cached_property
+    def forward_lesson(self) -> np.ndarray:
+        """Per op: ``forward_lesson_bytes``."""
+        return np.array([op.forward_lesson_bytes for op in self.ops], dtype=np.int64)
+
+    @functools.cached_property
     def snapshots(self) -> tuple[np.ndarray, np.ndarray]:
         """(op, bytes) for every op that snapshots state it writes."""
         return _columns([(op.index, op.snapshot_bytes) for op in self.ops if op.snapshot_bytes])
@@ -378,6 +386,7 @@ def costs_of(profile: GraphProfile) -> dict:
             "forward_seconds": [op.forward_seconds for op in profile.ops],
             "rerun_seconds": [op.rerun_seconds for op in profile.ops],
             "forward_extra_bytes": [op.forward_extra_bytes for op in profile.ops],
+            "forward_lesson_bytes": [op.forward_lesson_bytes for op in profile.ops],
             "backward_seconds": [float(v) for v in profile.backward_seconds],
             "grad_peak": [int(v) for v in profile.grad_peak],
             "grad_after_release": [int(v) for v in profile.grad_after_release]}
@@ -388,8 +397,11 @@ def with_costs(profile: GraphProfile, costs: dict) -> GraphProfile:
     if len(costs["forward_seconds"]) != profile.num_ops or len(costs["grad_peak"]) != len(profile.grad_peak):
         raise ValueError("costs belong to another graph")
     rerun = costs.get("rerun_seconds") or [op.rerun_seconds for op in profile.ops]
-    ops = [replace(op, forward_seconds=float(t), rerun_seconds=r, forward_extra_bytes=int(b))
-           for op, t, r, b in zip(profile.ops, costs["forward_seconds"], rerun, costs["forward_extra_bytes"])]
+    lessons = costs.get("forward_lesson_bytes") or [0] * profile.num_ops
+    ops = [replace(op, forward_seconds=float(t), rerun_seconds=r, forward_extra_bytes=int(b),
+                   forward_lesson_bytes=int(f))
+           for op, t, r, b, f in zip(profile.ops, costs["forward_seconds"], rerun, costs["forward_extra_bytes"],
+                                     lessons)]
     return replace(profile, ops=ops, backward_seconds=np.asarray(costs["backward_seconds"], dtype=float),
                    grad_peak=np.asarray(costs["grad_peak"], dtype=np.int64),
                    grad_after_release=np.asarray(costs["grad_after_release"], dtype=np.int64),

@@ -16,10 +16,13 @@ belongs to the rank whose recompute re-runs them under the plan, where the simul
 from the rank before it: the compiled code may re-run a value a few ranks before the simulation does (the
 partitioned graph re-runs it right before its first reader), and counted at the rank before it, the whole recompute
 was taught to that rank, for every plan. Where the compiled code held more at an op's forward, or around a rank's
-backward, than the simulation of the same plan says, the op's forward extra bytes and the rank's backward peak are
-raised by the difference. The profile then predicts that plan as compiled, and every plan as held at least as much
-there: what a compiler adds at a slot (a kernel fused far from its place, a copy into the layout a library call
-needs) is counted for every plan, never subtracted. It never imports torch.
+backward, than the simulation of the same plan says, the op's forward lesson and the rank's backward peak are
+raised by the difference. The forward lesson counts at the op's forward only: a re-run of the op in backward is
+compiled into backward's kernels, and what they hold is taught to the rank it runs at (counted at the re-run too,
+the lesson made the taught plan's prediction exceed what its compiled code held). The profile then predicts that
+plan as compiled, and every plan as held at least as much there: what a compiler adds at a slot (a kernel fused far
+from its place, a copy into the layout a library call needs) is counted for every plan, never subtracted. It never
+imports torch.
 """
 
 from __future__ import annotations
@@ -106,12 +109,12 @@ def taught(profile: GraphProfile, plan: Plan, forward: Mapping[int, int], backwa
     """``profile`` raised, op by op and rank by rank, to what the compiled code of ``plan`` held (``forward``: per
     op; ``backward``: per rank; as :func:`trace_by_slot` gives them)."""
     simulated_forward, simulated_backward = slot_peaks(profile, plan)
-    extra = profile.forward_extra.copy()
+    lesson = profile.forward_lesson.copy()
     for o, held in forward.items():
-        extra[o] += max(0, held - int(simulated_forward[o]))
+        lesson[o] += max(0, held - int(simulated_forward[o]))
     raise_by = np.zeros(len(profile.node_op), dtype=np.int64)
     for r, held in backward.items():
         raise_by[r] = max(0, held - int(simulated_backward[r]))
-    ops = [dataclasses.replace(op, forward_extra_bytes=int(e)) for op, e in zip(profile.ops, extra)]
+    ops = [dataclasses.replace(op, forward_lesson_bytes=int(e)) for op, e in zip(profile.ops, lesson)]
     return dataclasses.replace(profile, ops=ops, grad_peak=profile.grad_peak + raise_by,
                                grad_after_release=profile.grad_after_release + raise_by)

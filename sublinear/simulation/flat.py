@@ -70,7 +70,8 @@ class FlatModel:
         self.grad_peak = np.asarray(p.grad_peak, dtype=np.int64)
         self.grad_after = np.asarray(p.grad_after_release, dtype=np.int64)
         self.op_seconds = p.op_seconds
-        self.op_extra = p.forward_extra
+        self.op_extra = p.forward_extra  # at a recompute
+        self.forward_extra = p.forward_extra + p.forward_lesson  # at the op's forward
         self.snapshot = np.array([op.snapshot_bytes for op in p.ops], dtype=np.int64)
         stays = self.stays = np.zeros(n, dtype=bool)
         stays[p.pinned_ops] = True
@@ -321,7 +322,7 @@ class _Start:
         if i > 0 and m.snapshot[i - 1] and not m.stays[i - 1] and m.seed[i - 1] > i - 1:
             diff[i] += m.snapshot[i - 1]  # a block's last op outside its closure: its snapshot outlives it a slot
             diff[i + 1] -= m.snapshot[i - 1]
-        return np.cumsum(diff)[i:n] + m.op_extra[i:n] + m.forward_offset
+        return np.cumsum(diff)[i:n] + m.forward_extra[i:n] + m.forward_offset
 
     def evaluate(self, ends: np.ndarray) -> None:
         """Make ``local`` exact at the block ends ``ends`` (ascending)."""

@@ -165,7 +165,7 @@ def _slot_terms(profile: GraphProfile, at: _Layout, forward_extra: np.ndarray
     kinds = np.empty(end + 1, dtype=np.int8)
     ops = np.empty(end + 1, dtype=np.int64)
     ranks = np.full(end + 1, -1, dtype=np.int64)
-    extra[:n], kinds[:n], ops[:n] = forward_extra, _FORWARD, np.arange(n)
+    extra[:n], kinds[:n], ops[:n] = forward_extra + profile.forward_lesson, _FORWARD, np.arange(n)
     extra[at.c_slot] = forward_extra[at.c_ops] + profile.grad_start[at.c_ranks]
     kinds[at.c_slot], ops[at.c_slot], ranks[at.c_slot] = _RECOMPUTE, at.c_ops, at.c_ranks
     every_rank = np.arange(len(node_op))
