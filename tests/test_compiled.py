@@ -251,16 +251,10 @@ def test_the_joint_graph_names_every_forward_node_after_its_captured_node():
     assert any(name.startswith("blocks.0.c1") for name in named) and any(name.startswith("fc") for name in named)
 
 
-def test_a_compiled_step_above_its_budget_is_planned_again_on_what_it_held(monkeypatch):
-    """Where the compiled code holds more than predicted, the profile learns what it held and the plan is searched
-    again on it for the same budget (never a cut budget), so the step compiled next fits."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(4)])
-    x = torch.randn(256, 256)
-    lowest = sublinear.compile(copy.deepcopy(model), (x,), config=INDUCTOR).sublinear_plan
-    budget = (lowest.predicted_peak_bytes + lowest.baseline_peak_bytes) // 2
+def holding_more_in_backward(monkeypatch, extras: list[int]) -> None:
+    """Each compiled step's walk holds the last of ``extras`` (taken from the list) more bytes through backward,
+    then none once the list is empty."""
     step_memory = compiled_executor._step_memory
-    extras = [budget - lowest.predicted_peak_bytes]  # the first compiled plan holds the whole headroom beyond it
 
     def holding_more(graphs, sizes, device, origins, uses):
         memory = step_memory(graphs, sizes, device, origins, uses)
@@ -270,6 +264,19 @@ def test_a_compiled_step_above_its_budget_is_planned_again_on_what_it_held(monke
         return dataclasses.replace(memory, peak=max(memory.peak, memory.backward_peak + extra), trace=trace)
 
     monkeypatch.setattr(compiled_executor, "_step_memory", holding_more)
+
+
+def test_a_compiled_step_above_its_budget_is_planned_again_on_what_it_held(monkeypatch):
+    """Where the compiled code holds more than predicted, the profile learns what it held and the plan is searched
+    again on it for the same budget (never a cut budget), so the step compiled next fits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(4)])
+    x = torch.randn(256, 256)
+    lowest = sublinear.compile(copy.deepcopy(model), (x,), config=INDUCTOR).sublinear_plan
+    budget = (lowest.predicted_peak_bytes + lowest.baseline_peak_bytes) // 2
+    extras = [budget - lowest.predicted_peak_bytes]  # the first compiled plan holds the whole headroom beyond it
+
+    holding_more_in_backward(monkeypatch, extras)
     compiled = sublinear.compile(model, (x,), config=dataclasses.replace(INDUCTOR, memory_budget=budget))
     default_loss(compiled(x)).backward()
     plan = compiled.sublinear_plan.graphs[0]
@@ -301,17 +308,9 @@ def test_a_compiled_step_over_its_budget_only_by_outputs_guessed_held_is_checked
     monkeypatch.setattr(pipeline, "make_plan", lambda *a, **k: searches.append(1) or make_plan(*a, **k))
     compile_ = CompiledGraph._compile
     monkeypatch.setattr(CompiledGraph, "_compile", lambda self, *a: compiles.append(1) or compile_(self, *a))
-    step_memory = compiled_executor._step_memory
     extras = [held_budget - plan.compiled_peak_bytes + wide // 2]  # the first walk: over by half the wide output
 
-    def holding_more(graphs, sizes, device, origins, uses):
-        memory = step_memory(graphs, sizes, device, origins, uses)
-        extra = extras.pop() if extras else 0
-        trace = tuple(dataclasses.replace(p, live=p.live + extra) if p.phase == "backward" else p
-                      for p in memory.trace)
-        return dataclasses.replace(memory, peak=max(memory.peak, memory.backward_peak + extra), trace=trace)
-
-    monkeypatch.setattr(compiled_executor, "_step_memory", holding_more)
+    holding_more_in_backward(monkeypatch, extras)
     model = fresh()
     run = sublinear.apply(model, dataclasses.replace(INDUCTOR, memory_budget=held_budget))
     for _ in range(3):
