@@ -33,7 +33,7 @@ from sublinear.simulation.calibration import recompute_ranks, taught, trace_by_s
 if TYPE_CHECKING:
     from sublinear.runtime.graph import GraphRuntime
 
-__all__ = ["COMPILED_ROUNDS", "CompileCheck", "Lesson", "Profiled"]
+__all__ = ["COMPILED_ROUNDS", "CompileCheck", "Lesson", "Profiled", "may_fit_without_guessed_outputs"]
 
 log = logging.getLogger("sublinear")
 
@@ -95,7 +95,7 @@ class CompileCheck:
                 lowest = (memory.peak, variant)
             if variant.budget is None or variant.settling or variant.peak_bytes <= variant.budget:
                 return variant  # settling: over the budget until the call's other graphs are planned for it
-            if _over_by_guessed_outputs(runtime, variant):
+            if may_fit_without_guessed_outputs(runtime, variant.peak_bytes, variant.profile, variant.budget):
                 log.info("sublinear: graph %d as compiled holds %s, above the budget of %s only by outputs guessed "
                          "held; checked again once a call shows what the caller does with them", runtime.index,
                          format_bytes(variant.peak_bytes), format_bytes(variant.budget))
@@ -143,14 +143,15 @@ class CompileCheck:
                                                                 step_context=variant.profile.step_context))
 
 
-def _over_by_guessed_outputs(runtime: GraphRuntime, variant: GraphVariant) -> bool:
-    """Whether ``variant``'s compiled step may fit its budget once a call shows what the caller does with the
-    outputs: no call has yet, they are guessed held, and dropping them could take the peak within the budget. Such a
-    variant settles: the call that shows the outputs' uses plans and checks its graph again, with the compiled code
-    kept while its plan still meets the objective (one compile where the guess was wrong)."""
+def may_fit_without_guessed_outputs(runtime: GraphRuntime, peak: int, profile: GraphProfile, budget: int) -> bool:
+    """Whether a step of ``runtime``'s graph peaking at ``peak`` may fit ``budget`` once a call shows what the
+    caller does with its outputs: no call has yet, they are guessed held (``profile``'s held outputs), and dropping
+    them could take the peak within the budget. Such a variant settles: the call that shows the outputs' uses plans
+    and checks its graph again, with the compiled code kept while its plan still meets the objective (one compile
+    where the guess was wrong)."""
     if runtime.session.calls.uses_seen(runtime.graph.code):
         return False
-    return variant.peak_bytes - variant.profile.held_output_bytes <= variant.budget
+    return peak - profile.held_output_bytes <= budget
 
 
 def _over_budget(variant: GraphVariant) -> BudgetError:

@@ -30,7 +30,7 @@ from sublinear.planners import BudgetError, PlanningResult, make_plan, objective
 from sublinear.profiling.compiled import profile_joint
 from sublinear.profiling.graph import profile
 from sublinear.runtime.calls import upcoming_context
-from sublinear.runtime.compile_check import CompileCheck, Lesson, Profiled
+from sublinear.runtime.compile_check import CompileCheck, Lesson, Profiled, may_fit_without_guessed_outputs
 from sublinear.runtime.plans import summarise_plan
 from sublinear.runtime.variant import GraphVariant
 from sublinear.simulation.timeline import simulate
@@ -153,8 +153,7 @@ class PlanPipeline:
         try:
             result = make_plan(profile_, self.config, memory_budget=objective.memory_budget)
         except BudgetError as exc:
-            guessed = not runtime.session.calls.uses_seen(code)
-            if settled and (not guessed or exc.smallest - profile_.held_output_bytes > exc.budget):
+            if settled and not may_fit_without_guessed_outputs(runtime, exc.smallest, profile_, exc.budget):
                 raise
             until = ("a call shows whether the caller keeps the outputs it is guessed to hold" if settled else
                      "the call's other graphs are planned for it")

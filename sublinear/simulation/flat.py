@@ -70,7 +70,7 @@ class FlatModel:
         self.grad_peak = np.asarray(p.grad_peak, dtype=np.int64)
         self.grad_after = np.asarray(p.grad_after_release, dtype=np.int64)
         self.op_seconds = p.op_seconds
-        self.op_extra = p.forward_extra  # at a recompute
+        self.rerun_extra = p.forward_extra  # at a recompute (a forward lesson is the op's forward's only)
         self.forward_extra = p.forward_extra + p.forward_lesson  # at the op's forward
         self.snapshot = np.array([op.snapshot_bytes for op in p.ops], dtype=np.int64)
         stays = self.stays = np.zeros(n, dtype=bool)
@@ -444,7 +444,7 @@ def _local_peaks(start: _Start, ends: np.ndarray) -> np.ndarray:
     before = held[np.arange(rows), np.where(framing, trigger - lo + 1, 0)] + \
         np.where(framing, m.grad_start[np.maximum(trigger, 0)], 0)
     values = np.where(start.entry[i:top + 1][None, :] <= ends[:, None],
-                      alive + m.op_extra[i:top + 1] + before[:, None], _LOW)
+                      alive + m.rerun_extra[i:top + 1] + before[:, None], _LOW)
     backward = np.maximum(backward, values.max(axis=1, initial=_LOW)) + m.backward_offset + m.end_bytes
     return np.maximum(start.forward_max[ends - i], backward) - start.live_in_bytes
 
