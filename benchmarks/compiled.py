@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import gc
 import platform
+import re
 import statistics
 import sys
 import time
@@ -155,12 +156,14 @@ def sublinear_row(bench: Bench, label: str, config: sublinear.SublinearMemoryCon
         return Row(label, 0, float("nan"), 0.0, plan=f"no plan: {str(exc).splitlines()[0]}")
     plan = net.sublinear_plan
     before = max((g.predicted_before_compile_bytes or g.predicted_peak_bytes for g in plan.graphs), default=0)
+    chunks = [re.search(r"chunks of ([\d,]+) of ([\d,]+) tokens", head) for g in plan.graphs for head in g.lm_heads]
+    heads = "".join(f", head in chunks of {m[1]} of {m[2]} tokens" for m in chunks if m)
     del net, model
     torch._dynamo.reset()
     gc.collect()
     return dataclasses.replace(row, planning=planning, predicted=plan.predicted_peak_bytes,
                                plan=f"{plan.num_blocks} blocks, predicted x{plan.time_ratio:.3f}, "
-                                    f"{before / MIB:,.1f} MiB before compiling")
+                                    f"{before / MIB:,.1f} MiB before compiling{heads}")
 
 
 def compare(bench: Bench, aot_budgets: list[float], fraction: float, rows: list[Row],

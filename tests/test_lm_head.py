@@ -22,6 +22,8 @@ from sublinear.measurement import measure_cpu_allocator
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates, device_rates, estimate_seconds
 from sublinear.profiling.tracking import inside_peak
 from sublinear.runtime import session
+from sublinear.runtime.head_chunks import HEADROOM, HeadChunks
+from sublinear.simulation.timeline import simulate
 
 from conftest import PLAIN
 
@@ -192,6 +194,53 @@ def test_under_a_memory_budget_a_chunked_head_trains_like_eager_and_the_step_hol
     ids, labels = batches[0]
     measured = measure_cpu_allocator(lambda m: m(input_ids=ids, labels=labels).loss.backward(), model).peak_bytes
     assert measured <= budget, (measured, budget)
+
+
+@pytest.mark.parametrize("config", [CHUNKED, pytest.param(INDUCTOR, marks=pytest.mark.slow)],
+                         ids=["eager-executor", "inductor"])
+def test_under_a_budget_the_chunk_grows_into_the_memory_the_plan_leaves(config):
+    """A budget 20 % of eager's activations above eager's peak (chunks of 32 rows): the plan recomputes nothing
+    and the chunk grows to the most rows at which the prediction stays within the budget less the headroom, not
+    to every token; the step trains as eager and measures within its prediction."""
+    model, batches = _llama(), _batches([32, 32])
+    lowest = copy.deepcopy(model)
+    run = sublinear.apply(lowest, config)
+    run(input_ids=batches[0][0], labels=batches[0][1]).loss.backward()
+    plan = lowest.sublinear_plan.graphs[0]
+    budget = plan.baseline_peak_bytes + (plan.baseline_peak_bytes - plan.predicted_peak_bytes) // 5
+    reference = copy.deepcopy(model)
+    expected = _train(reference, reference, batches)
+    run = sublinear.apply(model, dataclasses.replace(config, memory_budget=budget))
+    _assert_trains_alike(_train(run, model, batches), expected)
+    backend = model.forward.sublinear_backend
+    variant = next(iter(backend.latest.values()))
+    head, chunks = backend.graphs[0].graph.lm_heads[0], variant.lesson.chunks
+    rows, [(op, _added)] = chunks.rows[0], chunks.added
+    assert head.rows < rows < head.tokens, (head.rows, rows)
+    assert f"chunks of {rows} of {head.tokens} tokens" in model.sublinear_plan.graphs[0].lm_heads[0]
+    limit = budget - int(budget * HEADROOM)
+    larger = HeadChunks((rows + 8,), ((op, head.scratch(rows + 8) - head.scratch(rows)),)).applied(variant.profile)
+    assert variant.peak_bytes <= limit < simulate(larger, variant.plan).peak_bytes
+    ids, labels = batches[0]
+    measured = measure_cpu_allocator(lambda m: m(input_ids=ids, labels=labels).loss.backward(), model).peak_bytes
+    assert measured <= variant.peak_bytes
+
+
+def test_a_dynamic_graphs_chunk_grows_at_the_token_count_of_the_sizes_it_is_planned_for():
+    """Lengths that change every step: the graph is captured with a symbolic length and planned at its bound. Under
+    a budget far above the step, the chunk grows to every token at the bound; training is as eager."""
+    model, batches = _llama(), _batches([24, 40, 32, 48])
+    reference = copy.deepcopy(model)
+    expected = _train(reference, reference, batches)
+    run = sublinear.apply(model, dataclasses.replace(CHUNKED, memory_budget=1 << 30))
+    _assert_trains_alike(_train(run, model, batches), expected)
+    backend = model.forward.sublinear_backend
+    variant = next(iter(backend.latest.values()))
+    graph = backend.graphs[-1].graph
+    head = graph.lm_heads[0]
+    assert graph.sizes is not None and head.token_expression and variant.bound
+    at_bound = 4 * max(variant.bound.values())
+    assert variant.lesson.chunks.rows == (at_bound,) and head.rows < at_bound
 
 
 @pytest.mark.slow

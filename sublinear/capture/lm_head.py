@@ -23,18 +23,20 @@ import inspect
 import math
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 
 from sublinear.capture.dynamo import CapturedGraph, describe_node, module_path
-from sublinear.capture.lm_head_op import REDUCTIONS, chunked_linear_cross_entropy
+from sublinear.capture.lm_head_op import LINEAR_CROSS_ENTROPY, REDUCTIONS, ROWS_ARGUMENT, chunked_linear_cross_entropy
 from sublinear.capture.returned_logits import ReturnedLogits, return_logits_lazily
+from sublinear.profiling.tracking import inside_peak
 from sublinear.tensors import size_hint
 
-__all__ = ["LMHead", "chunk_lm_heads", "device_type", "with_lm_heads_chunked"]
+__all__ = ["LMHead", "chunk_lm_heads", "device_type", "with_chunk_rows", "with_lm_heads_chunked"]
 
 _CROSS_ENTROPY = (F.cross_entropy,)
 _LINEAR = (F.linear, torch._C._nn.linear)
@@ -71,10 +73,25 @@ class LMHead:
     softcap: float = 0.0  # logits soft-capped as cap * tanh(logits / cap) (0: none)
     reason: str = ""
     returned: ReturnedLogits | None = None  # the logits the graph returns, detached, their gradient attached outside
+    # the chunked op's arguments, each tensor as its dtype (its shape follows from the sizes above)
+    arguments: tuple = field(default=(), compare=False, repr=False)
+    # the token count as an expression of the graph's symbolic sizes, in TorchDynamo's names ("": fixed)
+    token_expression: str = ""
 
     @property
     def chunked(self) -> bool:
         return not self.reason
+
+    def scratch(self, rows: int, tokens: int | None = None) -> int:
+        """The bytes the chunked op holds inside its call beyond its results, in chunks of ``rows`` tokens, over
+        ``tokens`` tokens (None: the head's at capture)."""
+        tokens = self.tokens if tokens is None else tokens
+        shapes = ((tokens, self.hidden), (self.vocabulary, self.hidden), (self.vocabulary,), (tokens,),
+                  (tokens, self.vocabulary))
+        arguments = [torch.empty(shapes[k], dtype=a, device="meta") if isinstance(a, torch.dtype) and k < len(shapes)
+                     else a for k, a in enumerate(self.arguments)]
+        arguments[ROWS_ARGUMENT] = rows
+        return inside_peak(LINEAR_CROSS_ENTROPY, arguments)
 
     def __str__(self) -> str:
         if not self.chunked:
@@ -92,15 +109,36 @@ def with_lm_heads_chunked(graph: CapturedGraph, flops_per_byte: FlopsPerByte) ->
     every cross-entropy found in ``lm_heads``; ``graph`` itself when it has no cross-entropy."""
     if not any(n.op == "call_function" and n.target in _CROSS_ENTROPY for n in graph.graph_module.graph.nodes):
         return graph
-    copied = fx.Graph()
-    output = copied.graph_copy(graph.graph_module.graph, {})
-    copied.output(output)
-    module = fx.GraphModule(graph.graph_module, copied)
+    module = _copied(graph.graph_module)
     heads = chunk_lm_heads(module, flops_per_byte)
     if not any(head.chunked for head in heads):
         return dataclasses.replace(graph, lm_heads=tuple(heads))
     return dataclasses.replace(graph, graph_module=module, lm_heads=tuple(heads),
                                returned_logits=tuple(head.returned for head in heads if head.returned is not None))
+
+
+def with_chunk_rows(graph: CapturedGraph, rows: Sequence[int]) -> CapturedGraph:
+    """``graph`` with its chunked heads computed in chunks of ``rows`` tokens (one count per chunked head, in graph
+    order), in a copy of its module; its ``code`` is kept (the graph computes the same values)."""
+    module = _copied(graph.graph_module)
+    calls = [n for n in module.graph.nodes if n.op == "call_function" and n.target is chunked_linear_cross_entropy]
+    chunked = [k for k, head in enumerate(graph.lm_heads) if head.chunked]
+    if len(calls) != len(rows) or len(chunked) != len(rows):
+        raise ValueError(f"{len(rows)} chunk sizes for a graph of {len(calls)} chunked LM heads")
+    for call, count in zip(calls, rows):
+        call.update_arg(ROWS_ARGUMENT, int(count))
+    module.recompile()
+    heads = list(graph.lm_heads)
+    for k, count in zip(chunked, rows):
+        heads[k] = dataclasses.replace(heads[k], rows=int(count))
+    return dataclasses.replace(graph, graph_module=module, lm_heads=tuple(heads))
+
+
+def _copied(module: fx.GraphModule) -> fx.GraphModule:
+    copied = fx.Graph()
+    output = copied.graph_copy(module.graph, {})
+    copied.output(output)
+    return fx.GraphModule(module, copied)
 
 
 def device_type(graph: CapturedGraph) -> str:
@@ -158,10 +196,11 @@ def _chunk(graph: fx.Graph, node: fx.Node, flops_per_byte: FlopsPerByte) -> LMHe
     if tokens < 2 * width:
         return LMHead(where, reason=f"{tokens} tokens, fewer than twice the hidden size {width}: the weight's "
                                     "gradient, computed in forward, would hold about as much as the logits")
-    itemsize = _value(head.linear).dtype.itemsize  # the dtype the product runs in (autocast's, under autocast)
+    linear_dtype = _value(head.linear).dtype  # the dtype the product runs in (autocast's, under autocast)
+    itemsize = linear_dtype.itemsize
     rows = chunk_rows(tokens, itemsize, flops_per_byte(itemsize))
     returned = return_logits_lazily(graph, top, steps[0] if steps else node, hidden, (weight, bias, head.added_bias),
-                                    head.softcap, _value(head.linear).dtype, _where(head.linear))
+                                    head.softcap, linear_dtype, _where(head.linear))
     reads_logits = returned is None and len(top.users) > 1 and all(s.target != operator.getitem for s in steps)
     with graph.inserting_before(node):
         rows_in, weight_in, bias_in = _head_inputs(graph, head, hidden, weight, bias, steps, width)
@@ -170,11 +209,19 @@ def _chunk(graph: fx.Graph, node: fx.Node, flops_per_byte: FlopsPerByte) -> LMHe
             rows_in, weight_in, bias_in, target, logits_in, options["ignore_index"], options["reduction"],
             float(options["label_smoothing"]), value.dtype, rows, head.softcap))
     loss.meta = dict(node.meta)
+    # each tensor argument (hidden rows, weight, bias, targets, logits) as its dtype; a tensor held here would count
+    # in a step measured on meta, and be held beside it
+    arguments = tuple((target_value.dtype if k == 3 else linear_dtype) if isinstance(a, fx.Node) else a
+                      for k, a in enumerate(loss.args))
+    token_expression = str(value.shape[0].node.expr) if isinstance(value.shape[0], torch.SymInt) else ""
     node.replace_all_uses_with(loss)
     for dead in [node, *reversed(steps), *head.nodes]:  # the loss, the steps, the head's nodes, outermost first
         if not dead.users:
             graph.erase_node(dead)
-    return LMHead(_where(head.linear), vocabulary, width, tokens, rows, reads_logits, head.softcap, returned=returned)
+    return LMHead(_where(head.linear), vocabulary, width, tokens, rows, reads_logits, head.softcap, returned=returned,
+                  arguments=arguments, token_expression=token_expression)
+
+
 
 
 @dataclass(frozen=True)

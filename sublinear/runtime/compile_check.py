@@ -27,6 +27,7 @@ from sublinear.core.units import format_bytes
 from sublinear.execute.compiled import CompiledGraph, CompiledStepMemory
 from sublinear.planners import BudgetError
 from sublinear.planners.driver import step_floor
+from sublinear.runtime.head_chunks import HeadChunks
 from sublinear.runtime.variant import GraphVariant
 from sublinear.simulation.calibration import recompute_ranks, taught, trace_by_slot
 
@@ -63,6 +64,7 @@ class Lesson:
 
     profiled: Profiled
     disk_key: str
+    chunks: HeadChunks | None = None  # the LM heads' chunks the variant runs (its profile: the profiled's, applied)
 
 
 class CompileCheck:
@@ -126,20 +128,20 @@ class CompileCheck:
         ``afresh``: teach the profile as it was before any compile check (the lessons of other plans put aside,
         so that the profile predicts this plan as compiled)."""
         lesson = variant.lesson
-        profiled = lesson.profiled
+        profiled, chunks = lesson.profiled, lesson.chunks
         if afresh:
             profiled.profile = profiled.untaught
+        run = chunks.applied(profiled.profile) if chunks is not None else profiled.profile  # at the variant's chunks
         forward, backward = trace_by_slot(((p.phase, p.live, p.nodes, p.call) for p in memory.trace),
-                                          {name: profiled.profile.op_of_node[i]
-                                           for i, name in enumerate(profiled.node_names)},
-                                          profiled.backward_ranks, profiled.profile.num_ops,
-                                          recompute_ranks(profiled.profile, variant.plan))
-        profiled.profile = taught(profiled.profile, variant.plan, forward, backward)
+                                          {name: run.op_of_node[i] for i, name in enumerate(profiled.node_names)},
+                                          profiled.backward_ranks, run.num_ops, recompute_ranks(run, variant.plan))
+        run = taught(run, variant.plan, forward, backward)
+        profiled.profile = chunks.undone(run) if chunks is not None else run
         profiled.lessons += 1
         entry = self.plans.load(lesson.disk_key)
         if entry is not None and Plan.from_dict(entry) == variant.plan:
             self.plans.store(lesson.disk_key, {**entry, "costs": costs_of(profiled.profile)})
-        variant.note_compiled(memory.peak, dataclasses.replace(profiled.profile, sharding=variant.profile.sharding,
+        variant.note_compiled(memory.peak, dataclasses.replace(run, sharding=variant.profile.sharding,
                                                                 step_context=variant.profile.step_context))
 
 

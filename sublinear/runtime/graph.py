@@ -153,7 +153,8 @@ class GraphRuntime:
         keys = [k for k, v in self.variants.items() if v is variant]
         self.variants = {k: v for k, v in self.variants.items() if v is not variant}
         self.session.pipeline.remember_prior(self.graph.code, Prior(variant.plan, variant.rewritten,
-                                                                    keys[0] if keys else None, variant.bound))
+                                                                    keys[0] if keys else None, variant.bound,
+                                                                    variant.lesson.chunks if variant.lesson else None))
 
     def __call__(self, *values: Any) -> Any:
         if not torch.is_grad_enabled() or not _any_requires_grad(values):

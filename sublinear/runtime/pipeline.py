@@ -18,6 +18,8 @@ from torch.utils._pytree import tree_leaves
 from sublinear.cache import PlanCache, Recent
 from sublinear.capture.dynamo import CapturedGraph
 from sublinear.capture.joint import JointGraph, JointTraceError, trace_joint
+from sublinear.capture.lm_head import with_chunk_rows
+from sublinear.capture.lm_head_op import LINEAR_CROSS_ENTROPY, chunked_linear_cross_entropy
 from sublinear.capture.shapes import Binding
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core.analysis import analyse
@@ -31,6 +33,7 @@ from sublinear.profiling.compiled import profile_joint
 from sublinear.profiling.graph import profile
 from sublinear.runtime.calls import upcoming_context
 from sublinear.runtime.compile_check import CompileCheck, Lesson, Profiled, may_fit_without_guessed_outputs
+from sublinear.runtime.head_chunks import HeadChunks, grown_head_chunks
 from sublinear.runtime.plans import summarise_plan
 from sublinear.runtime.variant import GraphVariant
 from sublinear.simulation.timeline import simulate
@@ -119,8 +122,27 @@ class PlanPipeline:
             choice = self._choose(runtime, profile_, objective, entry, store_key, disk_key, settled)
         if not choice.settling:
             self.plans.remember(store_key, (profiled, choice.plan, choice.result))
+        chunks = None if lowest or choice.settling else self._head_chunks(graph, values, key, bound, profiled,
+                                                                          profile_, choice, budget)
         return self._variant(runtime, values, (key, disk_key), bound, profiled, profile_, objective, budget, choice,
-                             context, time.perf_counter() - started, executor)
+                             context, time.perf_counter() - started, executor, chunks)
+
+    def _head_chunks(self, graph: CapturedGraph, values: Sequence[Any], key: tuple, bound: Binding,
+                     profiled: Profiled, profile_: GraphProfile, choice: _Choice,
+                     budget: int | None) -> HeadChunks | None:
+        """The chunked LM heads' chunks grown into the memory the plan leaves under the budget
+        (:mod:`sublinear.runtime.head_chunks`); a kept prior's, whose compiled code runs them."""
+        if choice.prior is not None:
+            return choice.prior.chunks
+        if budget is None or not any(head.chunked for head in graph.lm_heads):
+            return None
+        if profiled.node_names is None:  # the eager executor's profile: the captured graph's nodes
+            nodes, target = list(graph.graph_module.graph.nodes), chunked_linear_cross_entropy
+        else:  # inductor's: the joint graph's forward
+            nodes, target = self.profiles.joint(graph, values, key, bound).forward, LINEAR_CROSS_ENTROPY
+        op_of_node = profile_.op_of_node
+        head_ops = [op_of_node[i] for i, node in enumerate(nodes) if node.target is target and i in op_of_node]
+        return grown_head_chunks(graph.lm_heads, head_ops, profile_, choice.plan, budget, graph.sizes, bound)
 
     # -- choosing the plan --------------------------------------------------------------------------------------
 
@@ -146,7 +168,7 @@ class PlanPipeline:
             log.info("sublinear: the stored plan for graph %d no longer meets %s; planning again", runtime.index,
                      objective.describe())
         elif prior is not None and prior.plan.split_points[-1] == profile_.num_ops - 1 and \
-                _still_best(objective, prior.plan, profile_, eager):
+                _still_best(objective, prior.plan, prior.chunks.applied(profile_) if prior.chunks else profile_, eager):
             # What the latest call showed (its outputs' uses, the other graphs) changed the profile; the plan
             # still meets the objective, and keeping it keeps its compiled code.
             return _Choice(prior.plan, None, "the previous plan, which still meets the objective", False, prior=prior)
@@ -166,8 +188,10 @@ class PlanPipeline:
 
     def _variant(self, runtime: GraphRuntime, values: Sequence[Any], keys: tuple[tuple, str], bound: Binding,
                  profiled: Profiled, profile_: GraphProfile, objective: Objective, budget: int | None,
-                 choice: _Choice, context, seconds: float, executor: str) -> GraphVariant:
+                 choice: _Choice, context, seconds: float, executor: str, chunks: HeadChunks | None) -> GraphVariant:
         graph, plan, (key, disk_key) = runtime.graph, choice.plan, keys
+        if chunks is not None:
+            graph, profile_ = with_chunk_rows(graph, chunks.rows), chunks.applied(profile_)
         sim = simulate(profile_, plan)
         rewritten = self.executors.for_plan(graph, key, bound, profiled, profile_, plan, choice.prior)
         result = choice.result
@@ -180,7 +204,7 @@ class PlanPipeline:
         return GraphVariant(profile=profile_, plan=plan, simulation=sim, rewritten=rewritten, summary=summary,
                             auto_budget=self.config.memory_budget == "auto", objective=objective, planned_in=context,
                             uses=profile_.output_uses, budget=budget, settling=choice.settling, bound=bound,
-                            lesson=Lesson(profiled, disk_key))
+                            lesson=Lesson(profiled, disk_key, chunks))
 
     # -- budgets ------------------------------------------------------------------------------------------------
 
@@ -266,7 +290,8 @@ class _Executors:
                 and (prior.key, prior.bound) == (key, bound)):
             return prior.rewritten
         compiled = CompiledGraph(graph, analyse(profile_, plan), profiled.node_names, bound)
-        compiled_key = (graph.code, key, tuple(sorted(bound.items())), compiled.partitioner.uuid())
+        compiled_key = (graph.code, key, tuple(sorted(bound.items())), compiled.partitioner.uuid(),
+                        tuple(head.rows for head in graph.lm_heads))
         return self.compiled.setdefault(compiled_key, compiled)
 
 
@@ -279,6 +304,7 @@ class Prior:
     rewritten: RewrittenGraph | CompiledGraph
     key: tuple | None
     bound: Binding
+    chunks: HeadChunks | None = None  # the LM heads' chunks its executor runs (None: as captured)
 
 
 @dataclasses.dataclass(frozen=True)
