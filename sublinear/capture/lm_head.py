@@ -22,8 +22,7 @@ import dataclasses
 import inspect
 import math
 import operator
-from collections.abc import Callable
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -220,8 +219,6 @@ def _chunk(graph: fx.Graph, node: fx.Node, flops_per_byte: FlopsPerByte) -> LMHe
             graph.erase_node(dead)
     return LMHead(_where(head.linear), vocabulary, width, tokens, rows, reads_logits, head.softcap, returned=returned,
                   arguments=arguments, token_expression=token_expression)
-
-
 
 
 @dataclass(frozen=True)

@@ -131,18 +131,19 @@ class CompileCheck:
         profiled, chunks = lesson.profiled, lesson.chunks
         if afresh:
             profiled.profile = profiled.untaught
-        run = chunks.applied(profiled.profile) if chunks is not None else profiled.profile  # at the variant's chunks
+        at_chunks = chunks.applied(profiled.profile) if chunks is not None else profiled.profile  # as the variant runs
         forward, backward = trace_by_slot(((p.phase, p.live, p.nodes, p.call) for p in memory.trace),
-                                          {name: run.op_of_node[i] for i, name in enumerate(profiled.node_names)},
-                                          profiled.backward_ranks, run.num_ops, recompute_ranks(run, variant.plan))
-        run = taught(run, variant.plan, forward, backward)
-        profiled.profile = chunks.undone(run) if chunks is not None else run
+                                          {name: at_chunks.op_of_node[i] for i, name in enumerate(profiled.node_names)},
+                                          profiled.backward_ranks, at_chunks.num_ops,
+                                          recompute_ranks(at_chunks, variant.plan))
+        at_chunks = taught(at_chunks, variant.plan, forward, backward)
+        profiled.profile = chunks.undone(at_chunks) if chunks is not None else at_chunks
         profiled.lessons += 1
         entry = self.plans.load(lesson.disk_key)
         if entry is not None and Plan.from_dict(entry) == variant.plan:
             self.plans.store(lesson.disk_key, {**entry, "costs": costs_of(profiled.profile)})
-        variant.note_compiled(memory.peak, dataclasses.replace(run, sharding=variant.profile.sharding,
-                                                                step_context=variant.profile.step_context))
+        variant.note_compiled(memory.peak, dataclasses.replace(at_chunks, sharding=variant.profile.sharding,
+                                                                      step_context=variant.profile.step_context))
 
 
 def may_fit_without_guessed_outputs(runtime: GraphRuntime, peak: int, profile: GraphProfile, budget: int) -> bool:
