@@ -74,7 +74,7 @@ class SublinearMemoryConfig:
     memory_headroom: float = 0.1
     max_time_ratio: float = 1.35
     min_memory_per_time: float = 1.0
-    planners: tuple[str, ...] = ("grid", "optimal", "genetic", "local")
+    planners: tuple[str, ...] = ("grid", "mincut", "optimal", "genetic", "local")
     cost_model: str = "auto"
     seed: int = 0
     compiler: str = "auto"

@@ -285,7 +285,7 @@ def test_planner_runs_the_genetic_search_only_when_asked(chain_profile, monkeypa
 
     monkeypatch.setattr(genetic, "genetic_search", refuse)
     result = make_plan(chain_profile, SublinearMemoryConfig(genetic_nr_iter=0, cache_dir=""))
-    assert len(result.history) == 3  # the grid, the optimal planner and the local search
+    assert len(result.history) == 4  # the grid, the min cut, the optimal planner and the local search
     with pytest.raises(AssertionError, match="genetic search called"):
         make_plan(chain_profile, SublinearMemoryConfig(genetic_nr_iter=1, cache_dir=""))
 
@@ -294,8 +294,8 @@ def test_planner_uses_the_genetic_result(chain_profile):
     grid = make_plan(chain_profile, SublinearMemoryConfig(planners=("grid",), cache_dir="", min_memory_per_time=0))
     refined = make_plan(chain_profile, _config(cache_dir=""))
     objective = refined.objective
-    # the grid, the optimal planner, each generation, the GA's result, the local search
-    assert len(refined.history) == 1 + 1 + 6 + 1 + 1
+    # the grid, the min cut, the optimal planner, each generation, the GA's result, the local search
+    assert len(refined.history) == 1 + 1 + 1 + 6 + 1 + 1
     assert refined.history[0].plan == grid.plan
     ranks = [objective(c) for c in refined.history]
     assert ranks == sorted(ranks, reverse=True)  # the best objective value so far
