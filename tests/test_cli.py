@@ -270,15 +270,15 @@ def test_maxbatch_skips_baselines_that_do_not_apply_and_writes_markdown(user_mod
     assert main(argv) == 0
     printed = capsys.readouterr().out.splitlines()
     eager = next(line for line in printed if line.startswith("eager"))
-    grid = next(line for line in printed if line.startswith("sublinear grid+optimal"))
-    assert int(grid[44:].split()[0]) > int(eager[44:].split()[0])
+    grid = next(line for line in printed if line.startswith("sublinear grid+mincut+optimal"))
+    assert int(grid[56:].split()[0]) > int(eager[56:].split()[0])
     notes = [line for line in printed if line.startswith("note:")]
     assert len(notes) == 3 and "checkpoint every block skipped: no residual blocks" in notes[0]
     assert "HF gradient_checkpointing_enable skipped" in notes[2]
     text = out.read_text()
     assert f"`sublinear {' '.join(argv)}`" in text
     rows = [line.split(" | ")[1] for line in text.splitlines() if line.startswith("| cli_test_models:deep_mlp")]
-    assert rows == ["eager", "sublinear grid+optimal+local, time <= 1.35"]
+    assert rows == ["eager", "sublinear grid+mincut+optimal+local, time <= 1.35"]
     assert text.count("Note: ") == 3
     assert not (user_models / "plan-cache").exists()  # planning time is reported: no plan from (or to) the cache
 
@@ -329,11 +329,11 @@ def test_console_script_imports_from_the_current_directory(tmp_path):
 def test_maxbatch_end_to_end(capsys):
     assert main(["maxbatch", "--model", "tiny-resnet", "--budget", "64MiB", "--genetic-iters", "0"]) == 0
     out = capsys.readouterr().out
-    for row in ("eager", "checkpoint every block", "sublinear grid+optimal"):
+    for row in ("eager", "checkpoint every block", "sublinear grid+mincut+optimal"):
         assert row in out
-    sublinear_row = next(line for line in out.splitlines() if line.startswith("sublinear grid+optimal"))
+    sublinear_row = next(line for line in out.splitlines() if line.startswith("sublinear grid+mincut+optimal"))
     eager_row = next(line for line in out.splitlines() if line.startswith("eager"))
-    assert int(sublinear_row[44:].split()[0]) > int(eager_row[44:].split()[0])
+    assert int(sublinear_row[56:].split()[0]) > int(eager_row[56:].split()[0])
 
 
 @pytest.mark.slow
@@ -345,8 +345,8 @@ def test_maxbatch_writes_markdown_with_its_command_and_plans_afresh(tmp_path, ca
     text = out.read_text()
     assert f"`sublinear {' '.join(argv)}`" in text
     rows = [line for line in text.splitlines() if line.startswith("| tiny-resnet")]
-    assert [r.split(" | ")[1] for r in rows] == ["eager", "sublinear grid+optimal+local, time <= 1.35",
-                                                 "sublinear grid+optimal+local, time <= 1.5"]
+    assert [r.split(" | ")[1] for r in rows] == ["eager", "sublinear grid+mincut+optimal+local, time <= 1.35",
+                                                 "sublinear grid+mincut+optimal+local, time <= 1.5"]
     capped, looser = rows[1].split(" | "), rows[2].split(" | ")
     assert int(capped[2]) > int(rows[0].split(" | ")[2]) and float(capped[4]) <= 1.35
     assert int(looser[2]) >= int(capped[2]) and float(looser[4]) <= 1.5
@@ -358,9 +358,9 @@ def test_maxbatch_hf_model_end_to_end(capsys):
     import transformers  # noqa: F401  (in the test extra)
     assert main(["maxbatch", *TINY_HF, "--layers", "2", "--memory-budget", "24MiB", "--genetic-iters", "0"]) == 0
     out = capsys.readouterr().out
-    rows = {line[:44].strip(): line[44:].split() for line in out.splitlines()
-            if line.startswith(("eager", "checkpoint every", "HF gradient", "sublinear grid+optimal"))}
-    grid = "sublinear grid+optimal+local, time <= 1.35"
+    rows = {line[:56].strip(): line[56:].split() for line in out.splitlines()
+            if line.startswith(("eager", "checkpoint every", "HF gradient", "sublinear grid+mincut+optimal"))}
+    grid = "sublinear grid+mincut+optimal+local, time <= 1.35"
     assert set(rows) == {"eager", "checkpoint every block", "HF gradient_checkpointing_enable", grid}
     assert int(rows["HF gradient_checkpointing_enable"][0]) > int(rows["eager"][0])
     assert int(rows[grid][0]) > int(rows["eager"][0]) and float(rows[grid][2]) <= 1.35

@@ -37,8 +37,8 @@ def _ratio(value: float) -> str:
 
 def maxbatch_text(model: str, rows: Sequence[StrategyResult]) -> str:
     eager = rows[0].max_batch or 1
-    lines = [f"{'strategy':44s} {'max batch':>9s} {'x eager':>8s} {'time':>7s} {'FLOPs':>7s} {'planning s':>10s}"]
-    lines += [f"{r.strategy:44s} {r.max_batch:9d} {r.max_batch / eager:8.2f} {_ratio(r.time_ratio):>7s} "
+    lines = [f"{'strategy':56s} {'max batch':>9s} {'x eager':>8s} {'time':>7s} {'FLOPs':>7s} {'planning s':>10s}"]
+    lines += [f"{r.strategy:56s} {r.max_batch:9d} {r.max_batch / eager:8.2f} {_ratio(r.time_ratio):>7s} "
               f"{_ratio(r.flops_ratio):>7s} {_seconds(r.planning_seconds):>10s}" for r in rows]
     return f"{model}:\n" + "\n".join(lines)
 
