@@ -15,7 +15,7 @@ from sublinear.core import Plan
 from sublinear.core.analysis import analyse
 from sublinear.measurement import measure_cpu_allocator
 from sublinear.planners import make_plan
-from sublinear.planners.mincut import MinCutPlanner, banned_at, cut_kept, cut_storages, levels
+from sublinear.planners.mincut import CutNetwork, MinCutPlanner, banned_at, levels
 from sublinear.profiling.compiled import profile_joint
 from sublinear.simulation.timeline import simulate
 from sublinear.training import training_step
@@ -59,8 +59,8 @@ def test_the_cut_keeps_the_fewest_bytes_from_which_a_cheap_chain_is_rebuilt(size
     # second (3), and the loss (4). Backward reads 1 and 2: keeping 0 rebuilds both, keeping 1 rebuilds 2.
     profile = _profile(5, {1: [0], 2: [1], 3: [2], 4: [3]}, {1: (2,), 2: (3,)}, sizes)
     banned = _banned(5, [0, 3, 4])
-    assert cut_storages(profile, banned).tolist() == kept
-    plan = Plan.of([3], 5, cut_kept(profile, banned))
+    assert CutNetwork(profile).storages(banned).tolist() == kept
+    plan = Plan.of([3], 5, CutNetwork(profile).kept(banned))
     rerun = set(itertools.chain.from_iterable(analyse(profile, plan).closure))
     assert rerun == {1, 2} - set(kept) and not rerun & {0, 3}
 
@@ -74,7 +74,7 @@ def test_the_cut_is_the_least_bytes_any_set_of_kept_storages_can_rebuild_backwar
     saved = {o: (rng.choice(readers[o] or [o]),) for o in range(n) if rng.random() < 0.6}
     profile = _profile(n, reads, saved, [rng.choice([100, 200, 400, 800, 1600]) for _ in range(n)])
     banned = np.array([rng.random() < 0.3 for _ in range(n)], dtype=bool)
-    cut = cut_storages(profile, banned)
+    cut = CutNetwork(profile).storages(banned)
     assert _rebuildable(profile, banned, cut)
     least = min(int(profile.storage_bytes[list(k)].sum()) for size in range(n + 1)
                 for k in itertools.combinations(range(n), size) if _rebuildable(profile, banned, k))
@@ -87,7 +87,7 @@ def test_at_every_level_a_recompute_reruns_no_banned_op(meta_resnet50):
     assert found == sorted(found) and found[-1] == float("inf") and 2 <= len(found) <= 17
     for level in found:
         banned = banned_at(profile, level)
-        plan = Plan.of([profile.num_ops - 2], profile.num_ops, cut_kept(profile, banned))
+        plan = Plan.of([profile.num_ops - 2], profile.num_ops, CutNetwork(profile).kept(banned))
         rerun = set(itertools.chain.from_iterable(analyse(profile, plan).closure))
         assert not rerun & set(np.flatnonzero(banned).tolist())
     proposed = MinCutPlanner().propose(problem_for(profile), [])
@@ -152,7 +152,7 @@ def _gpt2(dropout: float):
 def _min_cut_plan(profile):
     """The min cut at the lowest level: every op with FLOPs kept, the cheap ops between them recomputed."""
     n = profile.num_ops
-    return Plan.of([n - 2], n, cut_kept(profile, banned_at(profile, levels(profile)[0])))
+    return Plan.of([n - 2], n, CutNetwork(profile).kept(banned_at(profile, levels(profile)[0])))
 
 
 def _planned(model, ids, compiler, plan_for):

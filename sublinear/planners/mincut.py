@@ -3,7 +3,7 @@ from which backward can rebuild what it reads. This is the choice AOTAutograd's 
 plans, so that single cheap ops (pointwise chains, views, normalisations' outputs) are recomputed without the
 matrix products around them.
 
-**The cut** (:func:`cut_kept`). For a set of *banned* ops, never recomputed, a flow network has per storage an entry
+**The cut** (:class:`CutNetwork`). For a set of *banned* ops, never recomputed, a flow network has per storage an entry
 and an exit joined by an edge of the storage's bytes (keeping it costs its bytes); the source feeds the entry of
 every storage a banned op makes, or an op that reads no storage (parameters and inputs are always there); the exit
 of every storage an op reads feeds the entry of every storage that op makes (rebuilding a value needs what its op
@@ -32,7 +32,7 @@ from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile
 from sublinear.planners.base import PlanningProblem, register_planner
 
-__all__ = ["MinCutPlanner", "banned_at", "cut_kept", "cut_storages", "levels"]
+__all__ = ["CutNetwork", "MinCutPlanner", "banned_at", "levels"]
 
 MAX_LEVELS = 16
 BLOCK_PLANS = 2
@@ -60,44 +60,53 @@ def banned_at(profile: GraphProfile, level: float) -> np.ndarray:
     return banned
 
 
-def cut_kept(profile: GraphProfile, banned: np.ndarray) -> frozenset[int]:
-    """The ops to keep: the producers of the cut's storages (:func:`cut_storages`), and the banned ops."""
-    kept = profile.storage_producer[cut_storages(profile, banned)]
-    return frozenset(kept.tolist()) | frozenset(np.flatnonzero(banned).tolist())
+class CutNetwork:
+    """The flow network of the module docstring for one profile, built once: its edges but the source's, which each
+    set of banned ops adds (:meth:`storages`)."""
 
+    def __init__(self, profile: GraphProfile) -> None:
+        count = len(profile.storage_bytes)
+        self.count, self.producer = count, profile.storage_producer
+        unit = max(1, -(-int(profile.storage_bytes.sum()) // _CAPACITY_RANGE))
+        storages = np.arange(count)
+        read_by = [np.array([s for _, s in profile.arrays.inputs_by_reader[op]], dtype=np.int64)
+                   for op in range(profile.num_ops)]
+        read_storages = [read_by[op] for op in self.producer]
+        lengths = np.array([len(r) for r in read_storages], dtype=np.int64)
+        read_back = np.array([bool(savers) for savers in profile.storage_saved_by], dtype=bool)
+        self._rows = np.concatenate([2 * storages, 2 * np.concatenate(read_storages) + 1,
+                                     2 * storages[read_back] + 1]).astype(np.int64)
+        self._cols = np.concatenate([2 * storages + 1, 2 * np.repeat(storages, lengths),
+                                     np.full(read_back.sum(), 2 * count + 1)]).astype(np.int64)
+        self._capacity = np.concatenate([np.maximum(1, profile.storage_bytes // unit),
+                                         np.full(len(self._rows) - count, _UNBOUNDED)]).astype(np.int64)
 
-def cut_storages(profile: GraphProfile, banned: np.ndarray) -> np.ndarray:
-    """The fewest bytes of storages to keep so that backward rebuilds every other storage it reads with unbanned ops
-    (the minimum cut of the module docstring's network), ascending."""
-    from scipy.sparse import csr_matrix
-    from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+    def kept(self, banned: np.ndarray) -> frozenset[int]:
+        """The ops to keep: the producers of the cut's storages (:meth:`storages`), and the banned ops."""
+        return frozenset(self.producer[self.storages(banned)].tolist()) | frozenset(np.flatnonzero(banned).tolist())
 
-    count = len(profile.storage_bytes)
-    source, sink = 2 * count, 2 * count + 1
-    unit = max(1, -(-int(profile.storage_bytes.sum()) // _CAPACITY_RANGE))
-    storages = np.arange(count)
-    producer = profile.storage_producer
-    read_by = [np.array([s for _, s in profile.arrays.inputs_by_reader[op]], dtype=np.int64)
-               for op in range(profile.num_ops)]
-    fed = banned[producer]
-    read_storages = [read_by[op] for op in producer]
-    lengths = np.array([len(r) for r in read_storages], dtype=np.int64)
-    read_back = np.array([bool(savers) for savers in profile.storage_saved_by], dtype=bool)
-    rows = np.concatenate([2 * storages, np.full(fed.sum(), source), 2 * np.concatenate(read_storages) + 1,
-                           2 * storages[read_back] + 1]).astype(np.int64)
-    cols = np.concatenate([2 * storages + 1, 2 * storages[fed], 2 * np.repeat(storages, lengths),
-                           np.full(read_back.sum(), sink)]).astype(np.int64)
-    capacity = np.concatenate([np.maximum(1, profile.storage_bytes // unit),
-                               np.full(len(rows) - count, _UNBOUNDED)]).astype(np.int64)
-    network = csr_matrix((capacity, (rows, cols)), shape=(2 * count + 2,) * 2)
-    network.sum_duplicates()
-    network.data = np.minimum(network.data, _UNBOUNDED).astype(np.int32)
-    residual = (network - maximum_flow(network, source, sink).flow).tocsr()
-    residual.data = (residual.data > 0).astype(np.int8)
-    residual.eliminate_zeros()
-    reached = np.zeros(2 * count + 2, dtype=bool)
-    reached[breadth_first_order(residual, source, directed=True, return_predecessors=False)] = True
-    return storages[reached[2 * storages] & ~reached[2 * storages + 1]]
+    def storages(self, banned: np.ndarray) -> np.ndarray:
+        """The fewest bytes of storages to keep so that backward rebuilds every other storage it reads with unbanned
+        ops (the network's minimum cut once the source feeds the banned ops' storages), ascending."""
+        from scipy.sparse import csr_matrix
+        from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+
+        count = self.count
+        source, sink = 2 * count, 2 * count + 1
+        fed = np.flatnonzero(banned[self.producer])
+        rows = np.concatenate([self._rows, np.full(len(fed), source)])
+        cols = np.concatenate([self._cols, 2 * fed])
+        capacity = np.concatenate([self._capacity, np.full(len(fed), _UNBOUNDED)])
+        network = csr_matrix((capacity, (rows, cols)), shape=(2 * count + 2,) * 2)
+        network.sum_duplicates()
+        network.data = np.minimum(network.data, _UNBOUNDED).astype(np.int32)
+        residual = (network - maximum_flow(network, source, sink).flow).tocsr()
+        residual.data = (residual.data > 0).astype(np.int8)
+        residual.eliminate_zeros()
+        reached = np.zeros(2 * count + 2, dtype=bool)
+        reached[breadth_first_order(residual, source, directed=True, return_predecessors=False)] = True
+        storages = np.arange(count)
+        return storages[reached[2 * storages] & ~reached[2 * storages + 1]]
 
 
 class MinCutPlanner:
@@ -115,9 +124,10 @@ class MinCutPlanner:
         if n < 2 or not len(profile.storage_bytes):
             return []
         boundaries = [(n - 2, n - 1), *dict.fromkeys(c.plan.split_points for c in pool[:BLOCK_PLANS])]
+        network = CutNetwork(profile)
         plans = []
         for level in levels(profile):
-            kept = cut_kept(profile, banned_at(profile, level))
+            kept = network.kept(banned_at(profile, level))
             plans.extend(Plan.of(points, n, kept) for points in boundaries)
         return problem.candidates(plans, "min cut")
 
