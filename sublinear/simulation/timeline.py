@@ -253,12 +253,19 @@ def _rerun_until(profile: GraphProfile, at: _Layout, reads: _Reads, copies: _Cop
     last_read = at.c_slot.copy()
     np.maximum.at(last_read, copies.pair, copies.stop)
     until[fused] = last_read[fused]
-    pair_of_op = {int(o): k for k, o in enumerate(at.c_ops)}
-    for k in np.argsort(-at.c_ops, kind="stable"):  # readers after their producers: descending ops
-        for j in np.flatnonzero((reads.pair == k) & reads.inside):
-            p = pair_of_op.get(int(reads.producer[j]))
-            if p is not None and fused[p]:
-                until[p] = max(until[p], until[k])
+    pair_of_op = np.full(at.n, -1, dtype=np.int64)
+    last = len(at.c_ops) - 1 - np.unique(at.c_ops[::-1], return_index=True)[1]  # an op's last pair
+    pair_of_op[at.c_ops[last]] = last
+    readers, producers = reads.pair[reads.inside], pair_of_op[reads.producer[reads.inside]]
+    chained = producers >= 0
+    chained[chained] = fused[producers[chained]]
+    readers, producers = readers[chained], producers[chained]
+    position = np.empty(len(at.c_ops), dtype=np.int64)
+    position[np.argsort(-at.c_ops, kind="stable")] = np.arange(len(at.c_ops))
+    order = np.argsort(position[readers], kind="stable")  # readers after their producers: descending ops
+    for k, p in zip(readers[order].tolist(), producers[order].tolist()):
+        if until[k] > until[p]:
+            until[p] = until[k]
     return until
 
 
