@@ -261,7 +261,7 @@ class ResultsTakenAtOnce(CustomSchedulerPass):
         origins = self.origins.setdefault("backward" if V.graph.is_backward else "forward", {})
         for node in nodes:
             for inner in node.get_nodes():
-                names = tuple(sorted(o.name for o in (getattr(inner.node, "origins", None) or ()) if not is_view(o)))
+                names = tuple(sorted(o.name for o in (getattr(inner.node, "origins", None) or ()) if _computes(o)))
                 for buffer in inner.get_outputs():
                     origins[buffer.get_name()] = names
             if isinstance(getattr(node, "node", None), ir.MultiOutput) and node.node.inputs:
@@ -286,6 +286,13 @@ class ResultsTakenAtOnce(CustomSchedulerPass):
         # Inductor's cache keys compiled code on this pass's uuid, not on the fusion choices it compiled under
         # (NearFusionChoices): the uuid names both, so that code fused under other rules is never served.
         return "sublinear-results-taken-at-once-1-near-fusion-2"
+
+
+def _computes(node: fx.Node) -> bool:
+    """Whether a buffer made from ``node`` computes it where the buffer is made. A view computes nothing; nor does a
+    concatenation: its buffer is allocated before the kernels that make its parts write them into it, each where
+    its part is made, so it names the parts' nodes, never the concatenation's (whose backward rank is the last)."""
+    return not is_view(node) and node.target is not torch.ops.aten.cat.default
 
 
 class NearFusionChoices(InductorChoices):
