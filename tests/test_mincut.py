@@ -59,8 +59,9 @@ def test_the_cut_keeps_the_fewest_bytes_from_which_a_cheap_chain_is_rebuilt(size
     # second (3), and the loss (4). Backward reads 1 and 2: keeping 0 rebuilds both, keeping 1 rebuilds 2.
     profile = _profile(5, {1: [0], 2: [1], 3: [2], 4: [3]}, {1: (2,), 2: (3,)}, sizes)
     banned = _banned(5, [0, 3, 4])
-    assert CutNetwork(profile).storages(banned).tolist() == kept
-    plan = Plan.of([3], 5, CutNetwork(profile).kept(banned))
+    network = CutNetwork(profile)
+    assert network.storages(banned).tolist() == kept
+    plan = Plan.of([3], 5, network.kept(banned))
     rerun = set(itertools.chain.from_iterable(analyse(profile, plan).closure))
     assert rerun == {1, 2} - set(kept) and not rerun & {0, 3}
 
@@ -85,9 +86,10 @@ def test_at_every_level_a_recompute_reruns_no_banned_op(meta_resnet50):
     profile = meta_resnet50[2]
     found = levels(profile)
     assert found == sorted(found) and found[-1] == float("inf") and 2 <= len(found) <= 17
+    network = CutNetwork(profile)
     for level in found:
         banned = banned_at(profile, level)
-        plan = Plan.of([profile.num_ops - 2], profile.num_ops, CutNetwork(profile).kept(banned))
+        plan = Plan.of([profile.num_ops - 2], profile.num_ops, network.kept(banned))
         rerun = set(itertools.chain.from_iterable(analyse(profile, plan).closure))
         assert not rerun & set(np.flatnonzero(banned).tolist())
     proposed = MinCutPlanner().propose(problem_for(profile), [])

@@ -260,9 +260,7 @@ def _rerun_until(profile: GraphProfile, at: _Layout, reads: _Reads, copies: _Cop
     chained = producers >= 0
     chained[chained] = fused[producers[chained]]
     readers, producers = readers[chained], producers[chained]
-    position = np.empty(len(at.c_ops), dtype=np.int64)
-    position[np.argsort(-at.c_ops, kind="stable")] = np.arange(len(at.c_ops))
-    order = np.argsort(position[readers], kind="stable")  # readers after their producers: descending ops
+    order = np.lexsort((readers, -at.c_ops[readers]))  # readers after their producers: descending ops
     for k, p in zip(readers[order].tolist(), producers[order].tolist()):
         if until[k] > until[p]:
             until[p] = until[k]
