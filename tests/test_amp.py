@@ -81,6 +81,7 @@ def test_plan_counts_half_precision_activations_at_two_bytes():
     assert 0.45 * fp32_activations < bf16_activations < 0.6 * fp32_activations
 
 
+@pytest.mark.slow
 def test_grad_scaler_works_unchanged():
     spec = get_model("tiny-bert")
     torch.manual_seed(0)

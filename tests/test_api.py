@@ -128,6 +128,7 @@ class MoE(nn.Module):
         return out.sum(-1)
 
 
+@pytest.mark.slow
 def test_auxiliary_loss_counters_and_lists_stored_in_forward_behave_as_in_eager():
     torch.manual_seed(0)
     base = MoE().train()
@@ -379,6 +380,7 @@ def test_an_error_of_the_forward_itself_is_raised_as_eager_raises_it():
 # compile, apply, trace
 
 
+@pytest.mark.slow
 def test_decorator_trains_exactly_like_eager_and_leaves_the_module_alone():
     spec = get_model("tiny-resnet")
     torch.manual_seed(0)
@@ -428,6 +430,7 @@ class LightningStyle(nn.Module):
 
 
 @pytest.mark.parametrize("method", ["training_step", "training_step_via_self"])
+@pytest.mark.slow
 def test_decorated_method_plans_the_modules_reached_through_self(method, caplog):
     torch.manual_seed(0)
     module = LightningStyle()
@@ -477,6 +480,7 @@ def test_bare_form_and_call_form_and_pass_through():
     assert g(lin, torch.randn(2, 4)).shape == (2, 4)
 
 
+@pytest.mark.slow
 def test_apply_plans_in_place_and_keeps_class_state_dict_and_optimizer():
     torch.manual_seed(0)
     base = ResidualNet()
@@ -529,6 +533,7 @@ def test_every_entry_point_has_the_plan_with_block_names_by_module_path(caplog):
     assert "no nn.Module among its arguments" in caplog.text and no_model.sublinear_plan is None
 
 
+@pytest.mark.slow
 def test_plan_says_which_layers_end_blocks_are_recomputed_or_kept_at_which_signature():
     torch.manual_seed(0)
     model = ResidualNet()
@@ -542,6 +547,7 @@ def test_plan_says_which_layers_end_blocks_are_recomputed_or_kept_at_which_signa
     assert "(6, 3, 8, 8):float32@cpu" in str(compiled.sublinear_plan)
 
 
+@pytest.mark.slow
 def test_replans_when_the_signature_changes():
     model = ResidualNet()
 
@@ -592,6 +598,7 @@ def searches(monkeypatch) -> list[int]:
     return made
 
 
+@pytest.mark.slow
 def test_a_model_on_meta_planned_ahead_is_not_planned_again_at_its_first_step(searches):
     # Planning ahead captures a meta model on fake CPU tensors; the step's meta tensors must find that plan.
     with torch.device("meta"):
@@ -604,6 +611,7 @@ def test_a_model_on_meta_planned_ahead_is_not_planned_again_at_its_first_step(se
     assert len(searches) == 1 and compiled.sublinear_plan.graphs[0].plan == planned.plan
 
 
+@pytest.mark.slow
 def test_an_applied_module_planned_ahead_under_a_budget_is_not_searched_again_at_its_first_call(searches):
     """Under a budget the first call plans on a data-less twin before running; ``apply`` runs the class's forward
     bound to the module, whose graph must be the twin's (same code), so the call runs that plan."""
@@ -614,6 +622,7 @@ def test_an_applied_module_planned_ahead_under_a_budget_is_not_searched_again_at
     assert len(searches) == 1
 
 
+@pytest.mark.slow
 def test_a_meta_model_is_planned_for_the_eager_executor_at_the_reference_gpu_rates(monkeypatch):
     # Captured on fake CPU tensors, a meta model is still planned as one: for the eager executor (nothing runs on
     # meta), its op times estimated for the reference GPU, not at this CPU's rates.
@@ -644,6 +653,7 @@ def test_pareto_point_applies_in_one_call():
     assert compiled.sublinear_plan.to_plan() == other.plan
 
 
+@pytest.mark.slow
 def test_pickle_and_torch_save_keep_the_model_and_plan_again():
     torch.manual_seed(0)
     model = ResidualNet()
@@ -687,6 +697,7 @@ def test_decorator_inside_ddp_keeps_ddp_and_its_hooks(single_process_group):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name
 
 
+@pytest.mark.slow
 def test_no_trainable_parameters():
     model = ResidualNet()
     for p in model.parameters():
@@ -792,6 +803,7 @@ class TwoHalves(nn.Module):
         return self.second(h).pow(2).mean()
 
 
+@pytest.mark.slow
 def test_a_budget_holds_for_a_split_step_from_its_first_call():
     torch.manual_seed(0)
     base = TwoHalves()
@@ -813,6 +825,7 @@ def test_a_budget_holds_for_a_split_step_from_its_first_call():
     assert plan.baseline_peak_bytes == free.baseline_peak_bytes  # eager's peak, whatever the plans
 
 
+@pytest.mark.slow
 def test_compile_with_a_budget_runs_exactly_and_within_it():
     spec = get_model("tiny-bert")
     torch.manual_seed(0)
@@ -863,6 +876,7 @@ def test_a_graph_whose_outputs_calls_use_differently_is_planned_for_the_most_dem
 
 
 @pytest.mark.parametrize("keeps", [False, True], ids=["dropped", "kept"])
+@pytest.mark.slow
 def test_a_budget_met_only_without_an_output_the_caller_drops_is_refused_only_once_a_call_shows_it_kept(keeps):
     """Before any call the outputs no loss reads are guessed held; a budget the lowest plan meets only without them
     is planned again once a call shows the caller dropping them (met), or refused once one shows it keeping them."""

@@ -79,6 +79,7 @@ class _AttentionStack(nn.Module):
 
 
 @pytest.mark.parametrize("budgeted", [False, True])
+@pytest.mark.slow
 def test_a_plan_made_on_meta_measures_its_prediction_with_attention(budgeted):
     """Recomputed blocks hold attention (backward's recomputations run outside any Python mode of the step)."""
     with torch.device("meta"):

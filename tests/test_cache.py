@@ -36,6 +36,7 @@ def test_miss_then_hit_skips_the_search_and_the_timing_runs(caplog, tmp_path, mo
     assert second.predicted_peak_bytes == first.predicted_peak_bytes
 
 
+@pytest.mark.slow
 def test_another_config_or_shape_misses(tmp_path):
     config = _config(tmp_path)
     _compile(config)
@@ -46,6 +47,7 @@ def test_another_config_or_shape_misses(tmp_path):
 
 @pytest.mark.parametrize("damage", ["garbage"] + [pytest.param(damage, marks=pytest.mark.slow) for damage in (
     "wrong plan", "costs of another graph", "other graph", "null", "a list", "no history")])
+@pytest.mark.slow
 def test_corrupt_or_stale_entries_are_ignored_with_a_warning_and_replaced(tmp_path, damage):
     config = _config(tmp_path, cost_model="estimate")
     good = _compile(config).sublinear_plan
@@ -120,6 +122,7 @@ def test_interrupted_write_leaves_no_entry(tmp_path, monkeypatch):
     assert list((tmp_path / "plans").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_two_executors_of_one_model_keep_their_own_entries(tmp_path, recwarn):
     """The key holds the executor (and the cost model and the config), whose profiles differ: compiling one model
     with each executor, twice, on one disk, hits each entry the second time and warns of nothing."""

@@ -174,6 +174,7 @@ def test_a_forward_without_ops_does_not_stop_later_captures():
     assert len(capture(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (x,)).graphs) == 1
 
 
+@pytest.mark.slow
 def test_graphs_of_a_dropped_compiled_model_are_freed(monkeypatch):
     # TorchDynamo maps each compiled code to its source code strongly, so a dropped entry's cache (every graph
     # captured through it) would stay alive: a max-batch search compiles dozens of times in one process.

@@ -115,6 +115,7 @@ def test_user_model_factory(capsys):
     assert "cannot be planned" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_user_model_imports_from_the_current_directory(user_models, capsys):
     assert main(["plan", *MLP, "--batch", "4"]) == 0
     out = capsys.readouterr().out
@@ -227,6 +228,7 @@ def test_plan_and_profile_end_to_end(capsys):
     assert "per sample" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plan_plots_the_step_memory(user_models, capsys):
     import matplotlib  # noqa: F401  (in the test extra)
     path = user_models / "step.png"

@@ -64,6 +64,7 @@ def residual_training():
     return planned, tuple(unprefixed(part) if isinstance(part, dict) else part for part in reference), graph
 
 
+@pytest.mark.slow
 def test_a_recomputing_plan_runs_compiled_as_planned(residual_training):
     _, _, graph = residual_training
     assert isinstance(graph, CompiledGraph)
@@ -84,12 +85,14 @@ def test_compiled_batchnorm_statistics_update_once(residual_training):
     assert close(state, ref_state)
 
 
+@pytest.mark.slow
 def test_compiled_rng_stream_and_dropout_masks_match_torch_compile(residual_training):
     (_, grads, _, rng), (_, ref_grads, _, ref_rng), _ = residual_training
     assert torch.equal(rng, ref_rng)
     assert torch.allclose(grads["fc.weight"], ref_grads["fc.weight"], rtol=1e-4, atol=1e-6)  # behind the dropout
 
 
+@pytest.mark.slow
 def test_forward_saves_exactly_what_the_plan_keeps(monkeypatch):
     """The partition's saved values are the storages the plan retains for backward or for a recompute."""
     torch.manual_seed(0)
@@ -147,6 +150,7 @@ def test_compiled_prediction_matches_the_cpu_allocator():
         assert compiled.sublinear_plan.predicted_peak_bytes >= as_compiled
 
 
+@pytest.mark.slow
 def test_compiled_budget_plan_stays_within_its_budget():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(4)])
@@ -199,6 +203,7 @@ def test_compiled_autograd_function_keeps_its_backward():
     assert close(grads, ref_grads)
 
 
+@pytest.mark.slow
 def test_compiled_bf16_autocast_matches_torch_compile():
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.Dropout(0.1), nn.Linear(128, 8))
@@ -222,6 +227,7 @@ def test_compiled_bf16_autocast_matches_torch_compile():
     assert close(grads, ref_grads, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_a_graph_inductor_cannot_trace_runs_on_the_eager_executor(monkeypatch, caplog):
     def refuse(*_args, **_kwargs):
         raise JointTraceError("RuntimeError: no lowering for this op")
@@ -240,6 +246,7 @@ def test_a_graph_inductor_cannot_trace_runs_on_the_eager_executor(monkeypatch, c
     assert all(torch.equal(a, b) for a, b in zip(eager[0], planned[0]))  # the eager executor is exact
 
 
+@pytest.mark.slow
 def test_the_joint_graph_names_every_forward_node_after_its_captured_node():
     torch.manual_seed(0)
     model = ResidualNet().train()
@@ -266,6 +273,7 @@ def holding_more_in_backward(monkeypatch, extras: list[int]) -> None:
     monkeypatch.setattr(compiled_executor, "_step_memory", holding_more)
 
 
+@pytest.mark.slow
 def test_a_compiled_step_above_its_budget_is_planned_again_on_what_it_held(monkeypatch):
     """Where the compiled code holds more than predicted, the profile learns what it held and the plan is searched
     again on it for the same budget (never a cut budget), so the step compiled next fits."""
@@ -285,6 +293,7 @@ def test_a_compiled_step_above_its_budget_is_planned_again_on_what_it_held(monke
     assert plan.predicted_before_compile_bytes is not None
 
 
+@pytest.mark.slow
 def test_a_compiled_step_over_its_budget_only_by_outputs_guessed_held_is_checked_again_not_compiled_again(
         monkeypatch):
     """The first call guesses held the outputs no loss reads. A compiled step above the budget by less than them is

@@ -350,6 +350,7 @@ def _compiled_step_peak(compiled: nn.Module, model: nn.Module, x: torch.Tensor) 
                                       "with the GELU's backward and runs it before the weight gradient of the linear "
                                       "reading the GELU, which the simulation holds beside the recomputed values: "
                                       "256.5 KiB (5.5 %) over the measured peak")])])
+@pytest.mark.slow
 def test_the_compiled_step_is_predicted_before_compiling_and_measured_as_the_cpu_allocator_counts(case):
     """"head": the head and its loss chunked (a custom op inductor calls as it is); "unchunked-head" and
     "tied-head": the cross-entropy as inductor compiles it; "dropout": under inductor's ``fallback_random``."""
@@ -387,6 +388,7 @@ class _HeadReturningLogits(_LanguageModelHead):
         return F.cross_entropy(logits.flatten(0, 1), labels), logits
 
 
+@pytest.mark.slow
 def test_a_head_whose_caller_holds_the_logits_is_predicted_before_compiling():
     """The gradient of the logits sums the loss's with theirs (a fused value without a buffer); the values that
     sum is made from are computed inside the one kernel that makes it, so none of them is a buffer (29.9 % over
@@ -410,6 +412,7 @@ def test_a_head_whose_caller_holds_the_logits_is_predicted_before_compiling():
     assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
 
 
+@pytest.mark.slow
 def test_an_activation_a_kept_linear_reads_is_recomputed_alone_and_its_memory_freed_in_the_compiled_step():
     """A linear of a 3-d input reshapes it first (a view inside the linear's op). Recomputing only the activation
     before it drops the activation: backward re-runs the view from the rebuilt value rather than saving the view
@@ -437,6 +440,7 @@ def test_an_activation_a_kept_linear_reads_is_recomputed_alone_and_its_memory_fr
     assert measured <= kept - sum(int(profile.storage_bytes[s]) for s in read_by_linears), (measured, kept)
 
 
+@pytest.mark.slow
 def test_a_kept_normalisations_statistics_let_backward_recompute_its_values_without_the_reduction(monkeypatch):
     """A batch norm's statistics (a reduction over its input) are an op of their own, apart from the normalised
     values: a plan keeping them and recomputing the values saves two numbers per channel, and the compiled backward
@@ -490,6 +494,7 @@ def test_a_stored_value_summed_in_two_loops_of_its_kernel_stays_in_memory(dims, 
     assert {n.name for n in stored} == ({"mul"} if kept else set())
 
 
+@pytest.mark.slow
 def test_buffers_a_backward_value_without_a_buffer_is_made_from_are_held_until_its_last_reader():
     """Inductor computes a pointwise backward value with few loads inside every kernel that reads it (a residual
     block's ReLU gradient, read by its batch norm's backward and by the residual sum of the block before), so the
@@ -643,6 +648,7 @@ def test_a_rerun_op_reads_a_rerun_producers_value_even_where_the_plan_keeps_it()
     assert abs(before - held) <= 0.02 * held, (before, held)
 
 
+@pytest.mark.slow
 def test_a_view_in_forward_is_its_bases_storage():
     """Attention written as matmuls: the product of the probabilities and the values expands the probabilities (a
     view), whose traced value may carry a storage of its own; counted apart, the profile saved a phantom copy of
@@ -701,6 +707,7 @@ def test_a_budget_sweep_is_met_by_every_compiled_step_with_one_compile_and_more_
 
 
 
+@pytest.mark.slow
 def test_lessons_taught_to_every_plan_never_refuse_a_budget_the_lowest_plan_meets_once_compiled(monkeypatch,
                                                                                                   caplog):
     # What a compiled plan held beyond its simulation is taught to every plan at that rank, also where it came from
@@ -744,6 +751,7 @@ class _HeadReturningLogits(_LanguageModelHead):
         return F.cross_entropy(logits.flatten(0, 1), targets), logits
 
 
+@pytest.mark.slow
 def test_the_walk_releases_an_output_the_call_drops_when_forward_returns():
     torch.manual_seed(0)
     model = _HeadReturningLogits().train()
@@ -760,6 +768,7 @@ def test_the_walk_releases_an_output_the_call_drops_when_forward_returns():
 
 @pytest.mark.parametrize("holds", [False, True], ids=["drops", "holds"])
 @pytest.mark.parametrize("config", [INDUCTOR, PLAIN], ids=["inductor", "eager-executor"])
+@pytest.mark.slow
 def test_an_output_the_step_lets_go_before_backward_is_planned_without_it(holds, config):
     torch.manual_seed(0)
     model = _HeadReturningLogits().train()
@@ -800,6 +809,7 @@ class _LossAfterABreak(nn.Module):
 
 
 @pytest.mark.parametrize("config", [INDUCTOR, PLAIN], ids=["inductor", "eager-executor"])
+@pytest.mark.slow
 def test_logits_a_later_graph_reads_are_let_go_before_the_first_graph_runs_backward(config, monkeypatch):
     compiles = []
     real_compile = CompiledGraph._compile
@@ -846,6 +856,7 @@ class _BreakThenHeavyTail(nn.Module):
 
 @pytest.mark.parametrize("config", [PLAIN, pytest.param(INDUCTOR, marks=pytest.mark.slow)],
                          ids=["eager-executor", "inductor"])
+@pytest.mark.slow
 def test_a_budget_for_a_model_planned_graph_by_graph_is_met_once_its_graphs_are_planned_for_each_other(config):
     """The first call plans each graph knowing only the graphs before it; the graphs planned before a later one was
     known are planned again for it, and no BudgetError is raised while a later graph still runs a plan taken for

@@ -162,6 +162,7 @@ def test_toggle_soft_flips_one_point_never_the_last_two(case, rng):
         assert point in plan.split_points[:-2]
 
 
+@pytest.mark.slow
 def test_nested_plans_cut_blocks_with_soft_points(chain_profile):
     n = chain_profile.num_ops
     base = Plan.of([9, 19], n)
@@ -249,6 +250,7 @@ def test_two_workers_give_the_same_result(chain_profile):
     assert (one.best, one.history, one.evaluations) == (two.best, two.history, two.evaluations)
 
 
+@pytest.mark.slow
 def test_every_plan_is_simulated_once(chain_profile, monkeypatch):
     simulated = []
 

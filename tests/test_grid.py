@@ -33,6 +33,7 @@ def chain_profile():
     return profile_of(Chain(50), x)
 
 
+@pytest.mark.slow
 def test_infinite_threshold_is_one_block_and_tiny_threshold_splits_everywhere(chain_profile):
     n = chain_profile.num_ops
     for measure in ("rebuild", "live"):

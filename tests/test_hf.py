@@ -99,6 +99,7 @@ def hf_training(model, inputs: dict, steps: int = 3):
                                     pytest.param("llama", marks=pytest.mark.slow),
                                     pytest.param("t5", marks=pytest.mark.slow),
                                     pytest.param("vit", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_trains_bit_for_bit_like_eager(family, attn):
     torch.manual_seed(0)
     model, kind = tiny_model(family, attn)

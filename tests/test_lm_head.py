@@ -138,6 +138,7 @@ def test_an_hf_causal_lm_head_is_chunked_and_trains_like_eager_over_changing_len
 
 
 
+@pytest.mark.slow
 def test_a_step_that_reads_only_the_loss_never_makes_the_logits_the_model_returns(caplog, monkeypatch):
     """Hugging Face returns the logits beside the loss: forward does not compute them (the whole step holds less
     than they would), the prediction counts none, and the caller still gets them, computed when read, equal to
@@ -177,6 +178,7 @@ def test_logits_read_after_the_optimizer_changed_the_head_raise_what_to_do():
 
 @pytest.mark.parametrize("config", [CHUNKED, pytest.param(INDUCTOR, marks=pytest.mark.slow)],
                          ids=["eager-executor", "inductor"])
+@pytest.mark.slow
 def test_under_a_memory_budget_a_chunked_head_trains_like_eager_and_the_step_holds_the_budget(config):
     """The budget halfway from the lowest plan's predicted peak to eager's (both with the head chunked)."""
     model, batches = _llama(), _batches([32, 32, 32])
@@ -198,6 +200,7 @@ def test_under_a_memory_budget_a_chunked_head_trains_like_eager_and_the_step_hol
 
 @pytest.mark.parametrize("config", [CHUNKED, pytest.param(INDUCTOR, marks=pytest.mark.slow)],
                          ids=["eager-executor", "inductor"])
+@pytest.mark.slow
 def test_under_a_budget_the_chunk_grows_into_the_memory_the_plan_leaves(config):
     """A budget 20 % of eager's activations above eager's peak (chunks of 32 rows): the plan recomputes nothing
     and the chunk grows to the most rows at which the prediction stays within the budget less the headroom, not
@@ -230,6 +233,7 @@ def test_under_a_budget_the_chunk_grows_into_the_memory_the_plan_leaves(config):
     assert measured <= variant.peak_bytes
 
 
+@pytest.mark.slow
 def test_a_dynamic_graphs_chunk_grows_at_the_token_count_of_the_sizes_it_is_planned_for():
     """Lengths that change every step: the graph is captured with a symbolic length and planned at its bound. Under
     a budget far above the step, the chunk grows to every token at the bound; training is as eager."""
@@ -450,6 +454,7 @@ class _ShiftedHead(nn.Module):
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "linear"])
 @pytest.mark.parametrize("summed", [True, False], ids=["sum", "mean"])
+@pytest.mark.slow
 def test_a_shifted_upcast_head_tied_or_not_summed_or_averaged_is_chunked_alike(tied, summed):
     torch.manual_seed(0)
     model = _ShiftedHead(tied)
@@ -537,6 +542,7 @@ def test_under_bf16_autocast_the_chunks_run_in_the_dtype_the_head_ran_in():
         assert (p.grad - q.grad).abs().max() <= 2 ** -6 * q.grad.abs().max()  # bf16 keeps 8 bits
 
 
+@pytest.mark.slow
 def test_gpt2_whose_class_names_no_loss_type_is_one_graph_with_its_head_chunked():
     """transformers warns once, through its logger, inside GPT2LMHeadModel's forward that its class names no loss
     type, right before the loss; TorchDynamo cannot put a logging call in a graph and would break it there, parting
@@ -607,6 +613,7 @@ def test_seq2seq_heads_are_chunked_and_train_like_eager_over_changing_lengths(bu
 @pytest.mark.parametrize("plan_of", [lambda n, head: [head, head + 1],
                                      pytest.param(lambda n, head: list(range(1, n)), marks=pytest.mark.slow)],
                          ids=["head-recomputed-alone", "every-op-a-block"])
+@pytest.mark.slow
 def test_a_chunked_head_recomputed_in_backward_measures_its_prediction(plan_of, monkeypatch):
     """The op's extra outputs (the gradients it computes in forward) get no zero gradient from autograd: one as
     large as the weight would be allocated as backward reaches the op, before its recompute, which the step's

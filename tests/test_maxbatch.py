@@ -224,6 +224,7 @@ def test_rows_that_fit_no_batch_show_no_ratios():
     assert table.startswith("Budget 1.50 KiB on meta;")
 
 
+@pytest.mark.slow
 def test_a_causal_lm_on_fake_tensors_runs_the_plan_it_reports_with_its_head_chunked(monkeypatch):
     """The tool plans and steps transformers models on a twin with fake CPU tensors: the plan made ahead and the
     step's calls stand for the meta model (planned for the eager executor: inductor's kernels would read the fakes'

@@ -99,6 +99,7 @@ def _memtracker_peak(step, module, *inputs):
     ("resnet50", 2, "meta"), pytest.param("bert-base", 1, "meta", marks=pytest.mark.slow),
     pytest.param("gpt", 1, "meta", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_measure_agrees_with_memtracker(name, batch, device):
     spec = get_model(name)
     torch.manual_seed(0)

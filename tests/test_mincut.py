@@ -82,6 +82,7 @@ def test_the_cut_is_the_least_bytes_any_set_of_kept_storages_can_rebuild_backwar
     assert int(profile.storage_bytes[cut].sum()) == least
 
 
+@pytest.mark.slow
 def test_at_every_level_a_recompute_reruns_no_banned_op(meta_resnet50):
     profile = meta_resnet50[2]
     found = levels(profile)
@@ -167,6 +168,7 @@ def _planned(model, ids, compiler, plan_for):
 
 
 @pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_a_min_cut_plan_trains_as_eager_and_measures_its_prediction(compiler):
     # The eager executor replays dropout's masks and runs eager's kernels: bit for bit as eager, dropout on. Inductor
     # draws its own random numbers and fuses differently from eager, so its reference is its own step without

@@ -93,6 +93,7 @@ def close(a: float, b: float) -> bool:
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(depth=st.integers(2, 6), width=st.sampled_from([2, 8]), fraction=st.floats(0, 1), keep_flops=st.booleans())
+@pytest.mark.slow
 def test_on_chains_the_plan_is_the_cheapest_flat_plan_that_fits(depth, width, fraction, keep_flops):
     p = chain(depth, width)
     kept = kept_sets(p)[1][1] if keep_flops else frozenset()
@@ -112,6 +113,7 @@ def test_on_chains_the_plan_is_the_cheapest_flat_plan_that_fits(depth, width, fr
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.sampled_from(DAG_SEEDS), fraction=st.floats(0, 1))
+@pytest.mark.slow
 def test_on_dags_the_plan_fits_and_is_the_cheapest_whose_model_peak_fits(seed, fraction):
     """The model bounds the simulated peak from above; the plan is the least-time plan whose model peak fits, so it
     misses the cheapest plan that fits in simulation only where the model over-counts that plan."""
@@ -175,6 +177,7 @@ def test_a_time_cap_excludes_slower_plans():
     assert close(solve(FlatModel(p), budget, time_cap=fastest).seconds, fastest)
 
 
+@pytest.mark.slow
 def test_out_of_work_it_reports_a_lower_bound_not_a_proof_and_the_same_plan_every_time():
     p = chain(6, 8)
     rows = table(("chain", 6, 8), p, frozenset())
@@ -188,6 +191,7 @@ def test_out_of_work_it_reports_a_lower_bound_not_a_proof_and_the_same_plan_ever
 
 
 @pytest.mark.parametrize("reshard_after_forward", [False, True])
+@pytest.mark.slow
 def test_the_model_follows_fsdp_and_the_other_graphs_of_a_call(reshard_after_forward):
     p = chain(4, 8)
     layout = ShardedParameters(world_size=4, sharded_bytes=1000, unsharded_bytes=4000, reduce_scatter_bytes=4100,

@@ -31,6 +31,7 @@ def resnet(meta_resnet50):
     return meta_resnet50
 
 
+@pytest.mark.slow
 def test_budget_below_anything_reachable_names_the_minimum(resnet):
     _, _, p = resnet
     lowest = make_plan(p, UNCAPPED).simulation.peak_bytes
@@ -107,6 +108,7 @@ def test_the_smallest_peak_a_budget_error_names_is_within_the_time_cap(small_cha
                                                       cache_dir=""))
     assert met.simulation.peak_bytes <= info.value.smallest and met.simulation.time_ratio <= cap
 
+@pytest.mark.slow
 def test_budget_the_time_cap_cannot_meet_says_which_ratio_it_needs(resnet):
     _, _, p = resnet
     lowest = make_plan(p, UNCAPPED)
@@ -115,6 +117,7 @@ def test_budget_the_time_cap_cannot_meet_says_which_ratio_it_needs(resnet):
         make_plan(p, SublinearMemoryConfig(memory_budget=int(tight), max_time_ratio=1.0001))
 
 
+@pytest.mark.slow
 def test_budget_gives_least_time_that_fits(resnet):
     _, _, p = resnet
     lowest = make_plan(p, UNCAPPED)

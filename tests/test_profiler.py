@@ -75,6 +75,7 @@ def test_views_and_in_place_results_alias_their_base_storage():
     assert len(linear.nodes) >= 3  # linear, the slice and mul_ form one op: h is never written after its op
 
 
+@pytest.mark.slow
 def test_forward_flops_match_flop_counter():
     spec = get_model("tiny-resnet")
     torch.manual_seed(0)
@@ -87,6 +88,7 @@ def test_forward_flops_match_flop_counter():
 
 
 @pytest.mark.parametrize("name", ["tiny-resnet", "tiny-bert", "tiny-gpt"])
+@pytest.mark.slow
 def test_profiled_eager_peak_equals_measured_step(name):
     spec = get_model(name)
     torch.manual_seed(0)
@@ -100,6 +102,7 @@ def test_profiled_eager_peak_equals_measured_step(name):
 
 
 @pytest.mark.parametrize("values", ["fake (captured)", "real"])
+@pytest.mark.slow
 def test_profile_does_not_touch_the_users_module(values):
     model = ResidualNet()
     x = torch.randn(2, 3, 8, 8)

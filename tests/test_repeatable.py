@@ -53,6 +53,7 @@ def same_on_a_busy_machine(monkeypatch, plan_once):
 
 @pytest.mark.parametrize("planner", [OptimalPlanner, LocalSearchPlanner])
 @pytest.mark.parametrize("fraction", [0.3, None])
+@pytest.mark.slow
 def test_a_planner_proposes_the_same_plans_on_a_busy_machine(planner, fraction, chain_profile, monkeypatch):
     p = chain_profile
     budget = None if fraction is None else budget_between(p, fraction)

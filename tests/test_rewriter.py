@@ -46,6 +46,7 @@ def _residual_net_and_eager_training(steps: int):
 @pytest.mark.parametrize("plan_name", [  # the last three cover the others' rules together
     pytest.param(name, marks=pytest.mark.slow) if name in ("every op", "sqrt(n)", "random + kept") else name
     for name in PLANS])
+@pytest.mark.slow
 def test_residual_net_trains_bit_for_bit_like_eager(plan_name):
     model, x, eager = _residual_net_and_eager_training(steps=3)
     compiled, _ = _compile_with(model, PLANS[plan_name], (x,))
@@ -53,6 +54,7 @@ def test_residual_net_trains_bit_for_bit_like_eager(plan_name):
 
 
 @pytest.mark.parametrize("plan_name", PLANS)
+@pytest.mark.slow
 def test_branchy_dag_with_views_in_place_kwargs_and_two_outputs(plan_name):
     torch.manual_seed(0)
     base = Branchy().train()
@@ -144,6 +146,7 @@ def test_autograd_grad_and_retain_graph():
     assert torch.equal(gx, expected) and torch.equal(gx_again, expected)
 
 
+@pytest.mark.slow
 def test_shares_parameters_state_dict_and_trains_through_the_original_optimizer():
     torch.manual_seed(0)
     model = ResidualNet()
@@ -177,6 +180,7 @@ def test_no_grad_and_eval_run_plain_forward_without_recompute_or_retention():
     assert model.training
 
 
+@pytest.mark.slow
 def test_other_batch_sizes_and_meta_device():
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -268,6 +272,7 @@ def test_higher_order_gradients_through_recomputed_blocks(plan_for):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_plan_that_recomputes_nothing_runs_the_graph_without_hooks(monkeypatch):
     """A budget the eager step fits gives eager: the captured graph runs as it is, with no saved-tensor hooks."""
     import sublinear.execute.eager as rewriter

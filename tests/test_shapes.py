@@ -125,6 +125,7 @@ def dynamic_graph():
     return graph, values_a, values_b
 
 
+@pytest.mark.slow
 def test_a_dynamic_graph_knows_its_symbols_and_one_key_serves_the_family():
     graph, values_a, values_b = dynamic_graph()
     sizes = graph.sizes
@@ -138,6 +139,7 @@ def test_a_dynamic_graph_knows_its_symbols_and_one_key_serves_the_family():
         ("ids", 0), ("ids", 1)}
 
 
+@pytest.mark.slow
 def test_stand_ins_and_symbolic_inputs_are_at_the_bound():
     graph, values, _ = dynamic_graph()
     sizes = graph.sizes
@@ -164,6 +166,7 @@ def test_a_static_graph_has_no_symbolic_sizes():
 # Training over changing shapes
 
 
+@pytest.mark.slow
 def test_seven_batch_and_length_shapes_plan_at_most_three_times_and_train_like_eager(caplog):
     torch.manual_seed(0)
     base = TinyTransformer()
@@ -230,6 +233,7 @@ def test_a_budget_plan_holds_its_budget_at_every_shape_it_serves():
 
 @pytest.mark.parametrize("ahead", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["first-call", "planned-ahead"])
+@pytest.mark.slow
 def test_max_sizes_make_one_plan_serve_every_smaller_shape(ahead, caplog):
     torch.manual_seed(0)
     base = TinyTransformer()
@@ -351,6 +355,7 @@ def _gradients_over_layouts(model: nn.Module, layout: str) -> list[list[torch.Te
                                     pytest.param("transpose", marks=pytest.mark.slow),
                                     pytest.param("offset", marks=pytest.mark.slow),
                                     pytest.param("channels_last", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_inputs_laid_out_unlike_the_first_call_train_like_eager(layout, compiler):
     """Code compiled for a family asserts its inputs' strides: a stand-in for an input with gaps or overlaps
     between its elements (a slice of a wider tensor, an expanded one) keeps them (a clone made it dense)."""

@@ -42,6 +42,7 @@ def _close(predicted, measured):
 @pytest.mark.parametrize("name,batches", [("tiny-gpt", (4, 8)),
                                           *(pytest.param(*case, marks=pytest.mark.slow) for case in (
                                               ("resnet50", (8, 16)), ("bert-base", (1, 2)), ("gpt", (1, 2))))])
+@pytest.mark.slow
 def test_eager_prediction_matches_measured_eager_step(name, batches):
     for batch in batches:
         model, args, kwargs = _meta_model(name, batch)
@@ -54,6 +55,7 @@ def test_eager_prediction_matches_measured_eager_step(name, batches):
 @pytest.mark.parametrize("name,batch", [("tiny-bert", 4),
                                         *(pytest.param(*case, marks=pytest.mark.slow) for case in (
                                             ("tiny-resnet", 4), ("resnet50", 4), ("bert-base", 1), ("gpt", 1)))])
+@pytest.mark.slow
 def test_plans_prediction_matches_measured_rewritten_step(name, batch):
     model, args, kwargs = _meta_model(name, batch)
     compiled = sublinear.compile(model, args, kwargs, config=PLAIN)
@@ -89,6 +91,7 @@ def test_one_block_predicts_no_recompute_and_more_blocks_predict_less_memory():
 
 @settings(max_examples=int(os.environ.get("SUBLINEAR_EXAMPLES", 6)), deadline=None)
 @given(seed=st.integers(0, 10_000), plan_seed=st.integers(0, 10_000), batch=st.integers(8, 32))
+@pytest.mark.slow
 def test_random_dags_random_plans_exact_and_predicted(seed, plan_seed, batch):
     torch.manual_seed(seed)
     model = RandomDAG(seed).train()
