@@ -48,3 +48,18 @@ def test_one_normal_form_so_plans_that_mean_the_same_compare_equal():
     assert a == b and a.kept == {1} and a.soft == {3}
     with pytest.raises(PlanError, match="last block"):
         Plan((3, 6, 9), frozenset({8})).validate(n)
+
+
+@given(st.integers(1, 40), st.lists(st.integers(-5, 50)), st.lists(st.integers(0, 39)), st.lists(st.integers(0, 39)))
+def test_of_is_the_normal_form_in_plain_ints_whatever_integers_it_is_given(n, points, kept, soft):
+    import json
+
+    import numpy as np
+
+    plan = Plan.of(np.array(points, dtype=np.int64), n, np.array(kept, dtype=np.int32), [np.int64(s) for s in soft])
+    expected_points = sorted({p for p in points if 0 <= p < n} | {n - 1})
+    last_start = expected_points[-2] + 1 if len(expected_points) > 1 else 0
+    assert list(plan.split_points) == expected_points
+    assert plan.kept == {k for k in kept if k < last_start}
+    assert plan.soft == set(soft) & set(expected_points[:-2])
+    assert Plan.from_dict(json.loads(json.dumps(plan.as_dict()))) == plan

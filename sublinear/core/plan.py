@@ -46,8 +46,12 @@ class Plan:
     @staticmethod
     def of(split_points: Iterable[int], num_ops: int, kept: Iterable[int] = (), soft: Iterable[int] = ()) -> Plan:
         """A valid plan from any split points within ``num_ops`` ops (the last op added), in normal form."""
-        points = {int(p) for p in split_points if 0 <= int(p) < num_ops} | ({num_ops - 1} if num_ops else set())
-        return Plan.normal(points, (int(k) for k in kept), (int(p) for p in soft))
+        points = set(map(int, split_points))
+        if points and (min(points) < 0 or max(points) >= num_ops):
+            points = {p for p in points if 0 <= p < num_ops}
+        if num_ops:
+            points.add(num_ops - 1)
+        return Plan.normal(points, frozenset(map(int, kept)), frozenset(map(int, soft)))
 
     @staticmethod
     def normal(split_points: Iterable[int], kept: Iterable[int] = (), soft: Iterable[int] = ()) -> Plan:
@@ -56,7 +60,10 @@ class Plan:
         soft points only among the split points before the last two. :meth:`validate` refuses any other form."""
         points = tuple(sorted(set(split_points)))
         last_start = points[-2] + 1 if len(points) > 1 else 0
-        return Plan(points, frozenset(k for k in kept if k < last_start), frozenset(soft) & frozenset(points[:-2]))
+        kept = frozenset(kept)
+        if kept and max(kept) >= last_start:  # the common case, none in the last block, costs no scan in Python
+            kept = frozenset(k for k in kept if k < last_start)
+        return Plan(points, kept, frozenset(soft) & frozenset(points[:-2]))
 
     def as_dict(self) -> dict[str, list[int]]:
         """JSON-ready form (plan cache)."""
