@@ -34,7 +34,7 @@ START_PLANS = 4
 EVALUATIONS = 3000  # new simulations per propose at most ...
 EVALUATIONS_PER_OP = 10  # ... at most this many per op of the graph ...
 SIMULATED_OPS = 1_200_000  # ... and at most this many ops simulated (3000 simulations of 400 ops)
-NEIGHBOUR_ENTRIES = 8_000_000  # entries of neighbour plans per propose, 0.3-0.5 µs each on a 2-core x86_64 CPU
+NEIGHBOUR_ENTRIES = 8_000_000  # entries of neighbour plans built per propose (a plan costs time in its entries)
 BOUNDARY_STEPS = (-2, -1, 1, 2)
 
 
