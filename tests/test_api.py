@@ -303,7 +303,9 @@ def test_graph_breaks_are_planned_per_graph_and_reported_once(caplog):
                    for r in caplog.records)  # never a silent None
         out = compiled(x)
         compiled(x)
-    warnings = [r.getMessage() for r in caplog.records if "graph break" in r.getMessage()]
+    # the break is warned of once; planning that outlasts the progress threshold also says "graph break" at INFO
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno >= logging.WARNING and "graph break" in r.getMessage()]
     assert len(warnings) == 1 and "test_api.py" in warnings[0] and "2 graphs" in warnings[0]
     plan = compiled.sublinear_plan
     assert len(plan.graphs) == 2 and plan.breaks and "test_api.py" in str(plan)
