@@ -76,7 +76,6 @@ class FlatModel:
         stays = self.stays = np.zeros(n, dtype=bool)
         stays[p.pinned_ops] = True
         stays[list(self.kept)] = True
-        reaches = np.asarray(p.reaches_output, dtype=bool)
 
         size = self.size = np.asarray(p.storage_bytes, dtype=np.int64)
         producer = self.producer = np.asarray(p.storage_producer, dtype=np.int64)
@@ -87,25 +86,7 @@ class FlatModel:
             always_kept[list(p.op_storages[o])] = True
         self.always_kept = always_kept  # retained in every block: an op that is never recomputed holds it
 
-        # Plan-independent stop: last reader (or the end for outputs), autocast's cache, non-reaching savers.
-        released = forward_release(p, NEVER)
-        fixed_stop = np.where(last_use >= n, NEVER, last_use)
-        if len(p.held_through_forward):
-            fixed_stop = np.where(p.held_through_forward, np.maximum(fixed_stop, n - 1), fixed_stop)
-        min_saver = np.full(count, NEVER)  # lowest / highest rank of a reaching node that saves the storage
-        max_saver = np.full(count, -1)
-        for s in range(count):
-            for r in p.storage_saved_at[s]:
-                o = node_op[r]
-                if reaches[o]:
-                    min_saver[s] = min(min_saver[s], r)
-                    max_saver[s] = max(max_saver[s], r)
-                else:
-                    fixed_stop[s] = max(fixed_stop[s], released[o])
-        # a compiled backward node that runs after a later op's backward began reads its values there, which may
-        # be below their producer's ranks: the model releases such a value at its producer's backward
-        first_rank = np.where(producer >= 0, self.rank_lo[np.maximum(producer, 0)], 0)
-        min_saver = np.where(max_saver >= 0, np.maximum(min_saver, first_rank), min_saver)
+        min_saver, max_saver, fixed_stop = _savers(p, self.rank_lo)
         self.min_saver, self.max_saver = min_saver, max_saver
         self.saved = max_saver >= 0
         self.to_end = fixed_stop >= NEVER  # live to the end of the step whatever the plan
@@ -114,9 +95,7 @@ class FlatModel:
         self.droppable = self.saved & ~always_kept  # dropped once its block holds its last reader
         self.carried = self.saved & ~self.to_end  # held for autograd past every later block's slots
 
-        # Reads: (reader op, op whose value it reads, storage of the value), sorted by reader.
-        reads = np.array(sorted((c, o, s) for c in range(n) for o, storages in p.op_inputs[c] for s in storages),
-                         dtype=np.int64).reshape(-1, 3)
+        reads = _reads(p)
         self.reader, self.source, self.read_storage = reads[:, 0], reads[:, 1], reads[:, 2]
         self.first_read = np.searchsorted(self.reader, np.arange(n + 1))
         last_free = np.full(count, -1)
@@ -128,15 +107,7 @@ class FlatModel:
         # a closure op pulls in the op whose value it reads once a storage of the value is no longer retained.
         self.seed = np.full(n, NEVER)
         np.minimum.at(self.seed, producer[self.droppable], np.maximum(last_use, producer)[self.droppable])
-        eligible = ~always_kept
-        self.edges: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]  # per op: (reader, last use, producer)
-        views = []  # (op, producer of a storage of its value that another op produced)
-        for c, o, s in reads.tolist():
-            if eligible[s]:
-                self.edges[o].append((c, int(last_use[s]), int(producer[s])))
-                if producer[s] != o:
-                    views.append((o, int(producer[s])))
-        self.views = np.array(views, dtype=np.int64).reshape(-1, 2)
+        self.edges, self.views = _closure_edges(n, reads, ~always_kept, last_use, producer)
         self.entries0 = self._sweep(0, n - 1, np.full(n, NEVER))
 
         terms = step_terms(p)
@@ -202,6 +173,57 @@ class FlatModel:
         """The recompute seconds of a flat plan with this model's kept set (the simulator's)."""
         starts = (0, *(p + 1 for p in plan.split_points[:-1]))
         return float(sum(self.block(a, b)[0] for a, b in zip(starts, plan.split_points[:-1])))
+
+
+def _savers(p: GraphProfile, rank_lo: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per storage: the lowest and the highest rank of a node reaching the outputs that saves it (NEVER and -1:
+    none), and its plan-independent stop: its last reader (NEVER: the end of the step, for outputs), autocast's
+    cache, and the forward release of a node that saves it and never reaches the outputs."""
+    n, count = p.num_ops, len(p.storage_bytes)
+    node_op = np.asarray(p.node_op, dtype=np.int64)
+    reaches = np.asarray(p.reaches_output, dtype=bool)
+    producer = np.asarray(p.storage_producer, dtype=np.int64)
+    last_use = np.asarray(p.storage_last_use, dtype=np.int64)
+    released = forward_release(p, NEVER)
+    fixed_stop = np.where(last_use >= n, NEVER, last_use)
+    if len(p.held_through_forward):
+        fixed_stop = np.where(p.held_through_forward, np.maximum(fixed_stop, n - 1), fixed_stop)
+    min_saver = np.full(count, NEVER)
+    max_saver = np.full(count, -1)
+    for s in range(count):
+        for r in p.storage_saved_at[s]:
+            o = node_op[r]
+            if reaches[o]:
+                min_saver[s] = min(min_saver[s], r)
+                max_saver[s] = max(max_saver[s], r)
+            else:
+                fixed_stop[s] = max(fixed_stop[s], released[o])
+    # a compiled backward node that runs after a later op's backward began reads its values there, which may be
+    # below their producer's ranks: the model releases such a value at its producer's backward
+    first_rank = np.where(producer >= 0, rank_lo[np.maximum(producer, 0)], 0)
+    min_saver = np.where(max_saver >= 0, np.maximum(min_saver, first_rank), min_saver)
+    return min_saver, max_saver, fixed_stop
+
+
+def _reads(p: GraphProfile) -> np.ndarray:
+    """Every read: rows of (reader op, op whose value it reads, storage of the value), sorted by reader."""
+    return np.array(sorted((c, o, s) for c in range(p.num_ops) for o, storages in p.op_inputs[c] for s in storages),
+                    dtype=np.int64).reshape(-1, 3)
+
+
+def _closure_edges(n: int, reads: np.ndarray, eligible: np.ndarray, last_use: np.ndarray, producer: np.ndarray
+                   ) -> tuple[list[list[tuple[int, int, int]]], np.ndarray]:
+    """Per op, the (reader, last use, producer) of each read of its value through a storage not always kept (a
+    closure op pulls in the op whose value it reads once that storage is no longer retained); and the views: rows
+    of (op, producer of a storage of its value that another op produced)."""
+    edges: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    views = []
+    for c, o, s in reads.tolist():
+        if eligible[s]:
+            edges[o].append((c, int(last_use[s]), int(producer[s])))
+            if producer[s] != o:
+                views.append((o, int(producer[s])))
+    return edges, np.array(views, dtype=np.int64).reshape(-1, 2)
 
 
 def _merge(storage: np.ndarray, first: np.ndarray, last: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
