@@ -150,9 +150,8 @@ class GraphProfile:
 
     Backward runs node by node: operator nodes (*ranks*, in graph order) with their op (``node_op``), the ranks
     whose autograd saves each storage (``storage_saved_at``), and per rank the gradient-side bytes at the start of
-    its backward, at the peak before it frees what it saved, and at the peak after that (plan-independent, from the
-    eager step, kernel workspace included), and its backward time.
-    """
+    its backward, at the peak before it frees what it saved, and at the peak after that (plan-independent, kernel
+    workspace included), and its backward time."""
 
     ops: list[OpProfile]
     storage_bytes: np.ndarray

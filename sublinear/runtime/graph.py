@@ -152,7 +152,7 @@ class GraphRuntime:
         """Plan this signature again at its next run (where its plan still meets the objective, it is kept)."""
         keys = [k for k, v in self.variants.items() if v is variant]
         self.variants = {k: v for k, v in self.variants.items() if v is not variant}
-        self.session.pipeline.remember_prior(self.graph.code, Prior(variant.plan, variant.rewritten,
+        self.session.pipeline.choices.remember_prior(self.graph.code, Prior(variant.plan, variant.rewritten,
                                                                     keys[0] if keys else None, variant.bound,
                                                                     variant.lesson.chunks if variant.lesson else None))
 

@@ -57,16 +57,9 @@ class PlanPipeline:
         self.plans = PlanCache(config.cache_dir)  # this session's plans, then the disk's
         self.profiles = _Profiles(config, self.plans)
         self.executors = _Executors()
-        self.overrides: dict[str, Plan] = {}  # graph code -> plan chosen by the user (use())
-        self.priors: dict[str, Prior] = {}  # graph code -> its variant forgotten last
+        self.choices = _Choices(config, self.plans)
         self.eager_only: dict[str, str] = {}  # graph code -> why inductor cannot compile it
         self.compile_check = CompileCheck(self.plans, self.plan)
-
-    def remember_prior(self, code: str, prior: Prior) -> None:
-        self.priors[code] = prior
-
-    def override(self, code: str, plan: Plan) -> None:
-        self.overrides[code] = plan
 
     def graph_codes(self) -> set[str]:
         return self.plans.graph_codes()
@@ -105,7 +98,7 @@ class PlanPipeline:
         profile_key = (graph.code, key, config.cost_model, uses, compiler, tuple(sorted(bound.items())))
         disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key(), context=repr(context),
                                  uses=uses, compiler=compiler, bound=sorted(bound.items()))
-        entry = self.plans.load(disk_key) if graph.code not in self.overrides else None
+        entry = self.plans.load(disk_key) if not self.choices.overridden(graph.code) else None
         profiled, entry = self.profiles.lookup(graph, values, key, bound, uses, compiler, profile_key, disk_key, entry)
         # not keyed by the profile's lessons: a plan remembered before a compile check taught the profile is reused
         # only while it meets the objective on the taught profile (a graph captured again keeps its compiled code)
@@ -119,7 +112,7 @@ class PlanPipeline:
             choice = _Choice(_lowest_plan(profile_, config), None, "the lowest peak before compiling, no plan "
                              "searched on what the compiled code held being within the budget", False, searched=True)
         else:
-            choice = self._choose(runtime, profile_, objective, entry, store_key, disk_key, settled)
+            choice = self.choices.choose(runtime, profile_, objective, entry, store_key, disk_key, settled)
         if not choice.settling:
             self.plans.remember(store_key, (profiled, choice.plan, choice.result))
         chunks = None if lowest or choice.settling else self._head_chunks(graph, values, key, bound, profiled,
@@ -143,48 +136,6 @@ class PlanPipeline:
         op_of_node = profile_.op_of_node
         head_ops = [op_of_node[i] for i, node in enumerate(nodes) if node.target is target and i in op_of_node]
         return grown_head_chunks(graph.lm_heads, head_ops, profile_, choice.plan, budget, graph.sizes, bound)
-
-    # -- choosing the plan --------------------------------------------------------------------------------------
-
-    def _choose(self, runtime: GraphRuntime, profile_: GraphProfile, objective: Objective, entry: dict | None,
-                store_key: tuple, disk_key: str, settled: bool) -> _Choice:
-        """The plan to run: the user's (``use()``), this session's or the disk's when it still meets the objective,
-        the previous variant's when it does, else a search (stored on disk). Under a budget, a graph of an
-        unsettled call that fits no plan yet runs its lowest-peak plan until the call's other graphs are planned for
-        it, as does one whose outputs are guessed held (no call has shown what the caller does with them) where
-        dropping them could bring the lowest peak within the budget."""
-        code = runtime.graph.code
-        cached = self.plans.recall(store_key)
-        plan, result = (cached[1], cached[2]) if cached is not None else \
-            ((Plan.from_dict(entry), None) if entry is not None else (None, None))
-        from_cache = plan is not None and result is None
-        eager = simulate(profile_, Plan.no_split(profile_.num_ops))
-        prior = self.priors.pop(code, None)
-        if code in self.overrides:
-            return _Choice(self.overrides[code], None, "use()", False)
-        if plan is not None and _still_best(objective, plan, profile_, eager):
-            return _Choice(plan, result, result.origin if result is not None else "cache", from_cache)
-        if plan is not None:
-            log.info("sublinear: the stored plan for graph %d no longer meets %s; planning again", runtime.index,
-                     objective.describe())
-        elif prior is not None and prior.plan.split_points[-1] == profile_.num_ops - 1 and \
-                _still_best(objective, prior.plan, prior.chunks.applied(profile_) if prior.chunks else profile_, eager):
-            # What the latest call showed (its outputs' uses, the other graphs) changed the profile; the plan
-            # still meets the objective, and keeping it keeps its compiled code.
-            return _Choice(prior.plan, None, "the previous plan, which still meets the objective", False, prior=prior)
-        try:
-            result = make_plan(profile_, self.config, memory_budget=objective.memory_budget)
-        except BudgetError as exc:
-            if settled and not may_fit_without_guessed_outputs(runtime, exc.smallest, profile_, exc.budget):
-                raise
-            until = ("a call shows whether the caller keeps the outputs it is guessed to hold" if settled else
-                     "the call's other graphs are planned for it")
-            log.info("sublinear: graph %d does not fit %s yet; it runs its lowest peak until %s", runtime.index,
-                     objective.describe(), until)
-            return _Choice(exc.lowest.plan, None, f"lowest peak, until {until}", False, settling=True)
-        self.plans.store(disk_key, _entry(profile_, result.plan,
-                                          [[c.simulation.peak_bytes, c.simulation.time_ratio] for c in result.history]))
-        return _Choice(result.plan, result, result.origin, False, searched=True)
 
     def _variant(self, runtime: GraphRuntime, values: Sequence[Any], keys: tuple[tuple, str], bound: Binding,
                  profiled: Profiled, profile_: GraphProfile, objective: Objective, budget: int | None,
@@ -293,6 +244,65 @@ class _Executors:
         compiled_key = (graph.code, key, tuple(sorted(bound.items())), compiled.partitioner.uuid(),
                         tuple(head.rows for head in graph.lm_heads))
         return self.compiled.setdefault(compiled_key, compiled)
+
+
+class _Choices:
+    """Which plan a graph runs: the user's (``use()``), a remembered one, its forgotten variant's, or a search."""
+
+    def __init__(self, config: SublinearMemoryConfig, plans: PlanCache) -> None:
+        self.config = config
+        self.plans = plans
+        self.overrides: dict[str, Plan] = {}  # graph code -> plan chosen by the user (use())
+        self.priors: dict[str, Prior] = {}  # graph code -> its variant forgotten last
+
+    def remember_prior(self, code: str, prior: Prior) -> None:
+        self.priors[code] = prior
+
+    def override(self, code: str, plan: Plan) -> None:
+        self.overrides[code] = plan
+
+    def overridden(self, code: str) -> bool:
+        return code in self.overrides
+
+    def choose(self, runtime: GraphRuntime, profile_: GraphProfile, objective: Objective, entry: dict | None,
+               store_key: tuple, disk_key: str, settled: bool) -> _Choice:
+        """The plan to run: the user's (``use()``), this session's or the disk's when it still meets the objective,
+        the previous variant's when it does, else a search (stored on disk). Under a budget, a graph of an
+        unsettled call that fits no plan yet runs its lowest-peak plan until the call's other graphs are planned for
+        it, as does one whose outputs are guessed held (no call has shown what the caller does with them) where
+        dropping them could bring the lowest peak within the budget."""
+        code = runtime.graph.code
+        cached = self.plans.recall(store_key)
+        plan, result = (cached[1], cached[2]) if cached is not None else \
+            ((Plan.from_dict(entry), None) if entry is not None else (None, None))
+        from_cache = plan is not None and result is None
+        eager = simulate(profile_, Plan.no_split(profile_.num_ops))
+        prior = self.priors.pop(code, None)
+        if code in self.overrides:
+            return _Choice(self.overrides[code], None, "use()", False)
+        if plan is not None and _still_best(objective, plan, profile_, eager):
+            return _Choice(plan, result, result.origin if result is not None else "cache", from_cache)
+        if plan is not None:
+            log.info("sublinear: the stored plan for graph %d no longer meets %s; planning again", runtime.index,
+                     objective.describe())
+        elif prior is not None and prior.plan.split_points[-1] == profile_.num_ops - 1 and \
+                _still_best(objective, prior.plan, prior.chunks.applied(profile_) if prior.chunks else profile_, eager):
+            # What the latest call showed (its outputs' uses, the other graphs) changed the profile; the plan
+            # still meets the objective, and keeping it keeps its compiled code.
+            return _Choice(prior.plan, None, "the previous plan, which still meets the objective", False, prior=prior)
+        try:
+            result = make_plan(profile_, self.config, memory_budget=objective.memory_budget)
+        except BudgetError as exc:
+            if settled and not may_fit_without_guessed_outputs(runtime, exc.smallest, profile_, exc.budget):
+                raise
+            until = ("a call shows whether the caller keeps the outputs it is guessed to hold" if settled else
+                     "the call's other graphs are planned for it")
+            log.info("sublinear: graph %d does not fit %s yet; it runs its lowest peak until %s", runtime.index,
+                     objective.describe(), until)
+            return _Choice(exc.lowest.plan, None, f"lowest peak, until {until}", False, settling=True)
+        self.plans.store(disk_key, _entry(profile_, result.plan,
+                                          [[c.simulation.peak_bytes, c.simulation.time_ratio] for c in result.history]))
+        return _Choice(result.plan, result, result.origin, False, searched=True)
 
 
 @dataclasses.dataclass(frozen=True)

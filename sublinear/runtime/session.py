@@ -150,7 +150,7 @@ class SublinearBackend:
             plan, code = point, codes.pop()
         else:
             raise TypeError(f"use() takes a ParetoPoint or a Plan, got {type(point).__name__}")
-        self.pipeline.override(code, plan)
+        self.pipeline.choices.override(code, plan)
         for runtime in self.graphs:
             runtime.variants.clear()
 

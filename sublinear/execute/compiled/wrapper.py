@@ -233,26 +233,14 @@ class WalkResult:
 CallMeasure = Callable[[LibraryCall, Mapping[str, Layout]], CallMemory]
 
 
-class StepWalk:
-    """The storages live through one training step's compiled graphs. The caller makes the storages of the step's
-    arguments (:meth:`storage`): those it holds (parameters, the step's inputs) are never freed by a ``del``; each
-    graph's walk (:meth:`walk`) binds its arguments to storages. A storage lives while any holder (a name of the
-    wrapper, a library call's result tuple, the caller, what a graph returned to) holds it. ``measure`` says what a
-    library call holds inside itself (measured on the device); without it, calls hold nothing beyond their results."""
+class HeldStorages:
+    """Storages and their holders: a storage counts in ``live`` from its making while any holder holds it."""
 
-    def __init__(self, sizes: Mapping[str, int] | None = None, measure: CallMeasure | None = None,
-                 listener: Callable[[Statement, int], None] | None = None) -> None:
-        self.sizes = dict(sizes or {})
-        self.measure = measure
-        self.listener = listener  # told the bytes live at each statement (a library call's inside included)
+    def __init__(self) -> None:
         self.nbytes: dict[int, int] = {}
         self.holders: dict[int, set[str]] = {}
         self.live = 0
         self._next = 0
-        self._names: dict[str, int] = {}  # a wrapper name -> its storage
-        self._tuples: dict[str, dict[int, int]] = {}  # a library call's result tuple -> its elements' storages
-        self._layouts: dict[str, Layout] = {}
-        self._results: dict[str, dict[int, tuple[tuple, tuple]]] = {}
 
     def storage(self, nbytes: int, holder: str = CALLER) -> int:
         """A new storage of ``nbytes``, live from now on, held by ``holder``."""
@@ -269,6 +257,25 @@ class StepWalk:
             holders.discard(holder)
             if not holders:
                 self.live -= self.nbytes[key]
+
+
+class StepWalk(HeldStorages):
+    """The storages live through one training step's compiled graphs. The caller makes the storages of the step's
+    arguments (:meth:`storage`): those it holds (parameters, the step's inputs) are never freed by a ``del``; each
+    graph's walk (:meth:`walk`) binds its arguments to storages. A storage lives while any holder (a name of the
+    wrapper, a library call's result tuple, the caller, what a graph returned to) holds it. ``measure`` says what a
+    library call holds inside itself (measured on the device); without it, calls hold nothing beyond their results."""
+
+    def __init__(self, sizes: Mapping[str, int] | None = None, measure: CallMeasure | None = None,
+                 listener: Callable[[Statement, int], None] | None = None) -> None:
+        super().__init__()
+        self.sizes = dict(sizes or {})
+        self.measure = measure
+        self.listener = listener  # told the bytes live at each statement (a library call's inside included)
+        self._names: dict[str, int] = {}  # a wrapper name -> its storage
+        self._tuples: dict[str, dict[int, int]] = {}  # a library call's result tuple -> its elements' storages
+        self._layouts: dict[str, Layout] = {}
+        self._results: dict[str, dict[int, tuple[tuple, tuple]]] = {}
 
     def walk(self, statements: Sequence[Statement], arguments: Sequence[tuple[int | None, Layout | None]],
              handed_over: Sequence[int] = ()) -> WalkResult:
