@@ -152,9 +152,9 @@ class GraphRuntime:
         """Plan this signature again at its next run (where its plan still meets the objective, it is kept)."""
         keys = [k for k, v in self.variants.items() if v is variant]
         self.variants = {k: v for k, v in self.variants.items() if v is not variant}
-        self.session.pipeline.choices.remember_prior(self.graph.code, Prior(variant.plan, variant.rewritten,
-                                                                    keys[0] if keys else None, variant.bound,
-                                                                    variant.lesson.chunks if variant.lesson else None))
+        prior = Prior(variant.plan, variant.rewritten, keys[0] if keys else None, variant.bound,
+                      variant.lesson.chunks if variant.lesson else None)
+        self.session.pipeline.choices.remember_prior(self.graph.code, prior)
 
     def __call__(self, *values: Any) -> Any:
         if not torch.is_grad_enabled() or not _any_requires_grad(values):
