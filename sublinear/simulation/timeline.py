@@ -203,8 +203,9 @@ def _rerun_reads(profile: GraphProfile, a: PlanAnalysis, at: _Layout) -> _Reads:
 @dataclass(frozen=True)
 class _Copies:
     """The recomputed copies: per copy its storage, the pair that rebuilds it, and the slots it lives over (from
-    its recompute until the last re-run op that reads it or the last backward that reads the dropped storage, in
-    the same block or, shared, in any); ``counted``: it takes memory (else it is fused into its readers)."""
+    its recompute until the last re-run op that reads it, or, for a reader fused into the kernels that read its
+    own values, until that reader's last kernel; or the last backward that reads the dropped storage; in the same
+    block or, shared, in any); ``counted``: it takes memory (else it is fused into its readers)."""
 
     storage: np.ndarray
     pair: np.ndarray
@@ -213,7 +214,10 @@ class _Copies:
     counted: np.ndarray
 
 
-def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads) -> _Copies:
+def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads,
+            reader_until: np.ndarray | None = None) -> _Copies:
+    """``reader_until``: per recompute pair, the slot until which what it reads is held (:func:`_rerun_until`);
+    without it, each reader's own slot."""
     producer, shared = profile.storage_producer, profile.recompute_shared
     order, bounds = profile.arrays.produced_order
     copy_at, produced_at = _expand(bounds, at.c_ops)
@@ -228,7 +232,8 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads) 
         np.maximum.at(copy_stop, by_key[pos[found]], slots[found])
 
     inside = reads.inside
-    extend(at.c_blocks[reads.pair][inside], reads.storage[inside], at.c_slot[reads.pair[inside]])
+    read_until = at.c_slot if reader_until is None else reader_until
+    extend(at.c_blocks[reads.pair][inside], reads.storage[inside], read_until[reads.pair[inside]])
     saved, ranks = profile.arrays.saved_pairs
     savers = profile.node_op[ranks]
     own = a.dropped[saved] & profile.reaches_output[savers]
@@ -340,8 +345,10 @@ def _own(profile: GraphProfile, a: PlanAnalysis):
     at = _layout(profile, a)
     extra, kinds, ops, ranks = _slot_terms(profile, at, _forward_extra(profile, a))
     reads = _rerun_reads(profile, a, at)
-    copies = _copies(profile, a, at, reads)
-    stop = _storage_stops(profile, a, at, reads, _rerun_until(profile, at, reads, copies))
+    # Which re-run ops are fused depends on their copies alone; their readers' spans then extend what they read.
+    until = _rerun_until(profile, at, reads, _copies(profile, a, at, reads))
+    copies = _copies(profile, a, at, reads, until)
+    stop = _storage_stops(profile, a, at, reads, until)
     producer, sizes = profile.storage_producer, profile.storage_bytes
     held = np.zeros(at.end + 2, dtype=np.int64)
     lives = stop > producer
