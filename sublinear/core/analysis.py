@@ -91,9 +91,10 @@ class PlanAnalysis:
         """Per pair of :attr:`recompute_pairs`: the rank before whose backward the op is re-run. Where recomputes
         are shared (a compiled backward, which recomputes each value just before the first kernel that needs it)
         it is the highest rank that needs one of the op's values: its backward reads a rebuilt storage the op
-        makes, or a re-run op reading any value of it runs before it (the partitioned backward's re-run reader
-        reads the re-run producer's value, kept by the plan or not). Otherwise it is the trigger of the pair's block
-        (a block's recompute runs whole)."""
+        makes, or a re-run op that reads a value of it re-run runs before it. The partitioned backward reads a
+        re-run producer's value re-run unless forward saves it: a value the plan keeps is saved, but for the parts
+        of a tuple (a max-pool's values beside its indices), which the min-cut partitioner recomputes with the
+        tuple. Otherwise it is the trigger of the pair's block (a block's recompute runs whole)."""
         blocks, ops = self.recompute_pairs
         if not self.profile.recompute_shared or not len(ops):
             return self.trigger[blocks]
@@ -104,9 +105,10 @@ class PlanAnalysis:
         np.maximum.at(need, p.storage_producer[saved[rebuilt]], ranks[rebuilt])
         rerun = np.zeros(p.num_ops, dtype=bool)
         rerun[ops] = True
+        read_rerun = ~self.retained | p.arrays.tuple_storages
         for c in sorted(set(ops.tolist()), reverse=True):  # consumers come after their producers
-            for producer, _ in p.arrays.inputs_by_reader[c]:
-                if rerun[producer]:
+            for producer, storage in p.arrays.inputs_by_reader[c]:
+                if rerun[producer] and read_rerun[storage]:
                     need[producer] = max(need[producer], need[c])
         return need[ops]
 

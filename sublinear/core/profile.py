@@ -341,6 +341,16 @@ class ProfileArrays:
         return [[(p, s) for p, storages in inputs for s in storages] for inputs in self.profile.op_inputs]
 
     @functools.cached_property
+    def tuple_storages(self) -> np.ndarray:
+        """Per storage: a node whose value holds several tensors (a tuple, as ``var_mean`` or a max-pool with
+        its indices) makes it."""
+        made = np.zeros(len(self.profile.storage_producer), dtype=bool)
+        for storages in self.profile.node_storages.values():
+            if len(storages) > 1:
+                made[[s for s in storages if s >= 0]] = True
+        return made
+
+    @functools.cached_property
     def produced_order(self) -> tuple[np.ndarray, np.ndarray]:
         """(storages sorted by producer, bounds): op ``o`` produces ``order[bounds[o]:bounds[o + 1]]``."""
         producer = self.profile.storage_producer
