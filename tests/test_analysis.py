@@ -3,6 +3,8 @@ transient, which ops each block's recompute re-runs, and where groups of soft bl
 
 from __future__ import annotations
 
+import dataclasses
+
 from sublinear.core import Plan, StorageState, analyse
 
 from conftest import chain, hand_profile
@@ -56,3 +58,21 @@ def test_pinned_and_kept_ops_are_never_recomputed():
     assert list(a.recomputed) == [False, False, True, False]
     assert a.state[0] == RETAINED and a.state[1] == RETAINED  # made by ops that are never re-run
     assert a.closure[0] == []  # storage 2 crosses into block 1: nothing of block 0 is rebuilt
+
+
+def test_a_shared_recompute_reads_a_kept_value_saved_unless_it_is_part_of_a_tuple():
+    """Op 1 (a layer norm: a statistic for its own backward, an output the next block reads) is re-run for its own
+    backward at rank 1; op 2's re-run at rank 3 reads op 1's output, which the plan keeps, so forward saves it and
+    op 1 is not re-run before rank 3. Where the output is part of a tuple with the dropped statistic (a max-pool's
+    values beside its indices) the partitioner recomputes the whole tuple, so op 1 re-runs before op 2."""
+    storages = [(0, 1, (1,)), (1, 1, (1,)), (1, 2, (2,)), (2, 3, (3,)), (3, 4, (4,)), (4, 5, (5,)), (5, 6, ())]
+    reads = {1: [(0, (0,))], 2: [(1, (2,))], 3: [(2, (3,))], 4: [(3, (4,))], 5: [(4, (5,))]}
+    plan = Plan.of([1, 3, 5], 6)
+
+    def ranks(profile):
+        a = analyse(dataclasses.replace(profile, recompute_shared=True), plan)
+        assert a.state[2] == RETAINED and a.closure == [[0, 1], [2], []]
+        return dict(zip(a.recompute_pairs[1].tolist(), a.recompute_ranks.tolist()))
+
+    assert ranks(hand_profile(6, storages, reads, outputs={1: (2,)})) == {0: 1, 1: 1, 2: 3}
+    assert ranks(hand_profile(6, storages, reads, outputs={1: (1, 2)})) == {0: 3, 1: 3, 2: 3}
