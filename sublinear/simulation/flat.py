@@ -188,16 +188,14 @@ def _savers(p: GraphProfile, rank_lo: np.ndarray) -> tuple[np.ndarray, np.ndarra
     fixed_stop = np.where(last_use >= n, NEVER, last_use)
     if len(p.held_through_forward):
         fixed_stop = np.where(p.held_through_forward, np.maximum(fixed_stop, n - 1), fixed_stop)
+    saved, ranks = p.arrays.saved_pairs
+    savers = node_op[ranks]
+    reaching = reaches[savers]
     min_saver = np.full(count, NEVER)
     max_saver = np.full(count, -1)
-    for s in range(count):
-        for r in p.storage_saved_at[s]:
-            o = node_op[r]
-            if reaches[o]:
-                min_saver[s] = min(min_saver[s], r)
-                max_saver[s] = max(max_saver[s], r)
-            else:
-                fixed_stop[s] = max(fixed_stop[s], released[o])
+    np.minimum.at(min_saver, saved[reaching], ranks[reaching])
+    np.maximum.at(max_saver, saved[reaching], ranks[reaching])
+    np.maximum.at(fixed_stop, saved[~reaching], released[savers[~reaching]])
     # a compiled backward node that runs after a later op's backward began reads its values there, which may be
     # below their producer's ranks: the model releases such a value at its producer's backward
     first_rank = np.where(producer >= 0, rank_lo[np.maximum(producer, 0)], 0)
@@ -207,8 +205,9 @@ def _savers(p: GraphProfile, rank_lo: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 def _reads(p: GraphProfile) -> np.ndarray:
     """Every read: rows of (reader op, op whose value it reads, storage of the value), sorted by reader."""
-    return np.array(sorted((c, o, s) for c in range(p.num_ops) for o, storages in p.op_inputs[c] for s in storages),
-                    dtype=np.int64).reshape(-1, 3)
+    storages, readers, producers = p.arrays.input_triples
+    rows = np.stack([readers, producers, storages], axis=1).astype(np.int64).reshape(-1, 3)
+    return rows[np.lexsort(rows.T[::-1])]
 
 
 def _closure_edges(n: int, reads: np.ndarray, eligible: np.ndarray, last_use: np.ndarray, producer: np.ndarray
