@@ -880,3 +880,35 @@ def test_a_budget_for_a_model_planned_graph_by_graph_is_met_once_its_graphs_are_
     assert len(plan.graphs) == 3 and plan.predicted_peak_bytes <= budget
     assert measured <= budget and abs(measured - plan.predicted_peak_bytes) <= 0.02 * measured, \
         (measured, plan.predicted_peak_bytes, budget)
+
+
+class _MaskedLayers(nn.Module):
+    """Each layer fills the masked scores with the same constant, which the joint graph's common-subexpression pass
+    makes once, in the first layer, for every layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(16, 16, dtype=torch.bool).tril()
+        for layer in self.layers:
+            x = torch.softmax(torch.where(mask, layer(x), torch.full((), float("-inf"))), dim=-1)
+        return x
+
+
+def test_no_op_reads_a_constant_from_the_op_that_made_it():
+    """Making a constant again needs nothing: a later layer re-run in backward depends on nothing of the first
+    layer's op that the shared constant came from (in a small GPT-2 it pulled the first layer's attention, 4 MiB of
+    scores, up to the third layer's re-run)."""
+    model = _MaskedLayers().train()
+    graph = sublinear.capture.dynamo.capture(model, (torch.randn(4, 16, 16),)).graph
+    joint = trace_joint(graph, graph.example_values)
+    compiled = profile_joint(joint, graph, None, measure_scratch=False)
+    p, names = compiled.profile, compiled.node_names
+    constants = {s for i, node in enumerate(joint.forward) if node.target is torch.ops.aten.full.default
+                 for s in p.node_storages.get(i, ()) if s >= 0}
+    assert constants
+    read = {s for inputs in p.op_inputs for _, storages in inputs for s in storages}
+    shared = read & constants
+    assert not shared, [names[i] for i in range(len(names)) if set(p.node_storages.get(i, ())) & shared]

@@ -96,7 +96,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     side = GradientSide(joint, storages, kinds, granule, graph.kinds)
     backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
     record = _record(joint, graph, grouping, storages, reads, tracked, materialized, in_place, extra,
-                     (seconds, rerun), flops, backward, rates)
+                     (seconds, rerun), flops, backward, rates, _constants(storages, fw, kinds))
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports
 
@@ -105,6 +105,14 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     flows = _gradient_flows(joint)
     return CompiledProfile(profile, tuple(node.name for node in fw),
                            {node.name: reads.rank_of_backward[k] for k, node in enumerate(bw) if node in flows})
+
+
+def _constants(storages: StepStorages, fw: list[fx.Node], kinds: InductorKinds) -> set[int]:
+    """The storages of constants (fusible nodes of no inputs: ``full``, ``zeros``, ``iota``). The graph's
+    common-subexpression pass shares one between layers; making one again needs nothing, so no op reads a constant
+    from the op that made it: a later layer re-run in backward does not re-run the first layer's op with it."""
+    return {key for key, i in storages.produced_by.items()
+            if not fw[i].all_input_nodes and kinds.fusible(fw[i]) and not draws_random(fw[i])}
 
 
 def _gradient_flows(joint: JointGraph) -> set[fx.Node]:
@@ -130,8 +138,9 @@ def _tracked(grouping: OpGrouping, storages: StepStorages, reads: StorageReads) 
 def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
             tracked: list[int], materialized, in_place: set[int], extra: list[int],
             seconds: tuple[list[float], list[float]], flops: list[int], backward: BackwardWalk,
-            rates: DeviceRates) -> StepRecord:
-    """``seconds``: per op, its forward's and its re-run's in backward."""
+            rates: DeviceRates, constants: set[int]) -> StepRecord:
+    """``seconds``: per op, its forward's and its re-run's in backward; ``constants``: storages no op reads from
+    the op that made them."""
     fw, n_ops = joint.forward, len(grouping.nodes)
     op_of_node, produced = grouping.op_of_node, storages.produced_by
     captured = list(graph.graph_module.graph.nodes)
@@ -143,6 +152,8 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
            for o, members in enumerate(grouping.nodes)]
     op_inputs: list[dict[int, set[int]]] = [defaultdict(set) for _ in range(n_ops)]
     for key, readers in reads.readers.items():
+        if key in constants:
+            continue
         p = op_of_node[produced[key]]
         for o in readers:
             if o != p:
