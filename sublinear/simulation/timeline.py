@@ -346,8 +346,11 @@ def _own(profile: GraphProfile, a: PlanAnalysis):
     extra, kinds, ops, ranks = _slot_terms(profile, at, _forward_extra(profile, a))
     reads = _rerun_reads(profile, a, at)
     # Which re-run ops are fused depends on their copies alone; their readers' spans then extend what they read.
-    until = _rerun_until(profile, at, reads, _copies(profile, a, at, reads))
-    copies = _copies(profile, a, at, reads, until)
+    copies = _copies(profile, a, at, reads)
+    until = _rerun_until(profile, at, reads, copies)
+    inside = reads.pair[reads.inside]
+    if np.any(until[inside] > at.c_slot[inside]):
+        copies = _copies(profile, a, at, reads, until)
     stop = _storage_stops(profile, a, at, reads, until)
     producer, sizes = profile.storage_producer, profile.storage_bytes
     held = np.zeros(at.end + 2, dtype=np.int64)
