@@ -620,6 +620,48 @@ def test_backward_nodes_made_from_forward_values_alone_place_no_statement_of_the
     assert len(convolutions) == 2 and set(convolutions) <= set(ranks)
 
 
+class _FlattenedTokens(nn.Module):
+    """Hugging Face GPT-2's projections: a matrix product of the tokens flattened by ``view(-1, width)``, whose row
+    count the cross-entropy's backward reads as the view's size when the length is a symbol."""
+
+    def __init__(self, width: int = 16, vocab: int = 50) -> None:
+        super().__init__()
+        self.embed, self.up = nn.Embedding(vocab, width), nn.Linear(width, 2 * width)
+        self.head = nn.Linear(2 * width, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = torch.addmm(self.up.bias, h.view(-1, h.size(-1)), self.up.weight.t()).view(*ids.shape, -1)
+        return F.cross_entropy(self.head(F.gelu(h)).flatten(0, 1), ids.flatten())
+
+
+def _compiled_profile(model: nn.Module, ids: torch.Tensor, dynamic: bool):
+    if dynamic:
+        torch._dynamo.maybe_mark_dynamic(ids, 1)
+    graph = sublinear.capture.dynamo.capture(model, (ids,)).graph
+    values = graph.example_values
+    if dynamic:
+        values = graph.sizes.symbolic_inputs(values, graph.sizes.binding(values))[0]
+    joint = trace_joint(graph, values)
+    return joint, profile_joint(joint, graph, None, measure_scratch=False)
+
+
+@pytest.mark.slow
+def test_a_size_query_in_a_dynamic_backward_reads_no_tensor_and_runs_at_no_rank():
+    """Under dynamic shapes backward reads the flattened tokens' row count as ``sym_size(view, 0)``, traced from the
+    first projection. The partitioner saves the size, not the view: read as data, it dragged the rank of every later
+    backward node down to the first projection's, and the optimal planner's flat model indexed before its block
+    (IndexError on a 2-layer Hugging Face GPT-2 whose length changed, on the default executor)."""
+    torch.manual_seed(0)
+    model, ids = _FlattenedTokens().train(), torch.randint(0, 50, (2, 12))
+    _, static = _compiled_profile(model, ids.clone(), dynamic=False)
+    joint, dynamic = _compiled_profile(model, ids.clone(), dynamic=True)
+    assert any(node.target is torch.ops.aten.sym_size.int for node in joint.backward)
+    assert dynamic.profile.num_ops == static.profile.num_ops
+    assert sorted(dynamic.backward_ranks.values()) == sorted(static.backward_ranks.values())
+    assert [sorted(s) for s in dynamic.profile.storage_saved_at] == [sorted(s) for s in static.profile.storage_saved_at]
+
+
 @pytest.mark.slow
 def test_a_rerun_op_reads_a_rerun_producers_value_even_where_the_plan_keeps_it():
     """A plan split after a max-pool keeps the pool's values, re-runs the pool for its own backward and re-runs the

@@ -330,6 +330,35 @@ def test_twenty_steps_over_ten_lengths_plan_twice_and_new_lengths_capture_and_co
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("budget", [None, 1_900_000])
+def test_a_causal_lm_whose_length_changes_trains_like_eager_on_the_default_executor(budget):
+    """A user's first calls: a GPT-2 whose sequence length changes, with the default config on inductor. At the
+    second length the graph is dynamic, and its backward reads the tokens' row count as a size query; planning it
+    raised IndexError. The losses and gradients are eager's to float rounding (no dropout, so that the RNG streams
+    of eager and inductor need not agree)."""
+    config = transformers.GPT2Config(vocab_size=500, n_embd=64, n_layer=2, n_head=2, n_positions=128,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    eager = transformers.GPT2LMHeadModel(config).train()
+    planned = sublinear.apply(copy.deepcopy(eager), sublinear.SublinearMemoryConfig(
+        compiler="inductor", memory_budget=budget, cost_model="estimate"))
+    for length in (16, 24, 20):
+        ids = torch.randint(0, config.vocab_size, (2, length))
+        losses = []
+        for model in (eager, planned):
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+        for (name, a), b in zip(eager.named_parameters(), planned.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+    plan = planned.sublinear_plan
+    assert "planned for" in str(plan) and plan.num_blocks > len(plan.graphs)  # a dynamic graph's plan recomputes
+    assert budget is None or plan.predicted_peak_bytes <= budget
+
+
+@pytest.mark.slow
 def test_hugging_face_gradient_checkpointing_trains_bit_for_bit_like_eager():
     # The model's own checkpoint regions (dropout inside) are inlined: sublinear's plan recomputes them, with the
     # forward's dropout masks.

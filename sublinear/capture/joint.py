@@ -20,8 +20,11 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from sublinear.capture.dynamo import CapturedGraph
 
-__all__ = ["JointGraph", "JointTraceError", "labelled_copy", "normalise", "origin", "trace_joint"]
+__all__ = ["JointGraph", "JointTraceError", "data_inputs", "is_size_query", "labelled_copy", "normalise", "origin",
+           "trace_joint"]
 
+_SIZE_QUERIES = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+                           torch.ops.aten.sym_storage_offset.default})
 NODE_KEY = "sublinear_node"  # key of a captured node's position in node.meta["custom"]
 
 
@@ -199,6 +202,18 @@ def _stopped(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def is_size_query(node: fx.Node) -> bool:
+    """``node`` reads a tensor's sizes, strides, element count or offset, not its data. Under dynamic shapes the
+    partitioner computes such a query in forward and saves the symbol, not the tensor; inductor resolves it to a
+    size expression, so it runs no kernel and holds no buffer."""
+    return node.target in _SIZE_QUERIES
+
+
+def data_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose data ``node`` reads: its inputs, none for a size query."""
+    return [] if is_size_query(node) else node.all_input_nodes
 
 
 def is_view(node: fx.Node) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from sublinear.capture.dynamo import INPUT, PARAMETER
-from sublinear.capture.joint import JointGraph
+from sublinear.capture.joint import JointGraph, data_inputs
 from sublinear.profiling.compiled_dataflow import OpGrouping, StorageReads, StepStorages
 from sublinear.profiling.compiled_nodes import (
     InductorKinds, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
@@ -68,7 +68,7 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
     re-runs it (fused into the kernels reading it: what is no buffer there is neither written nor launched)."""
     last_reader: dict[int, int] = {}
     for i, node in enumerate(fw):
-        for arg in node.all_input_nodes:
+        for arg in data_inputs(node):
             for key in storages.keys_of(arg):
                 last_reader[key] = i
     n_ops = len(grouping.nodes)
@@ -119,7 +119,7 @@ def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages
         first, ready, stack, seen = op_of_node[i], 0, [fw[i]], set()
         while stack:
             node = stack.pop()
-            for arg in node.all_input_nodes:
+            for arg in data_inputs(node):
                 inner = [k for k in storages.keys_of(arg) if k in produced]
                 fused = inner and all(not materialized(k) and kinds.fusible(fw[produced[k]]) for k in inner)
                 if fused and arg not in seen:
@@ -159,7 +159,7 @@ def _kernel_reads(node: fx.Node, storages: StepStorages, materialized, kinds: In
     """The buffers the kernel computing ``node`` reads: through the fused values (no buffer) it is made from."""
     produced, found, stack, seen = storages.produced_by, [], [node], {node}
     while stack:
-        for arg in stack.pop().all_input_nodes:
+        for arg in data_inputs(stack.pop()):
             keys = [k for k in storages.keys_of(arg) if k in produced]
             fused = keys and all(not materialized(k) for k in keys) and kinds.fusible(arg)
             if fused and arg not in seen:
@@ -215,7 +215,7 @@ class GradientSide:
                 if key not in storages.produced_by and key not in storages.state and key not in self.born:
                     self.born[key] = k
                     self.sizes[key] = -(-hint(t.untyped_storage().nbytes()) // granule) * granule
-            for arg in node.all_input_nodes:
+            for arg in data_inputs(node):
                 for key in storages.keys_of(arg):
                     self.first.setdefault(key, k)
                     self.last[key] = k
@@ -236,7 +236,7 @@ class GradientSide:
             if not own or any(self.buffer(key) for key in own):
                 continue
             end = max(self.last.get(key, k) for key in own)
-            for arg in self.bw[k].all_input_nodes:
+            for arg in data_inputs(self.bw[k]):
                 for key in storages.keys_of(arg):
                     if self.last.get(key, end) < end:
                         self.last[key] = end
@@ -363,7 +363,7 @@ class _InPlace:
         """Backward node ``k`` and the fused backward values without a buffer that its kernel computes with it."""
         side, found, stack = self.side, {k}, [k]
         while stack:
-            for arg in side.bw[stack.pop()].all_input_nodes:
+            for arg in data_inputs(side.bw[stack.pop()]):
                 for key in self.storages.keys_of(arg):
                     j = side.born.get(key)
                     if j is not None and j >= 0 and j not in found and not side.buffer(key):
@@ -382,7 +382,7 @@ class _InPlace:
         for out in made:
             computation = self._computation(side.born[out])
             inputs = [key for key in dict.fromkeys(k2 for k in sorted(computation)
-                                                   for arg in side.bw[k].all_input_nodes
+                                                   for arg in data_inputs(side.bw[k])
                                                    for k2 in self.storages.keys_of(arg))
                       if first <= side.first[key] and side.last[key] in computation and self._size(key) is not None]
             match = next((key for key in inputs if key not in taken.values() and key != out

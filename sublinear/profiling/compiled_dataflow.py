@@ -16,7 +16,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from sublinear.capture.dynamo import INPUT, CapturedGraph
-from sublinear.capture.joint import JointGraph, is_view, origin
+from sublinear.capture.joint import JointGraph, data_inputs, is_size_query, is_view, origin
 from sublinear.profiling.compiled_nodes import (
     CONVOLUTION_OPS, InductorKinds, communicates, draws_random, storage_key_of, tensor_leaves, writes_input,
 )
@@ -218,7 +218,7 @@ def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping,
     readers: dict[int, set[int]] = defaultdict(set)
     needs_buffer: set[int] = set()
     for i, node in enumerate(fw):
-        for arg in node.all_input_nodes:
+        for arg in data_inputs(node):
             for key in storages.read_keys(node, arg):
                 if key in produced:
                     readers[key].add(op_of_node[i])
@@ -236,7 +236,7 @@ def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping,
         # from that rank's end to the node (see compiled_costs._held_past_saves)
         rank = natural.get(k, rank_of_backward[k])
         at = last_of_rank.get(rank, k) if k in natural else k
-        for arg in node.all_input_nodes:
+        for arg in data_inputs(node):
             for key in storages.read_keys(node, arg):
                 if key in produced:
                     saved_at[key].add(rank)
@@ -274,14 +274,17 @@ def _output_uses(joint: JointGraph, graph: CapturedGraph, storages: StepStorages
 def _backward_ranks(bw: list[fx.Node], grouping: OpGrouping, storages: StepStorages,
                     runs_with: dict[fx.Node, fx.Node]) -> tuple[list[int], dict[int, int]]:
     """Per backward node its rank: the op it was traced from, at least the ops that made what it reads, folded
-    into the op running at the time when that is later (autograd's order is kept). A node inductor runs with a
-    later one (``runs_with``) has that node's rank; its own rank (where autograd runs it) is returned beside, per
-    such node."""
+    into the op running at the time when that is later (autograd's order is kept); a size query takes the rank of
+    the op running. A node inductor runs with a later one (``runs_with``) has that node's rank; its own rank (where
+    autograd runs it) is returned beside, per such node."""
     ranks: list[int] = []
     natural: dict[int, int] = {}
     current = len(grouping.nodes) - 1
     for k, node in enumerate(bw):
-        made_by = [grouping.op_of_node[storages.produced_by[key]] for arg in node.all_input_nodes
+        if is_size_query(node):  # computed in forward, as a symbol: it runs at no rank
+            ranks.append(max(current, 0))
+            continue
+        made_by = [grouping.op_of_node[storages.produced_by[key]] for arg in data_inputs(node)
                    for key in storages.keys_of(arg) if key in storages.produced_by]
         own = grouping.op_of_origin(origin(node))
         rank = max([own if own is not None else current, *made_by])

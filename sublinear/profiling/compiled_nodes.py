@@ -13,7 +13,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from sublinear.capture.joint import is_view
+from sublinear.capture.joint import data_inputs, is_view
 from sublinear.profiling.costs import DeviceRates, computes_in_half, estimate_seconds
 from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout
 from sublinear.profiling.tracking import COUNTED_INSIDE, inside_peak
@@ -149,7 +149,7 @@ def estimate_node_seconds(node: fx.Node, node_flops: int, keys_of, materialized,
     if is_view(node):
         return 0.0
     read = 0
-    for arg in node.all_input_nodes:
+    for arg in data_inputs(node):
         for key in keys_of(arg):
             if key in state:
                 read += state[key][1]
