@@ -198,8 +198,10 @@ def _savers(p: GraphProfile, rank_lo: np.ndarray) -> tuple[np.ndarray, np.ndarra
     np.maximum.at(fixed_stop, saved[~reaching], released[savers[~reaching]])
     # a compiled backward node that runs after a later op's backward began reads its values there, which may be
     # below their producer's ranks: the model releases such a value at its producer's backward
-    first_rank = np.where(producer >= 0, rank_lo[np.maximum(producer, 0)], 0)
-    min_saver = np.where(max_saver >= 0, np.maximum(min_saver, first_rank), min_saver)
+    first_rank = np.minimum(np.where(producer >= 0, rank_lo[np.maximum(producer, 0)], 0), len(node_op) - 1)
+    saved = max_saver >= 0
+    min_saver = np.where(saved, np.maximum(min_saver, first_rank), min_saver)
+    max_saver = np.where(saved, np.maximum(max_saver, first_rank), max_saver)
     return min_saver, max_saver, fixed_stop
 
 
