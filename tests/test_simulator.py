@@ -236,3 +236,24 @@ def test_a_rerun_value_read_by_a_fused_rerun_op_is_held_until_that_ops_last_read
     backward = kinds == BACKWARD_SLOTS[1]
     by_rank = {int(r): int(held[backward & (ranks == r)][0]) for r in range(4)}
     assert by_rank == {3: 200, 2: 200, 1: 200, 0: 100}  # the returned value, and op 1's copy until rank 1's
+
+
+@pytest.mark.parametrize("chained", [True, False], ids=["re-run-for-a-later-rank", "re-run-for-its-own-rank"])
+def test_a_copy_read_through_fused_values_is_held_to_their_backward_only_where_it_is_made_above_it(chained):
+    """Op 1 makes a buffer (storage 1: inductor's random numbers) from which op 2's fused value is computed again
+    in rank 2's backward (``storage_rebuilt_read_at``). Where op 2's value feeds op 3, re-run for rank 4 (a layer
+    re-run for the one above it), op 1's copy is made at rank 4's recompute and held to rank 2. Where op 3's value
+    is kept, op 2 is re-run only for its own rank, inside the kernel of rank 2's backward, and no buffer holds the
+    copy beyond its re-run."""
+    storages = [(0, 1, ()), (1, 2, ()), (2, 3, (2,)), (3, 4 if chained else 5, (4,)), (4, 5, (5,)), (5, 6, ())]
+    p = hand_profile(6, storages, {o: [(o - 1, (o - 1,))] for o in range(1, 6)})
+    p = dataclasses.replace(p, recompute_shared=True, materialized_when_rebuilt=np.ones(6, dtype=bool),
+                            storage_made_from=[(), (0,), (1,), (2,), (3,), (4,)],
+                            storage_deadline=np.array([-1, -1, 2, 4, 5, -1]))
+    through = dataclasses.replace(p, storage_rebuilt_read_at=[(), (2,), (), (), (), ()])
+    plan = Plan.of([4, 5], 6)
+    assert (analyse(p, plan).state[3] == StorageState.REBUILT) == chained
+    held, kinds, _, ranks = own_slots(p, plan)
+    held_through, _, _, _ = own_slots(through, plan)
+    added = {int(r): int(d) for r, d in zip(ranks, held_through - held) if d}
+    assert added == ({4: 100, 3: 100, 2: 100} if chained else {})

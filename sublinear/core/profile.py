@@ -196,6 +196,12 @@ class GraphProfile:
     # the kernel being its last reader (-1: none; empty: none anywhere). While the storage is a buffer there, it ends
     # as that backward starts, its bytes counted on the gradient side from then on.
     storage_taken_at: np.ndarray = field(default_factory=_empty)
+    # Per storage, for a compiled step (empty: none known): the ranks whose backward kernels compute a fused value
+    # from its re-run copy, the storages the nodes computing it read, and the highest rank by whose backward a node
+    # reading it must have run (-1: none, or only a weight's gradient, which waits for the end).
+    storage_rebuilt_read_at: list[tuple[int, ...]] = field(default_factory=list)
+    storage_made_from: list[tuple[int, ...]] = field(default_factory=list)
+    storage_deadline: np.ndarray = field(default_factory=_empty)
     # A compiled backward runs each recomputed op once, in the block whose recompute comes first, and keeps its
     # values until every block that reads them is done (False: every block's recompute rebuilds its own copies).
     recompute_shared: bool = False
@@ -215,28 +221,6 @@ class GraphProfile:
         plan's peak can fall by at most where the caller drops them before backward instead."""
         held = {int(s) for s, use in zip(self.output_storages, self.output_uses) if use == "held" and s >= 0}
         return int(sum(int(self.storage_bytes[s]) for s in held))
-
-    @functools.cached_property
-    def output_bytes(self) -> np.ndarray:
-        """Per op: bytes of the storages it produces."""
-        produced = np.zeros(self.num_ops, dtype=np.int64)
-        np.add.at(produced, self.storage_producer, self.storage_bytes)
-        return produced
-
-    @functools.cached_property
-    def rebuild_bytes(self) -> np.ndarray:
-        """Per op: bytes of the storages it produces that autograd saves, what recomputing it rebuilds (Chen's
-        measure)."""
-        saved = np.array([bool(ops) for ops in self.storage_saved_by], dtype=bool)
-        produced = np.zeros(self.num_ops, dtype=np.int64)
-        np.add.at(produced, self.storage_producer, self.storage_bytes * saved)
-        return produced
-
-    @functools.cached_property
-    def recompute_density(self) -> np.ndarray:
-        """Per op: recompute seconds per byte it outputs (at least one): what recomputing it costs for the memory
-        that not keeping it frees."""
-        return self.op_seconds / np.maximum(1, self.output_bytes)
 
     @functools.cached_property
     def pinned_ops(self) -> np.ndarray:
@@ -316,6 +300,40 @@ class ProfileArrays:
         """(storage, rank) for every operator node that saves a storage: ``storage_saved_at`` as two arrays."""
         pairs = [(s, r) for s, ranks in enumerate(self.profile.storage_saved_at) for r in ranks]
         return _columns(pairs)
+
+    @functools.cached_property
+    def rebuilt_read_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(storage, rank) for every backward read of a re-run copy beyond the saves: ``storage_rebuilt_read_at``."""
+        return _columns([(s, r) for s, ranks in enumerate(self.profile.storage_rebuilt_read_at) for r in ranks])
+
+    @functools.cached_property
+    def made_from_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(storage, storage it is made from) for every pair of ``storage_made_from``, made storages descending."""
+        rows = [(s, m) for s in range(len(self.profile.storage_made_from) - 1, -1, -1)
+                for m in self.profile.storage_made_from[s]]
+        return _columns(rows)
+
+    @functools.cached_property
+    def output_bytes(self) -> np.ndarray:
+        """Per op: bytes of the storages it produces."""
+        produced = np.zeros(self.profile.num_ops, dtype=np.int64)
+        np.add.at(produced, self.profile.storage_producer, self.profile.storage_bytes)
+        return produced
+
+    @functools.cached_property
+    def rebuild_bytes(self) -> np.ndarray:
+        """Per op: bytes of the storages it produces that autograd saves, what recomputing it rebuilds (Chen's
+        measure)."""
+        saved = np.array([bool(ops) for ops in self.profile.storage_saved_by], dtype=bool)
+        produced = np.zeros(self.profile.num_ops, dtype=np.int64)
+        np.add.at(produced, self.profile.storage_producer, self.profile.storage_bytes * saved)
+        return produced
+
+    @functools.cached_property
+    def recompute_density(self) -> np.ndarray:
+        """Per op: recompute seconds per byte it outputs (at least one): what recomputing it costs for the memory
+        that not keeping it frees."""
+        return self.profile.op_seconds / np.maximum(1, self.output_bytes)
 
     @functools.cached_property
     def input_triples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

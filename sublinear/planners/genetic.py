@@ -141,7 +141,7 @@ def uniform_plans(profile: GraphProfile) -> list[Plan]:
     layers."""
     n = profile.num_ops
     plans = []
-    for weight in (np.ones(n), profile.rebuild_bytes, profile.op_flops.astype(float)):
+    for weight in (np.ones(n), profile.arrays.rebuild_bytes, profile.op_flops.astype(float)):
         cumulative = np.cumsum(weight)
         if not n or cumulative[-1] <= 0:
             continue
@@ -155,7 +155,7 @@ def nested_plans(profile: GraphProfile, plans: Sequence[Plan], parts: Sequence[i
     """Each plan with every block but the last cut into m pieces of equal rebuild bytes by soft split points:
     the same kept boundaries, a smaller block to rebuild at a time (Chen's recursive plan, two levels)."""
     n = profile.num_ops
-    cumulative = np.cumsum(profile.rebuild_bytes)
+    cumulative = np.cumsum(profile.arrays.rebuild_bytes)
     nested = []
     for plan in plans:
         for m in parts:

@@ -37,7 +37,7 @@ def greedy_plan(profile: GraphProfile, threshold: float, measure: str = "rebuild
     if measure not in MEASURES:
         raise ValueError(f"measure must be one of {MEASURES}; got {measure!r}")
     n = profile.num_ops
-    produced = profile.rebuild_bytes if measure == "rebuild" else profile.output_bytes
+    produced = profile.arrays.rebuild_bytes if measure == "rebuild" else profile.arrays.output_bytes
     released: list[list[int]] = [[] for _ in range(n)]
     if measure == "live":
         for s, last in enumerate(profile.storage_last_use):
@@ -91,7 +91,7 @@ def keep_variants(profile: GraphProfile, plan: Plan) -> list[Plan]:
     recomputed = [int(o) for o in np.flatnonzero(a.recomputed)]
     if not recomputed:
         return []
-    density = sorted(recomputed, key=lambda o: -profile.recompute_density[o])
+    density = sorted(recomputed, key=lambda o: -profile.arrays.recompute_density[o])
     choices = ([o for o in recomputed if profile.ops[o].flops > 0], density[: max(1, len(density) // 2)])
     return [Plan.normal(plan.split_points, plan.kept | frozenset(chosen), plan.soft) for chosen in choices if chosen]
 

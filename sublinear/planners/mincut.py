@@ -43,7 +43,7 @@ _UNBOUNDED = 2**30
 def levels(profile: GraphProfile) -> list[float]:
     """The ban levels, ascending: the distinct recompute densities of the ops with FLOPs (at most
     :data:`MAX_LEVELS`, evenly spread over them), then infinity (no op banned for its cost)."""
-    density = profile.recompute_density[(profile.op_flops > 0) & (profile.op_seconds > 0)]
+    density = profile.arrays.recompute_density[(profile.op_flops > 0) & (profile.op_seconds > 0)]
     distinct = np.unique(density)
     if len(distinct) > MAX_LEVELS:
         distinct = distinct[np.unique(np.linspace(0, len(distinct) - 1, MAX_LEVELS).round().astype(np.int64))]
@@ -53,7 +53,7 @@ def levels(profile: GraphProfile) -> list[float]:
 def banned_at(profile: GraphProfile, level: float) -> np.ndarray:
     """Per op: never recomputed at ``level`` (pinned, the last op, or FLOPs at a recompute density of at least
     ``level``)."""
-    banned = (profile.op_flops > 0) & (profile.op_seconds > 0) & (profile.recompute_density >= level)
+    banned = (profile.op_flops > 0) & (profile.op_seconds > 0) & (profile.arrays.recompute_density >= level)
     banned[profile.pinned_ops] = True
     if profile.num_ops:
         banned[-1] = True

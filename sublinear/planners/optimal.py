@@ -183,7 +183,7 @@ def kept_sets(profile: GraphProfile) -> list[tuple[str, frozenset[int]]]:
     """The kept sets searched, named: none; every op with FLOPs (matmuls, convolutions); and the half of the ops
     with the most forward time per byte they output (the grid's keep variants, over the whole graph)."""
     ops = [op for op in profile.ops if not op.pinned and op.forward_seconds > 0]
-    dense = sorted(ops, key=lambda op: -profile.recompute_density[op.index])[:len(ops) // 2]
+    dense = sorted(ops, key=lambda op: -profile.arrays.recompute_density[op.index])[:len(ops) // 2]
     sets = [("", frozenset()), ("ops with FLOPs kept", frozenset(op.index for op in ops if op.flops > 0)),
             ("densest half kept", frozenset(op.index for op in dense))]
     return [(name, kept) for k, (name, kept) in enumerate(sets)

@@ -37,14 +37,14 @@ import torch
 from torch import fx
 
 from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph, module_path
-from sublinear.capture.joint import JointGraph
+from sublinear.capture.joint import JointGraph, data_inputs
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
 from sublinear.profiling.compiled_costs import (
     BackwardWalk, GradientSide, forward_costs, materialized_predicate, walk_backward,
 )
 from sublinear.profiling.compiled_dataflow import (
-    OpGrouping, StepStorages, StorageReads, group_ops, step_storages, storage_reads,
+    OpGrouping, StepStorages, StorageReads, backward_deadlines, group_ops, made_from, step_storages, storage_reads,
 )
 from sublinear.profiling.compiled_nodes import (
     InductorKinds, channels_last_convolutions, draws_random, library_scratch, tensor_leaves, writes_input,
@@ -87,16 +87,18 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     grouping = group_ops(fw, kinds)
     storages = step_storages(joint, graph, fw, granule, channels_last)
     reads = storage_reads(joint, graph, grouping, storages, kinds, uses)
-    tracked = _tracked(grouping, storages, reads)
     measured = measure_scratch and device.type in ("cpu", "cuda")
     scratch = library_scratch(fw + bw, kinds, channels_last, kernel_memory(str(device)) if measured else None)
     materialized = materialized_predicate(storages, reads, kinds, fw)
+    through = _read_through_rebuilt(fw, storages, reads, materialized)
+    tracked = _tracked(grouping, storages, reads, through)
+    dataflow = (made_from(fw, storages, tracked), backward_deadlines(bw, storages, reads, kinds))
     extra, seconds, rerun, flops, in_place = forward_costs(fw, grouping, storages, reads, set(tracked), materialized,
                                                     scratch, kinds, rates)
     side = GradientSide(joint, storages, kinds, granule, graph.kinds)
     backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
     record = _record(joint, graph, grouping, storages, reads, tracked, materialized, in_place, extra,
-                     (seconds, rerun), flops, backward, rates, _constants(storages, fw, kinds))
+                     (seconds, rerun), flops, backward, rates, _constants(storages, fw, kinds), through, dataflow)
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports
 
@@ -126,11 +128,41 @@ def _gradient_flows(joint: JointGraph) -> set[fx.Node]:
     return flows
 
 
-def _tracked(grouping: OpGrouping, storages: StepStorages, reads: StorageReads) -> list[int]:
-    """The storages that outlive their op (read by a later op or backward) or that the graph returns, in order."""
+def _read_through_rebuilt(fw: list[fx.Node], storages: StepStorages, reads: StorageReads,
+                          materialized) -> dict[int, set[int]]:
+    """Per storage, the ranks whose backward kernels read it through re-run values that backward reads and that are
+    no buffers when re-run: inductor computes such a value inside each backward kernel reading it, from what it is
+    made of (a dropout's mask from the random numbers its op draws, a softmax's output from the exponentials), and
+    those stay until the last such kernel. Where the values are kept instead, they are buffers in forward and
+    backward reads them."""
+    produced = storages.produced_by
+    through: dict[int, set[int]] = defaultdict(set)
+    for key, ranks in reads.saved_at.items():
+        if key not in produced or materialized(key, rebuilt=True):
+            continue
+        stack, seen = [fw[produced[key]]], set()
+        while stack:
+            for arg in data_inputs(stack.pop()):
+                for inner in storages.keys_of(arg):
+                    if inner in seen or inner not in produced:
+                        continue
+                    seen.add(inner)
+                    if materialized(inner, rebuilt=True):
+                        through[inner] |= ranks
+                    else:
+                        stack.append(fw[produced[inner]])
+    return {key: ranks - reads.saved_at.get(key, set()) for key, ranks in through.items()
+            if ranks - reads.saved_at.get(key, set())}
+
+
+def _tracked(grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
+             through: dict[int, set[int]]) -> list[int]:
+    """The storages that outlive their op (read by a later op or backward, also through the op's fused values when
+    re-run) or that the graph returns, in order."""
     def outlives(key: int) -> bool:
         o = grouping.op_of_node[storages.produced_by[key]]
-        return any(r > o for r in reads.readers.get(key, ())) or key in reads.saved_at or key in reads.output_use
+        return any(r > o for r in reads.readers.get(key, ())) or key in reads.saved_at or key in reads.output_use \
+            or key in through
 
     return sorted((k for k in storages.produced_by if outlives(k)), key=lambda k: (storages.produced_by[k], k))
 
@@ -138,9 +170,11 @@ def _tracked(grouping: OpGrouping, storages: StepStorages, reads: StorageReads) 
 def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
             tracked: list[int], materialized, in_place: set[int], extra: list[int],
             seconds: tuple[list[float], list[float]], flops: list[int], backward: BackwardWalk,
-            rates: DeviceRates, constants: set[int]) -> StepRecord:
+            rates: DeviceRates, constants: set[int], through: dict[int, set[int]],
+            dataflow: tuple[dict[int, set[int]], dict[int, int]]) -> StepRecord:
     """``seconds``: per op, its forward's and its re-run's in backward; ``constants``: storages no op reads from
-    the op that made them."""
+    the op that made them; ``through``: :func:`_read_through_rebuilt`; ``dataflow``: per storage what it is made
+    from and its backward deadline (:func:`made_from`, :func:`backward_deadlines`)."""
     fw, n_ops = joint.forward, len(grouping.nodes)
     op_of_node, produced = grouping.op_of_node, storages.produced_by
     captured = list(graph.graph_module.graph.nodes)
@@ -171,7 +205,8 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         op_of_node=op_of_node,
         node_keys={i: tuple(k for k in storages.keys_of(node) if k not in storages.state) for i, node in enumerate(fw)},
         storage_bytes=dict(storages.size_of), producer={k: op_of_node[i] for k, i in produced.items()},
-        last_use=last_use, saved_by=reads.saved_at, saved_at=reads.saved_at,
+        last_use=last_use, saved_by=reads.saved_at, saved_at=reads.saved_at, rebuilt_read_at=through,
+        made_from=dataflow[0], deadline=dataflow[1],
         op_inputs=[sorted((p, sorted(keys)) for p, keys in inputs.items()) for inputs in op_inputs],
         tracked=tracked, reaches_output=[True] * n_ops, node_op=list(range(n_ops)),
         grad_start=backward.start, grad_peak=backward.before, grad_after=backward.after,

@@ -297,3 +297,48 @@ def _backward_ranks(bw: list[fx.Node], grouping: OpGrouping, storages: StepStora
     for k in sorted(natural, reverse=True):
         ranks[k] = ranks[k + 1]
     return ranks, natural
+
+
+def made_from(fw: list[fx.Node], storages: StepStorages, tracked: Sequence[int]) -> dict[int, set[int]]:
+    """Per tracked storage: the tracked storages the nodes computing it read, through values that are not tracked
+    (the values computed inside its op's kernels), its own storage left out."""
+    produced, tracked_keys = storages.produced_by, set(tracked)
+    found: dict[int, set[int]] = {}
+    for key in tracked:
+        inputs, stack, seen = set(), [fw[produced[key]]], set()
+        while stack:
+            for arg in data_inputs(stack.pop()):
+                for inner in storages.keys_of(arg):
+                    if inner == key or inner in seen or inner not in produced:
+                        continue
+                    seen.add(inner)
+                    if inner in tracked_keys:
+                        inputs.add(inner)
+                    else:
+                        stack.append(fw[produced[inner]])
+        found[key] = inputs
+    return found
+
+
+def backward_deadlines(bw: list[fx.Node], storages: StepStorages, reads: StorageReads,
+                       kinds: InductorKinds) -> dict[int, int]:
+    """Per storage backward reads: the highest rank by whose backward a node reading it must have run. A fused
+    kernel runs at its rank; a library call, as late as the first fused kernel that reads its result (through
+    views and other library calls) allows: a weight's gradient at the end (-1), the gradient of a matrix product's
+    second operand where the gradient of that operand's producer is summed. A view reads where its readers do."""
+    index = {node: k for k, node in enumerate(bw)}
+    ranks = reads.rank_of_backward
+    when = [-1] * len(bw)
+    for k in range(len(bw) - 1, -1, -1):
+        node = bw[k]
+        if is_view(node) or kinds.extern(node) or is_size_query(node):
+            when[k] = max([when[index[u]] for u in node.users if u in index], default=-1)
+        else:
+            when[k] = ranks[k]
+    deadline: dict[int, int] = {}
+    for k, node in enumerate(bw):
+        for arg in data_inputs(node):
+            for key in storages.read_keys(node, arg):
+                if key in storages.produced_by:
+                    deadline[key] = max(deadline.get(key, -1), when[k])
+    return deadline

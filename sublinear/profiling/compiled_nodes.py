@@ -24,6 +24,9 @@ _FUSIBLE = ("aten.embedding.default", "aten.index.Tensor", "aten.full.default", 
             "prims.iota.default", "aten.constant_pad_nd.default", "aten.slice_scatter.default",
             "aten.select_scatter.default", "prims.inductor_random.default", "prims.inductor_lookup_seed.default",
             "aten.zeros.default", "aten.ones.default", "prims._low_memory_max_pool_offsets_to_indices.default")
+# Pointwise ops whose lowering always stores the value in a buffer (inductor's random numbers, float32 whatever the
+# dtype of their reader); the scheduler drops the buffer again where only its own kernel reads it.
+_STORED = ("prims.inductor_random.default",)
 # Matrix products inductor calls as library kernels although they are not in its needs-realized set.
 _EXTERN = ("aten.addmm.default", "aten.baddbmm.default", "aten.addbmm.default", "aten._addmm_activation.default")
 # The convolutions, forward and backward: inductor may run them on channels-last copies of their tensors.
@@ -51,13 +54,17 @@ class InductorKinds:
         from torch._inductor import lowering  # noqa: PLC0415
 
         self.realized_inputs, self.fallbacks = frozenset(lowering.needs_realized_inputs), frozenset(lowering.fallbacks)
-        self.fusible_ops, self.extern_ops = _ops(_FUSIBLE), _ops(_EXTERN)
+        self.fusible_ops, self.extern_ops, self.stored_ops = _ops(_FUSIBLE), _ops(_EXTERN), _ops(_STORED)
 
     def fusible(self, node: fx.Node) -> bool:
         target = node.target
         if not isinstance(target, torch._ops.OpOverload):
             return False
         return torch.Tag.pointwise in target.tags or target in self.fusible_ops or target.is_view
+
+    def stored(self, node: fx.Node) -> bool:
+        """Whether inductor's lowering stores ``node``'s value in a buffer whatever reads it."""
+        return node.target in self.stored_ops
 
     def extern(self, node: fx.Node) -> bool:
         """Whether inductor calls a kernel of its own for ``node``: a library call, or a custom op (an operator

@@ -10,7 +10,10 @@ pointwise value it is made from:
   or loads more than ``realize_reads_threshold`` (4) values;
 - the expression loads more than ``realize_acc_reads_threshold`` values (12 on the CPU, 8 else) or has more
   operations than the opcount threshold, and more than one of its loads reads memory;
-- the expression has more than 100 operations (too deep to inline).
+- the expression has more than 100 operations (too deep to inline);
+- the node draws inductor's random numbers (``inductor_random``: its lowering stores them, float32). Forward
+  computes a dropout's mask from them in the same kernel, and the buffer goes; a backward that re-runs the dropout
+  reads them in the re-run's kernel and in the dropout's backward, and holds them between the two.
 
 A long unrolled recurrence (a state-space scan's steps) or a chain of sums of gradients trips them: inductor's fused
 kernel then writes several such buffers, all of them allocated before it runs. A stored value that only reductions
@@ -140,7 +143,8 @@ def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[
         reads_limit = _threshold(config, "realize_acc_reads_threshold", cpu)
         count = len(operations) + len(loads)
         many = count > opcount_limit
-        if readers(node) > 1 and ((cpu and costly) or many or len(loads) > config.realize_reads_threshold) or \
+        if kinds.stored(node) or \
+                readers(node) > 1 and ((cpu and costly) or many or len(loads) > config.realize_reads_threshold) or \
                 (len(loads) > 1 and (len(loads) > reads_limit or many)) or count > _INLINE_LIMIT:
             realized.add(node)
         else:

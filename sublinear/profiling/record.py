@@ -64,6 +64,9 @@ class StepRecord:
     materialized_in_forward: set[int] | None = None  # None: every storage takes memory whenever it is live
     materialized_when_rebuilt: set[int] | None = None
     taken_at: dict[int, int] = field(default_factory=dict)  # storage -> rank writing its output into it
+    rebuilt_read_at: dict[int, set[int]] = field(default_factory=dict)  # storage -> ranks reading its re-run copy
+    made_from: dict[int, set[int]] = field(default_factory=dict)  # storage -> the storages computing it reads
+    deadline: dict[int, int] = field(default_factory=dict)  # storage -> rank by which backward must have read it
     saved_buffer: set[int] | None = None  # a buffer in forward only because forward saves it
     recompute_shared: bool = False
     # Whether a kept op's view of another op's storage keeps that storage (the eager executor: the view is a tensor
@@ -111,6 +114,11 @@ def assemble(record: StepRecord) -> GraphProfile:
         output_storages=np.array([sid.get(k, -1) for k in record.output_storages], dtype=np.int64),
         saved_inputs=np.asarray(record.saved_inputs if record.saved_inputs is not None else [], dtype=bool),
         storage_saved_at=ranks(record.saved_at),
+        storage_rebuilt_read_at=ranks(record.rebuilt_read_at) if record.rebuilt_read_at else [],
+        storage_made_from=[tuple(sorted(sid[k] for k in record.made_from.get(key, ()) if k in sid)) for key in tracked]
+        if record.made_from else [],
+        storage_deadline=np.array([record.deadline.get(k, -1) for k in tracked], dtype=np.int64)
+        if record.deadline else np.zeros(0, dtype=np.int64),
         node_op=np.asarray(record.node_op, dtype=np.int64),
         grad_start=np.asarray(record.grad_start, dtype=np.int64),
         grad_peak=np.asarray(record.grad_peak, dtype=np.int64),

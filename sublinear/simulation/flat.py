@@ -15,7 +15,8 @@ an upper bound everywhere. For blocks ``b = 1..k`` (``k`` the last) :meth:`FlatM
 
 - ``L(b)``, the local peak, is the most bytes live at a slot of block ``b`` (its forward ops, its recomputes, the
   backward of its nodes), counting as the timeline does the storages produced in ``b`` and those produced before
-  it and read in it: readers, autograd's saves, forward and recompute frames, recomputed copies, snapshots,
+  it and read in it: readers, autograd's saves, forward and recompute frames, recomputed copies (held to their
+  savers' backward, or to the backward kernels that compute fused values from them), snapshots,
   plan-independent lifetimes (graph outputs, autocast's cache, storages saved by nodes that never reach the
   outputs), kernel workspace, the gradient side, FSDP's layout and the other graphs of the call;
 - ``R(b)``, the bytes ``b`` carries into every later block: its retained storages that a node reaching the outputs
@@ -86,13 +87,17 @@ class FlatModel:
             always_kept[list(p.op_storages[o])] = True
         self.always_kept = always_kept  # retained in every block: an op that is never recomputed holds it
 
-        min_saver, max_saver, fixed_stop = _savers(p, self.rank_lo)
+        min_saver, max_saver, fixed_stop, rebuilt_until = _savers(p, self.rank_lo)
         self.min_saver, self.max_saver = min_saver, max_saver
         self.saved = max_saver >= 0
         self.to_end = fixed_stop >= NEVER  # live to the end of the step whatever the plan
         self.fixed_stop = np.minimum(fixed_stop, n - 1)  # in forward slots
         self.end_bytes = int(size[self.to_end].sum())
         self.droppable = self.saved & ~always_kept  # dropped once its block holds its last reader
+        # a recomputed copy lives to its savers' backward, or to the backward kernels that read it through values
+        # fused into them (``storage_rebuilt_read_at``)
+        self.held_copy = (self.droppable | (rebuilt_until < NEVER)) & ~always_kept
+        self.copy_rank = np.minimum(np.where(self.droppable, min_saver, NEVER), rebuilt_until)
         self.carried = self.saved & ~self.to_end  # held for autograd past every later block's slots
 
         reads = _reads(p)
@@ -175,10 +180,11 @@ class FlatModel:
         return float(sum(self.block(a, b)[0] for a, b in zip(starts, plan.split_points[:-1])))
 
 
-def _savers(p: GraphProfile, rank_lo: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _savers(p: GraphProfile, rank_lo: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per storage: the lowest and the highest rank of a node reaching the outputs that saves it (NEVER and -1:
-    none), and its plan-independent stop: its last reader (NEVER: the end of the step, for outputs), autocast's
-    cache, and the forward release of a node that saves it and never reaches the outputs."""
+    none), its plan-independent stop: its last reader (NEVER: the end of the step, for outputs), autocast's
+    cache, and the forward release of a node that saves it and never reaches the outputs; and the lowest rank
+    whose backward kernels read its recomputed copy beyond the savers (NEVER: none)."""
     n, count = p.num_ops, len(p.storage_bytes)
     node_op = np.asarray(p.node_op, dtype=np.int64)
     reaches = np.asarray(p.reaches_output, dtype=bool)
@@ -202,7 +208,10 @@ def _savers(p: GraphProfile, rank_lo: np.ndarray) -> tuple[np.ndarray, np.ndarra
     saved = max_saver >= 0
     min_saver = np.where(saved, np.maximum(min_saver, first_rank), min_saver)
     max_saver = np.where(saved, np.maximum(max_saver, first_rank), max_saver)
-    return min_saver, max_saver, fixed_stop
+    through, through_ranks = p.arrays.rebuilt_read_pairs
+    rebuilt_until = np.full(count, NEVER)
+    np.minimum.at(rebuilt_until, through, np.maximum(through_ranks, first_rank[through]))
+    return min_saver, max_saver, fixed_stop, rebuilt_until
 
 
 def _reads(p: GraphProfile) -> np.ndarray:
@@ -313,8 +322,9 @@ class _Start:
                      np.concatenate([m.min_saver[kept_own],
                                      np.where(self.held_throughout[incoming], -1, m.min_saver[incoming])]),
                      size[np.concatenate([kept_own, incoming])])
-        dropped = np.flatnonzero(dropping)
-        self.dropped = (last_use[dropped], producer[dropped], m.min_saver[dropped], size[dropped])
+        dropped = np.flatnonzero(own & m.held_copy & (last_use < n))  # from the block holding its op and readers
+        self.dropped = (np.maximum(last_use, entry[np.maximum(producer, 0)])[dropped], producer[dropped],
+                        m.copy_rank[dropped], size[dropped])
         self.copies = _copies(m, i, entry, self.dropped)
         self.local = np.zeros(rows, dtype=np.int64)
         self.done = np.zeros(rows, dtype=bool)
@@ -385,7 +395,8 @@ def _copies(m: FlatModel, i: int, entry: np.ndarray, dropped: tuple[np.ndarray, 
     keep = (producer >= i) & (source >= i)
     reader, source, storage, producer = reader[keep], source[keep], storage[keep], producer[keep]
     first = np.maximum(np.maximum(entry[reader], entry[source]), entry[producer])
-    last = np.where(m.droppable[storage] & (m.last_use[storage] < m.n), m.last_use[storage] - 1, NEVER)
+    last = np.where(m.held_copy[storage] & (m.last_use[storage] < m.n),
+                    np.maximum(m.last_use[storage], entry[producer]) - 1, NEVER)
     keep = (first <= last) & (first < m.n)
     reader, storage, producer, first, last = reader[keep], storage[keep], producer[keep], first[keep], last[keep]
     order = np.lexsort((first, storage))

@@ -204,8 +204,9 @@ def _rerun_reads(profile: GraphProfile, a: PlanAnalysis, at: _Layout) -> _Reads:
 class _Copies:
     """The recomputed copies: per copy its storage, the pair that rebuilds it, and the slots it lives over (from
     its recompute until the last re-run op that reads it, or, for a reader fused into the kernels that read its
-    own values, until that reader's last kernel; or the last backward that reads the dropped storage; in the same
-    block or, shared, in any); ``counted``: it takes memory (else it is fused into its readers)."""
+    own values, until that reader's last kernel; or the last backward that reads the dropped storage, or that
+    computes a fused value from the copy (``storage_rebuilt_read_at``); in the same block or, shared, in any);
+    ``counted``: it takes memory (else it is fused into its readers)."""
 
     storage: np.ndarray
     pair: np.ndarray
@@ -238,11 +239,34 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads,
     savers = profile.node_op[ranks]
     own = a.dropped[saved] & profile.reaches_output[savers]
     extend(a.block_of[savers[own]], saved[own], at.backward_slot[ranks[own]])
+    through, through_ranks = profile.arrays.rebuilt_read_pairs
+    if len(through) and len(profile.storage_deadline):
+        held = _rerun_deadlines(profile, a, copy_storage)[through] > through_ranks
+        extend(a.block_of[profile.node_op[through_ranks[held]]], through[held], at.backward_slot[through_ranks[held]])
     copy_stop = _taken_in_place(profile, at, copy_storage, copy_stop)
     counted = copy_stop > copy_start
     if len(profile.materialized_when_rebuilt):  # fused into the backward kernels that read it
         counted &= profile.materialized_when_rebuilt[copy_storage]
     return _Copies(copy_storage, copy_at, copy_start, copy_stop, counted)
+
+
+def _rerun_deadlines(profile: GraphProfile, a: PlanAnalysis, rebuilt: np.ndarray) -> np.ndarray:
+    """Per storage: the highest rank by whose backward its re-run copy must have been made: a backward node
+    reading it (``storage_deadline``) or the re-run of a storage made from it. A copy read by backward kernels
+    through fused values is held until those kernels (``storage_rebuilt_read_at``) only where it must be made above
+    them, in a kernel of its own: a layer re-run for the layers above it. Made no earlier than they run, inductor
+    computes it inside the first of them, and the rank above runs its library calls that read the re-run values
+    after that kernel."""
+    deadline = profile.storage_deadline.copy()
+    rerun = np.zeros(len(deadline), dtype=bool)
+    rerun[rebuilt] = True
+    rerun &= ~a.retained
+    made, source = profile.arrays.made_from_pairs
+    chain = rerun[made] & rerun[source]  # pairs by made storage, descending: every reader is done before its source
+    for m, s in zip(made[chain].tolist(), source[chain].tolist()):
+        if deadline[m] > deadline[s]:
+            deadline[s] = deadline[m]
+    return deadline
 
 
 def _rerun_until(profile: GraphProfile, at: _Layout, reads: _Reads, copies: _Copies) -> np.ndarray:
