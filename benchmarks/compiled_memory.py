@@ -2,6 +2,7 @@
 
     python benchmarks/compiled_memory.py --jobs 2 --out docs/compiled_memory.md
     python benchmarks/compiled_memory.py --device cuda --jobs 8 --out docs/compiled_memory_cuda.md
+    python benchmarks/compiled_memory.py --rng inductor --jobs 2   # torch.compile's own random numbers
 
 For each model (the third-party set of ``benchmarks/third_party.py``, random-initialised from small configs, the
 zoo's ResNet-50, and two causal LMs whose vocabulary-sized head decides the peak), in its own subprocess with an
@@ -54,6 +55,7 @@ TOLERANCE, FLOOR = 0.02, 256 * 1024
 
 
 DEVICE = "cpu"  # where the subprocess runs its model (--device)
+RNG = "aten"  # aten: inductor's fallback_random (dropout draws as eager's); inductor: its own random numbers (--rng)
 
 
 def _head_model(name: str):
@@ -181,7 +183,7 @@ def run_one(name: str, path: str) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     import torch._inductor.config as inductor_config
 
-    inductor_config.fallback_random = True
+    inductor_config.fallback_random = RNG == "aten"
     res: dict = {"model": name, "error": None, "points": []}
     try:
         model, args, kwargs, step = _build(name)
@@ -201,14 +203,14 @@ def run_one(name: str, path: str) -> None:
     torch.save(res, path)
 
 
-def _subprocess(name: str, folder: str, timeout: float, device: str) -> dict:
+def _subprocess(name: str, folder: str, timeout: float, device: str, rng: str) -> dict:
     path = os.path.join(folder, f"{name}.pt")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix=f"inductor-{name}-", dir=folder),
            "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "2"}
     with open(os.path.join(folder, f"{name}.log"), "w") as log:
         try:
-            subprocess.run([sys.executable, __file__, "--device", device, "--one", name, path], stdout=log,
-                           stderr=subprocess.STDOUT, timeout=timeout, env=env, check=False)
+            subprocess.run([sys.executable, __file__, "--device", device, "--rng", rng, "--one", name, path],
+                           stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env, check=False)
         except subprocess.TimeoutExpired:
             timed_out = f"timed out after {timeout:.0f} s"
         else:
@@ -261,7 +263,7 @@ def _rows(res: dict) -> tuple[list[str], dict]:
     return rows, checks
 
 
-def report(results: list[dict], seconds: float, command: str, device: str) -> str:
+def report(results: list[dict], seconds: float, command: str, device: str, rng: str = "aten") -> str:
     where = (f"{platform.machine()} CPU, {os.cpu_count()} cores, 1 thread per run" if device == "cpu" else
              f"{torch.cuda.get_device_name(device)} (the caching allocator's peak), {os.cpu_count()} CPU cores")
     lines = ["# Compiled step memory: predicted before compiling, and budgets", "",
@@ -271,7 +273,9 @@ def report(results: list[dict], seconds: float, command: str, device: str) -> st
              "inputs, activations and gradients). Budgets: no budget, then 0.02, 0.35 and 0.7 of the way from the "
              "lowest predicted peak any plan reaches (what `memory_budget=1` reports) to eager's measured peak (or the "
              "no-budget plan's predicted peak, when higher). "
-             "Error: before compiling against measured.", "",
+             "Error: before compiling against measured. Random numbers: "
+             + ("aten's (inductor's `fallback_random`)." if rng == "aten" else
+                "inductor's own (torch.compile's default, `fallback_random` off)."), "",
              "| model | eager | budget | predicted before compiling | after the compile check | measured | error "
              "| compiles | budget |", "|---|---|---|---|---|---|---|---|---|"]
     totals = {"predicted": 0, "predicted_ok": 0, "budgets": 0, "met": 0, "one_compile": 0}
@@ -302,10 +306,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per model")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--rng", choices=("aten", "inductor"), default="aten",
+                        help="aten: inductor's fallback_random (the default here); inductor: its own random numbers")
     parser.add_argument("--out", default=None)
     options = parser.parse_args()
-    global DEVICE
-    DEVICE = options.device
+    global DEVICE, RNG
+    DEVICE, RNG = options.device, options.rng
     if options.one:
         run_one(*options.one)
         return
@@ -313,12 +319,12 @@ def main() -> None:
     command = f"python benchmarks/compiled_memory.py {' '.join(sys.argv[1:])}"
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(options.jobs) as pool:
-        futures = {pool.submit(_subprocess, name, folder, options.timeout, options.device): name
+        futures = {pool.submit(_subprocess, name, folder, options.timeout, options.device, options.rng): name
                    for name in options.models}
         for future in as_completed(futures):  # the report so far, rewritten as each model finishes
             results[futures[future]] = future.result()
             text = report([results[m] for m in options.models if m in results], time.perf_counter() - start,
-                          command, options.device)
+                          command, options.device, options.rng)
             if options.out:
                 Path(options.out).write_text(text)
     print(text)

@@ -37,14 +37,15 @@ import torch
 from torch import fx
 
 from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph, module_path
-from sublinear.capture.joint import JointGraph, data_inputs
+from sublinear.capture.joint import JointGraph
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
 from sublinear.profiling.compiled_costs import (
     BackwardWalk, GradientSide, forward_costs, materialized_predicate, walk_backward,
 )
 from sublinear.profiling.compiled_dataflow import (
-    OpGrouping, StepStorages, StorageReads, backward_deadlines, group_ops, made_from, step_storages, storage_reads,
+    OpGrouping, StepStorages, StorageReads, backward_deadlines, group_ops, made_from, sources_of, step_storages,
+    storage_reads,
 )
 from sublinear.profiling.compiled_nodes import (
     InductorKinds, channels_last_convolutions, draws_random, library_scratch, tensor_leaves, writes_input,
@@ -131,28 +132,20 @@ def _gradient_flows(joint: JointGraph) -> set[fx.Node]:
 def _read_through_rebuilt(fw: list[fx.Node], storages: StepStorages, reads: StorageReads,
                           materialized) -> dict[int, set[int]]:
     """Per storage, the ranks whose backward kernels read it through re-run values that backward reads and that are
-    no buffers when re-run: inductor computes such a value inside each backward kernel reading it, from what it is
-    made of (a dropout's mask from the random numbers its op draws, a softmax's output from the exponentials), and
-    those stay until the last such kernel. Where the values are kept instead, they are buffers in forward and
+    no buffers when re-run (beyond the ranks that save it): inductor computes such a value inside each backward
+    kernel reading it, from the buffers it is made of (a dropout's mask from the random numbers its op draws, a
+    softmax's output from the exponentials). Where the values are kept instead, they are buffers in forward, and
     backward reads them."""
-    produced = storages.produced_by
+    def rebuilt_buffer(key: int) -> bool:
+        return materialized(key, rebuilt=True)
+
     through: dict[int, set[int]] = defaultdict(set)
     for key, ranks in reads.saved_at.items():
-        if key not in produced or materialized(key, rebuilt=True):
-            continue
-        stack, seen = [fw[produced[key]]], set()
-        while stack:
-            for arg in data_inputs(stack.pop()):
-                for inner in storages.keys_of(arg):
-                    if inner in seen or inner not in produced:
-                        continue
-                    seen.add(inner)
-                    if materialized(inner, rebuilt=True):
-                        through[inner] |= ranks
-                    else:
-                        stack.append(fw[produced[inner]])
-    return {key: ranks - reads.saved_at.get(key, set()) for key, ranks in through.items()
-            if ranks - reads.saved_at.get(key, set())}
+        if key in storages.produced_by and not rebuilt_buffer(key):
+            for source in sources_of(fw, storages, key, rebuilt_buffer):
+                through[source] |= ranks
+    beyond = {key: ranks - reads.saved_at.get(key, set()) for key, ranks in through.items()}
+    return {key: ranks for key, ranks in beyond.items() if ranks}
 
 
 def _tracked(grouping: OpGrouping, storages: StepStorages, reads: StorageReads,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import functools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -299,25 +299,28 @@ def _backward_ranks(bw: list[fx.Node], grouping: OpGrouping, storages: StepStora
     return ranks, natural
 
 
+def sources_of(fw: list[fx.Node], storages: StepStorages, key: int, stops: Callable[[int], bool]) -> set[int]:
+    """The storages forward produces that the nodes computing ``key`` read, walked back through the values that are
+    not ``stops`` (those computed inside the same kernels), ``key`` left out."""
+    produced, found, seen, stack = storages.produced_by, set(), set(), [fw[storages.produced_by[key]]]
+    while stack:
+        for arg in data_inputs(stack.pop()):
+            for inner in storages.keys_of(arg):
+                if inner == key or inner in seen or inner not in produced:
+                    continue
+                seen.add(inner)
+                if stops(inner):
+                    found.add(inner)
+                else:
+                    stack.append(fw[produced[inner]])
+    return found
+
+
 def made_from(fw: list[fx.Node], storages: StepStorages, tracked: Sequence[int]) -> dict[int, set[int]]:
     """Per tracked storage: the tracked storages the nodes computing it read, through values that are not tracked
-    (the values computed inside its op's kernels), its own storage left out."""
-    produced, tracked_keys = storages.produced_by, set(tracked)
-    found: dict[int, set[int]] = {}
-    for key in tracked:
-        inputs, stack, seen = set(), [fw[produced[key]]], set()
-        while stack:
-            for arg in data_inputs(stack.pop()):
-                for inner in storages.keys_of(arg):
-                    if inner == key or inner in seen or inner not in produced:
-                        continue
-                    seen.add(inner)
-                    if inner in tracked_keys:
-                        inputs.add(inner)
-                    else:
-                        stack.append(fw[produced[inner]])
-        found[key] = inputs
-    return found
+    (the values computed inside its op's kernels)."""
+    tracked_keys = set(tracked)
+    return {key: sources_of(fw, storages, key, tracked_keys.__contains__) for key in tracked}
 
 
 def backward_deadlines(bw: list[fx.Node], storages: StepStorages, reads: StorageReads,
