@@ -307,6 +307,17 @@ class ProfileArrays:
         return _columns([(s, r) for s, ranks in enumerate(self.profile.storage_rebuilt_read_at) for r in ranks])
 
     @functools.cached_property
+    def read_through_only(self) -> np.ndarray:
+        """Per storage: tracked only because backward kernels read its re-run copy through fused values (no later
+        op reads it, no backward node saves it, the graph does not return it)."""
+        p = self.profile
+        through = np.array([bool(ranks) for ranks in p.storage_rebuilt_read_at], dtype=bool)
+        if not len(through):
+            return np.zeros(len(p.storage_bytes), dtype=bool)
+        unsaved = np.array([not ranks for ranks in p.storage_saved_at], dtype=bool)
+        return through & unsaved & (p.storage_last_use == p.storage_producer)
+
+    @functools.cached_property
     def made_from_pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """(storage, storage it is made from) for every pair of ``storage_made_from``, made storages descending."""
         rows = [(s, m) for s in range(len(self.profile.storage_made_from) - 1, -1, -1)

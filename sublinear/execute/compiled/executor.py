@@ -66,11 +66,12 @@ def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[st
     (a variance beside the mean a plan keeps)."""
     profile = analysis.profile
     retained = analysis.state == StorageState.RETAINED
+    inside = profile.arrays.read_through_only  # values its op's kernels compute and keep to themselves
     tags: dict[str, bool | None] = {}
     for i, name in enumerate(node_names):
         op = profile.op_of_node[i]
         every = profile.node_storages.get(i, ())
-        storages = [s for s in every if s >= 0]
+        storages = [s for s in every if s >= 0 and not inside[s]]
         if every and not storages and analysis.recomputed[op]:
             tags[name] = None
             continue
