@@ -860,6 +860,44 @@ def test_the_walk_releases_an_output_the_call_drops_when_forward_returns():
     assert held.forward_peak == dropped.forward_peak
 
 
+class _ReturnsWhatBackwardReads(nn.Module):
+    """Returns, beside its loss, the value its last linear saves for its weight's gradient, as a Hugging Face
+    model returns the keys and values of its cache that its attention's backward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide, self.narrow, self.out = nn.Linear(64, 2048), nn.Linear(2048, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        kept = self.narrow(torch.relu(self.wide(x)))
+        return self.out(kept).square().mean(), kept
+
+
+@pytest.mark.slow
+def test_an_output_the_caller_holds_outlives_backwards_release_of_the_same_saved_value():
+    """Backward frees what forward saved for it after its last reader; the caller still holds the output that is
+    the same storage, so it stays through the backward peak (the wide layer's gradient, after the last linear's)."""
+    torch.manual_seed(0)
+    model = _ReturnsWhatBackwardReads().train()
+    x = torch.randn(512, 64)
+    compiled = sublinear.compile(model, (x,), config=INDUCTOR)
+
+    def step(m, inputs):
+        loss, kept = m(inputs)
+        loss.backward()
+        return kept
+
+    step(compiled, x)
+    model.zero_grad(set_to_none=True)
+    measured = measure_cpu_allocator(step, compiled, x).peak_bytes
+    variant = next(iter(compiled.sublinear_backend.latest.values()))
+    assert variant.uses == ("gradient", "held")
+    walked = variant.rewritten.memory_for(variant.uses)
+    assert walked.where == "backward"
+    assert abs(walked.peak - measured) <= 16 * 1024, (walked.peak, measured)  # 512 KiB under if freed with backward's
+    assert abs(compiled.sublinear_plan.graphs[0].predicted_peak_bytes - measured) <= 0.02 * measured
+
+
 @pytest.mark.parametrize("holds", [False, True], ids=["drops", "holds"])
 @pytest.mark.parametrize("config", [INDUCTOR, PLAIN], ids=["inductor", "eager-executor"])
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from sublinear.execute.compiled.wrapper import (
-    RETURNED, CallMemory, Layout, LibraryCall, Statement, StepWalk, parse_wrapper,
+    CALLER, RETURNED, CallMemory, Layout, LibraryCall, Statement, StepWalk, parse_wrapper,
 )
 from sublinear.tensors import size_hint as hint
 from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout
@@ -151,10 +151,14 @@ def _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins: O
 
 def _drop_outputs(walk: StepWalk, outputs: Sequence[int | None], uses: Sequence[str], saved: set[int]) -> None:
     """Release the user outputs the call lets go before backward (the last ``len(uses)`` tensors before the saved
-    values; dropped, or passed to a later graph) unless backward gets them too."""
+    values; dropped, or passed to a later graph) unless backward gets them too. The caller holds the others to the
+    step's end, also where forward saved the same storage for backward (a key/value cache the model returns and
+    its attention's backward reads): backward freeing its saved values does not free them."""
     tensors = [key for key in outputs if key is not None]
     for key, use in zip(tensors[len(tensors) - len(uses):] if uses else [], uses):
-        if not held_to_end(use) and key not in saved:
+        if held_to_end(use):
+            walk.holders[key].add(CALLER)
+        elif key not in saved:
             walk.release(key, RETURNED)
 
 
