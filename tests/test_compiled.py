@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
 
 import sublinear
 from sublinear.capture.joint import JointTraceError, trace_joint
@@ -400,3 +401,76 @@ def test_a_graph_compiled_again_in_a_new_process_is_partitioned_by_the_plan_agai
         out = subprocess.run([sys.executable, "-c", _COMPILE_ONCE], env=env, capture_output=True, text=True,
                              check=True).stdout.split()
         assert out[-2:] == ["True", "True"], out
+
+
+def _product_graph(tokens: int, addend_after: bool):
+    """A tied weight's gradient: a product (vocabulary x hidden) plus a value made after it (or before)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def gradient(logits_grad, hidden, embedding_grad):
+        before = embedding_grad * 2
+        product = torch.ops.aten.mm(logits_grad.t(), hidden)
+        return product + (embedding_grad * 3 if addend_after else before)
+
+    return make_fx(gradient, tracing_mode="fake")(torch.randn(tokens, 100), torch.randn(tokens, 8),
+                                                   torch.randn(100, 8)).graph
+
+
+def _guards(graph) -> list:
+    return [n for n in graph.nodes if n.target is torch.ops.aten.permute.default]
+
+
+@pytest.mark.parametrize("tokens, addend_after, guarded", [(64, True, True), (64, False, False), (4, True, False)],
+                         ids=["operands-outweigh-a-later-sum", "sum-made-before", "product-outweighs-its-operands"])
+def test_a_product_is_kept_apart_from_a_sum_made_after_it_where_its_operands_outweigh_it(tokens, addend_after,
+                                                                                           guarded):
+    from sublinear.execute.compiled.products import DropProductGuards, GuardDeferredProducts
+
+    graph = _product_graph(tokens, addend_after)
+    GuardDeferredProducts()(graph)
+    guards = _guards(graph)
+    assert len(guards) == guarded
+    if guarded:
+        assert guards[0].args[0].target is torch.ops.aten.mm.default and len(guards[0].args[0].users) == 2
+    DropProductGuards()(graph)
+    assert not _guards(graph)
+    graph.lint()
+
+
+@pytest.mark.slow
+def test_a_tied_heads_weight_gradient_is_made_at_the_head_not_with_the_embeddings_at_the_end():
+    """Inductor's post-grad pattern would make the head's product one ``addmm`` with the embedding's gradient at the
+    end of backward, holding the logits' gradient until then."""
+    from test_compiled_memory import _TiedHead
+
+    torch.manual_seed(0)
+    model = _TiedHead().train()
+    x = torch.randn(4, 64, 64)
+    compiled = sublinear.compile(model, (x,), config=dataclasses.replace(INDUCTOR, chunk_lm_heads=False))
+    compiled.use(Plan.no_split(compiled.sublinear_profile.num_ops))  # backward re-runs no forward linear's addmm
+    _, sources = run_and_get_code(lambda: compiled(x).backward())
+    backward = [source for source in sources if "tangents_1" in source]
+    assert len(sources) == 2 and len(backward) == 1 and "extern_kernels.mm(" in backward[0]
+    assert "extern_kernels.addmm(" not in backward[0]
+
+
+@pytest.mark.slow
+def test_forward_saves_no_constant_for_backward():
+    """Hugging Face's GPT-2 fills masked attention with one zeros constant that the graph's common-subexpression
+    pass shares between layers; layers re-run in backward read it. Saved, it would be an attention-sized buffer
+    from the first layer's forward to the last reader's backward; backward's kernels make its values themselves."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 100, (2, 64))
+    plain = dataclasses.replace(INDUCTOR, chunk_lm_heads=False)
+    compiled = sublinear.compile(model, example_kwargs=dict(input_ids=ids, labels=ids), config=plain)
+    n = compiled.sublinear_profile.num_ops
+    compiled.use(Plan.of([n // 2, n - 4], n))  # the layers of the first block re-run for the second's backward
+    with torch._inductor.config.patch(fallback_random=True):
+        _, sources = run_and_get_code(lambda: compiled(input_ids=ids, labels=ids).loss.backward())
+    (backward,) = [source for source in sources if "tangents_1" in source]
+    (unpack,) = [line for line in backward.splitlines() if line.strip().endswith("= args")]
+    saved = [name.strip() for name in unpack.split("=")[0].split(",")]
+    assert "tangents_1" in saved and not [name for name in saved if name.startswith("full")]

@@ -19,9 +19,10 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from sublinear.capture.dynamo import CapturedGraph
+from sublinear.tensors import size_hint
 
-__all__ = ["JointGraph", "JointTraceError", "data_inputs", "is_size_query", "labelled_copy", "normalise", "origin",
-           "trace_joint"]
+__all__ = ["JointGraph", "JointTraceError", "data_inputs", "is_size_query", "keeps_its_place", "labelled_copy",
+           "normalise", "origin", "product_sum", "trace_joint"]
 
 _SIZE_QUERIES = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
                            torch.ops.aten.sym_storage_offset.default})
@@ -128,39 +129,66 @@ class JointGraph:
 
 
 def _products_at_their_sums(backward: list[fx.Node]) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:
-    """``backward`` in the order inductor runs it: a matrix product whose only reader adds it to a tensor of its
-    dtype (of a shape that broadcasts to the product's) is made one ``addmm`` with that sum by inductor's post-grad
-    pass, which runs where the sum is, so the product's operands are held until then. A tied weight's two gradients
-    are such a sum: the output projection's weight gradient waits, with the logits' gradient it reads, for the
-    embedding's at the end of backward. On a GPU the pass leaves the pair apart where only pointwise ops read the
-    sum. Returns the order and, per product moved, the sum it runs with."""
-    from torch._inductor.utils import is_gpu, is_pointwise_use  # noqa: PLC0415
-    from torch._prims_common import is_expandable_to  # noqa: PLC0415
-
-    aten = torch.ops.aten
-    in_backward = set(backward)
+    """``backward`` in the order inductor runs it: a matrix product :func:`product_sum` makes one ``addmm`` with a
+    sum runs where the sum is, so its operands are held until then, unless the sum adds a value made after the
+    product and the operands outweigh it (:func:`keeps_its_place`). Returns the order and, per product moved, the sum
+    it runs with."""
+    position = {node: i for i, node in enumerate(backward)}
     runs_with: dict[fx.Node, fx.Node] = {}
     for node in backward:
-        if node.target is not aten.mm.default or len(node.users) != 1:
-            continue
-        (total,) = node.users
-        if total not in in_backward or total.target is not aten.add.Tensor or total.kwargs or len(total.args) != 2:
-            continue
-        other = total.args[1] if total.args[0] is node else total.args[0]
-        values = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in (other, *node.args)]
-        if other is node or not all(isinstance(v, torch.Tensor) for v in values):
-            continue
-        inp, mat1, mat2 = values
-        if len({inp.dtype, mat1.dtype, mat2.dtype}) != 1 or \
-                not is_expandable_to(inp.shape, (mat1.shape[0], mat2.shape[1])):
-            continue
-        if is_gpu(inp.device.type) and all(is_pointwise_use(u) for u in total.users):
-            continue
-        runs_with[node] = total
+        total = product_sum(node)
+        if total is not None and total in position and not keeps_its_place(node, total, position):
+            runs_with[node] = total
     order = [n for n in backward if n not in runs_with]
     for node, total in runs_with.items():
         order.insert(order.index(total), node)
     return order, runs_with
+
+
+def product_sum(node: fx.Node) -> fx.Node | None:
+    """The sum that inductor's post-grad pass makes one ``addmm`` with the matrix product ``node`` (None: none): the
+    product's only reader adds it to a tensor of its dtype, of a shape that broadcasts to the product's. On a GPU
+    the pass leaves the pair apart where only pointwise ops read the sum."""
+    from torch._inductor.utils import is_gpu, is_pointwise_use  # noqa: PLC0415
+    from torch._prims_common import is_expandable_to  # noqa: PLC0415
+
+    if node.target is not torch.ops.aten.mm.default or len(node.users) != 1:
+        return None
+    (total,) = node.users
+    if total.target is not torch.ops.aten.add.Tensor or total.kwargs or len(total.args) != 2:
+        return None
+    other = _addend(node, total)
+    values = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in (other, *node.args)]
+    if other is node or not all(isinstance(v, torch.Tensor) for v in values):
+        return None
+    inp, mat1, mat2 = values
+    if len({inp.dtype, mat1.dtype, mat2.dtype}) != 1 or not is_expandable_to(inp.shape, (mat1.shape[0], mat2.shape[1])):
+        return None
+    if is_gpu(inp.device.type) and all(is_pointwise_use(u) for u in total.users):
+        return None
+    return total
+
+
+def keeps_its_place(product: fx.Node, total: fx.Node, position: dict[fx.Node, int]) -> bool:
+    """Whether sublinear's compile keeps matrix product ``product`` apart from its ``total`` (see
+    :mod:`sublinear.execute.compiled.products`): the sum adds a value made after the product (``position``: the
+    graph's order), and the product's operands outweigh it, so that running it at the sum would hold more memory
+    until then (a tied weight's gradient: the logits' gradient and the hidden states against vocabulary x hidden)."""
+    other = _addend(product, total)
+    if position.get(other, -1) <= position[product]:
+        return False
+    return sum(_nbytes(a) for a in product.args) > _nbytes(product)
+
+
+def _addend(product: fx.Node, total: fx.Node) -> Any:
+    return total.args[1] if total.args[0] is product else total.args[0]
+
+
+def _nbytes(node: Any) -> int:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return size_hint(value.numel()) * value.element_size()
 
 
 class _Stop(Exception):

@@ -48,7 +48,8 @@ from sublinear.profiling.compiled_dataflow import (
     storage_reads,
 )
 from sublinear.profiling.compiled_nodes import (
-    InductorKinds, channels_last_convolutions, draws_random, library_scratch, tensor_leaves, writes_input,
+    InductorKinds, channels_last_convolutions, draws_random, is_constant, library_scratch, tensor_leaves,
+    writes_input,
 )
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates, device_rates
 from sublinear.profiling.kernels import kernel_memory
@@ -114,8 +115,7 @@ def _constants(storages: StepStorages, fw: list[fx.Node], kinds: InductorKinds) 
     """The storages of constants (fusible nodes of no inputs: ``full``, ``zeros``, ``iota``). The graph's
     common-subexpression pass shares one between layers; making one again needs nothing, so no op reads a constant
     from the op that made it: a later layer re-run in backward does not re-run the first layer's op with it."""
-    return {key for key, i in storages.produced_by.items()
-            if not fw[i].all_input_nodes and kinds.fusible(fw[i]) and not draws_random(fw[i])}
+    return {key for key, i in storages.produced_by.items() if is_constant(fw[i], kinds)}
 
 
 def _gradient_flows(joint: JointGraph) -> set[fx.Node]:

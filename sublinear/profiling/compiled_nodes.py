@@ -111,6 +111,13 @@ def draws_random(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
+def is_constant(node: fx.Node, kinds: InductorKinds) -> bool:
+    """Whether ``node`` is a constant (a fusible node of no inputs that draws no random numbers: ``full``,
+    ``zeros``, ``iota``): inductor makes its values inside every kernel that reads it, so it takes no memory unless
+    forward saves it for backward."""
+    return node.op == "call_function" and not node.all_input_nodes and kinds.fusible(node) and not draws_random(node)
+
+
 def writes_input(node: fx.Node) -> bool:
     """Whether ``node``'s op writes into an argument, as its schema declares (BatchNorm's running statistics)."""
     target = node.target

@@ -50,6 +50,8 @@ from sublinear.core.plan import Plan
 from sublinear.capture.shapes import Binding, describe_binding, guards_hold
 from sublinear.capture.joint import JointGraph, is_view, labelled_copy, normalise
 from sublinear.profiling.compiled import CompiledProfile
+from sublinear.profiling.compiled_nodes import InductorKinds, is_constant
+from sublinear.execute.compiled.products import product_passes
 from sublinear.execute.compiled.step_memory import CompiledStepMemory, compiled_step_memory
 from sublinear.profiling.kernels import kernel_memory
 
@@ -100,10 +102,12 @@ class PlanPartitioner(CustomPartitionerFn):
         self.applied = [n.name for n in joint.forward] == list(self.tags)
         if self.applied:
             # A multi-output node is recomputed when any output is (it cannot be saved); a value only its own op
-            # reads, when a recomputed reader needs it.
+            # reads, when a recomputed reader needs it. A constant is never saved: backward's kernels that read it
+            # make its values themselves, as forward's do (the profile has no op read one from the op that made it).
+            kinds = InductorKinds()
             recompute: dict[str, bool] = {}
             for node in reversed(joint.forward):
-                tag = self.tags[node.name]
+                tag = True if is_constant(node, kinds) else self.tags[node.name]
                 multi_output = not isinstance(node.meta.get("val"), torch.Tensor) and node.users
                 recompute[node.name] = bool(tag) or ((tag is None or multi_output)
                                                      and any(recompute.get(u.name, False) for u in node.users))
@@ -335,9 +339,10 @@ def compile_patches(partitioner: CustomPartitionerFn, scheduling: ResultsTakenAt
     otherwise keeps a dead buffer until a later one of the same size takes its place, which in a backward that
     recomputes holds dead activations for most of the step; the allocator reuses the memory itself); kernels in the
     order of the partitioned graphs, which is what the plan's memory model follows (inductor's own reordering for
-    peak memory follows its estimate instead); and library calls' results taken out at once."""
+    peak memory follows its estimate instead), matrix products among them (:mod:`.products`); and library calls'
+    results taken out at once."""
     return {"custom_partitioner_fn": partitioner, "allow_buffer_reuse": False, "reorder_for_peak_memory": False,
-            "_post_fusion_custom_pass": scheduling}
+            "_post_fusion_custom_pass": scheduling, **product_passes()}
 
 
 def compile_plan(graph: CapturedGraph, compiled: CompiledProfile, plan: Plan) -> CompiledGraph:
