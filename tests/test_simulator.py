@@ -192,33 +192,22 @@ def test_a_plan_simulated_once_is_simulated_in_any_context_as_from_scratch(forwa
     assert peak_beside(in_context, own) == expected.peak_bytes
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["made-by-its-op", "made-by-an-earlier-kernel"])
 @pytest.mark.parametrize("plan", [Plan.no_split(4), Plan.of([2], 4)], ids=["saved", "rebuilt"])
-def test_a_storage_a_backward_kernel_writes_into_ends_as_that_backward_starts(plan):
-    """Inductor writes a backward kernel's output into the buffer of a saved value the kernel reads last (the
-    gradient side counts the output): the value is released as that backward starts, saved or rebuilt."""
+def test_a_value_that_is_a_buffer_only_because_forward_saves_it_takes_none_where_the_plan_drops_it(plan, early):
+    """Op 1's value (storage 1) is a buffer only because forward saves it. ``early``: op 0's kernel makes it (a
+    pointwise chain that starts there), so op 0 holds its bytes too (``storage_fused_from``)."""
     p = chain(4)
-    taken = dataclasses.replace(p, storage_taken_at=np.array([-1, 2, -1, -1]))
-    assert analyse(p, plan).state[1] == (StorageState.RETAINED if plan.num_blocks == 1 else StorageState.REBUILT)
-    held, _, _, ranks = own_slots(p, plan)
-    held_taken, _, _, _ = own_slots(taken, plan)
-    backward_of_rank_2 = np.flatnonzero(ranks == 2)[-2]  # the slot before it releases what it saved
-    expected = held.copy()
-    expected[backward_of_rank_2] -= 100
-    assert np.array_equal(held_taken, expected)
-
-
-@pytest.mark.parametrize("plan", [Plan.no_split(4), Plan.of([2], 4)], ids=["saved", "rebuilt"])
-def test_a_value_that_is_a_buffer_only_because_forward_saves_it_takes_none_where_the_plan_drops_it(plan):
-    p = chain(4)
-    ops = [dataclasses.replace(op, forward_extra_bytes=100 if op.index == 1 else 0) for op in p.ops]
-    p = dataclasses.replace(p, ops=ops)
+    holding = (0, 1) if early else (1,)
+    ops = [dataclasses.replace(op, forward_extra_bytes=100 if op.index in holding else 0) for op in p.ops]
+    p = dataclasses.replace(p, ops=ops, storage_fused_from=np.array([-1, 0 if early else -1, -1, -1]))
     fused = dataclasses.replace(p, saved_buffer=np.array([False, True, False, False]))
     held, _, slot_ops, ranks = own_slots(p, plan)
     held_fused, _, _, _ = own_slots(fused, plan)
     retained = analyse(p, plan).state[1] == StorageState.RETAINED
     expected = held.copy()
-    if not retained:  # op 1's forward slot and its recompute slot (its backward's slots are rank 1's)
-        expected[(slot_ops == 1) & (ranks != 1)] -= 100
+    if not retained:  # the holding ops' forward and recompute slots (not their backward's: those are ranks')
+        expected[np.isin(slot_ops, holding) & (ranks != slot_ops)] -= 100
     assert np.array_equal(held_fused, expected)
 
 

@@ -190,8 +190,11 @@ class GraphProfile:
     materialized_in_forward: np.ndarray = field(default_factory=lambda: _empty(bool))
     materialized_when_rebuilt: np.ndarray = field(default_factory=lambda: _empty(bool))
     # Per storage, for a compiled step: a buffer in forward only because forward saves it for backward (a fused
-    # value), counted in its op's forward bytes; a plan that does not retain it makes no buffer for it.
+    # value), counted in its op's forward bytes, and from ``storage_fused_from`` on (the earlier op whose kernel
+    # makes it, -1: its own; empty: none anywhere) in every op's up to its own; a plan that does not retain it makes
+    # no buffer for it.
     saved_buffer: np.ndarray = field(default_factory=lambda: _empty(bool))
+    storage_fused_from: np.ndarray = field(default_factory=_empty)
     # Per storage, for a compiled step: the rank whose backward kernel writes its output into the storage's buffer,
     # the kernel being its last reader (-1: none; empty: none anywhere). While the storage is a buffer there, it ends
     # as that backward starts, its bytes counted on the gradient side from then on.

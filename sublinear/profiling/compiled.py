@@ -41,7 +41,7 @@ from sublinear.capture.joint import JointGraph
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
 from sublinear.profiling.compiled_costs import (
-    BackwardWalk, GradientSide, forward_costs, materialized_predicate, walk_backward,
+    BackwardWalk, ForwardCosts, GradientSide, forward_costs, materialized_predicate, walk_backward,
 )
 from sublinear.profiling.compiled_dataflow import (
     OpGrouping, StepStorages, StorageReads, backward_deadlines, group_ops, made_from, sources_of, step_storages,
@@ -95,12 +95,11 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     through = _read_through_rebuilt(fw, storages, reads, materialized)
     tracked = _tracked(grouping, storages, reads, through)
     dataflow = (made_from(fw, storages, tracked), backward_deadlines(bw, storages, reads, kinds))
-    extra, seconds, rerun, flops, in_place = forward_costs(fw, grouping, storages, reads, set(tracked), materialized,
-                                                    scratch, kinds, rates)
+    costs = forward_costs(fw, grouping, storages, reads, set(tracked), materialized, scratch, kinds, rates)
     side = GradientSide(joint, storages, kinds, granule, graph.kinds)
     backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
-    record = _record(joint, graph, grouping, storages, reads, tracked, materialized, in_place, extra,
-                     (seconds, rerun), flops, backward, rates, _constants(storages, fw, kinds), through, dataflow)
+    record = _record(joint, graph, grouping, storages, reads, tracked, materialized, costs, backward, rates,
+                     _constants(storages, fw, kinds), through, dataflow)
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports
 
@@ -161,21 +160,20 @@ def _tracked(grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
 
 
 def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
-            tracked: list[int], materialized, in_place: set[int], extra: list[int],
-            seconds: tuple[list[float], list[float]], flops: list[int], backward: BackwardWalk,
+            tracked: list[int], materialized, costs: ForwardCosts, backward: BackwardWalk,
             rates: DeviceRates, constants: set[int], through: dict[int, set[int]],
             dataflow: tuple[dict[int, set[int]], dict[int, int]]) -> StepRecord:
-    """``seconds``: per op, its forward's and its re-run's in backward; ``constants``: storages no op reads from
+    """``constants``: storages no op reads from
     the op that made them; ``through``: :func:`_read_through_rebuilt`; ``dataflow``: per storage what it is made
     from and its backward deadline (:func:`made_from`, :func:`backward_deadlines`)."""
     fw, n_ops = joint.forward, len(grouping.nodes)
     op_of_node, produced = grouping.op_of_node, storages.produced_by
     captured = list(graph.graph_module.graph.nodes)
     ops = [OpProfile(index=o, nodes=tuple(members), name=_op_name(grouping.origins[o], members, fw, captured),
-                     flops=flops[o], forward_extra_bytes=extra[o], snapshot_bytes=0,
+                     flops=costs.flops[o], forward_extra_bytes=costs.extra[o], snapshot_bytes=0,
                      random=any(draws_random(fw[i]) for i in members),
                      mutates_state=any(writes_input(fw[i]) for i in members), pin_reason=grouping.pinned.get(o, ""),
-                     forward_seconds=seconds[0][o], rerun_seconds=seconds[1][o])
+                     forward_seconds=costs.seconds[o], rerun_seconds=costs.rerun[o])
            for o, members in enumerate(grouping.nodes)]
     op_inputs: list[dict[int, set[int]]] = [defaultdict(set) for _ in range(n_ops)]
     for key, readers in reads.readers.items():
@@ -209,7 +207,9 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         cost_source=f"estimated for inductor's kernels on {rates.describe()}", output_uses=reads.uses,
         materialized_in_forward={k for k in tracked if materialized(k)},
         materialized_when_rebuilt={k for k in tracked if materialized(k, rebuilt=True)},
-        saved_buffer={k for k in tracked if materialized(k) and not materialized(k, saved=False) and k not in in_place},
+        saved_buffer={k for k in tracked if materialized(k) and not materialized(k, saved=False)
+                      and k not in costs.in_place},
+        fused_from={k: o for k, o in costs.fused_from.items() if k in tracked},
         taken_at=backward.taken_at,
         # outputs the caller lets go before backward: the graph holds them until forward returns them
         held_through_forward={k for k in tracked if k in reads.output_use and not held_to_end(reads.output_use[k])},

@@ -60,12 +60,26 @@ def _keys(storages: StepStorages, nodes: set[fx.Node]) -> set[int]:
     return {key for node in nodes for key in storages.keys_of(node)}
 
 
-def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
-                  tracked: set[int], materialized, scratch: dict[fx.Node, int], kinds: InductorKinds,
-                  rates: DeviceRates):
+@dataclass(frozen=True)
+class ForwardCosts:
     """Per op: the most bytes its own allocations hold at once while it runs (its buffers, those that outlive it
     included, and a library call's scratch), its FLOPs, and its estimated seconds in forward and when backward
-    re-runs it (fused into the kernels reading it: what is no buffer there is neither written nor launched)."""
+    re-runs it (fused into the kernels reading it: what is no buffer there is neither written nor launched). The
+    outputs written into an earlier op's buffer (``in_place``), and per buffer an earlier op's kernel makes
+    (``fused_from``), that op: from it until its own op, the ops hold its bytes."""
+
+    extra: list[int]
+    seconds: list[float]
+    rerun: list[float]
+    flops: list[int]
+    in_place: set[int]
+    fused_from: dict[int, int]
+
+
+def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
+                  tracked: set[int], materialized, scratch: dict[fx.Node, int], kinds: InductorKinds,
+                  rates: DeviceRates) -> ForwardCosts:
+    """The :class:`ForwardCosts` of every op of forward ``fw``."""
     last_reader: dict[int, int] = {}
     for i, node in enumerate(fw):
         for arg in data_inputs(node):
@@ -94,24 +108,26 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
             rerun[o] += estimate_node_seconds(node, node_flops, storages.keys_of, rebuilt, size_of, storages.state,
                                               kinds, rates)
         extra[o] = peak
-    for o, nbytes in _fused_early(fw, grouping, storages, materialized, kinds).items():
-        extra[o] += nbytes
+    fused_from = _fused_early(fw, grouping, storages, materialized, kinds)
+    for key, first in fused_from.items():
+        for o in range(first, grouping.op_of_node[produced[key]]):
+            extra[o] += size_of[key]
     in_place = _written_in_place(fw, grouping, storages, reads, materialized, kinds)
     for key in in_place:
         o = grouping.op_of_node[produced[key]]
         extra[o] = max(0, extra[o] - size_of[key])
     if storages.layout_copies:  # made by the forward's first kernel, beside what its first op makes
         extra[0] += sum(size_of[key] for key in storages.layout_copies)
-    return extra, seconds, rerun, flops, in_place
+    return ForwardCosts(extra, seconds, rerun, flops, in_place, fused_from)
 
 
 def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, materialized,
                  kinds: InductorKinds) -> dict[int, int]:
-    """Per op: the bytes of buffers a later op makes that its kernel already holds. A pointwise value that is a
-    buffer is computed by one kernel together with the chain of pointwise values it is made from that are not
-    buffers: the kernel, and the buffer, run where the chain starts, at an earlier op, but not before the buffers
-    the chain reads are made (a reduction's result, as a log-softmax reads its sum)."""
-    early: dict[int, int] = defaultdict(int)
+    """Per buffer that an earlier op's kernel already holds, that op. A pointwise value that is a buffer is
+    computed by one kernel together with the chain of pointwise values it is made from that are not buffers: the
+    kernel, and the buffer, run where the chain starts, at an earlier op, but not before the buffers the chain reads
+    are made (a reduction's result, as a log-softmax reads its sum)."""
+    early: dict[int, int] = {}
     produced, op_of_node = storages.produced_by, grouping.op_of_node
     for key, i in produced.items():
         if key < 0 or not materialized(key) or not kinds.fusible(fw[i]):
@@ -128,8 +144,8 @@ def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages
                     stack.append(arg)
                 elif inner and not fused:
                     ready = max(ready, *(op_of_node[produced[k]] for k in inner))
-        for o in range(max(first, ready), op_of_node[i]):
-            early[o] += storages.size_of[key]
+        if max(first, ready) < op_of_node[i]:
+            early[key] = max(first, ready)
     return early
 
 

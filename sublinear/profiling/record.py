@@ -68,6 +68,7 @@ class StepRecord:
     made_from: dict[int, set[int]] = field(default_factory=dict)  # storage -> the storages computing it reads
     deadline: dict[int, int] = field(default_factory=dict)  # storage -> rank by which backward must have read it
     saved_buffer: set[int] | None = None  # a buffer in forward only because forward saves it
+    fused_from: dict[int, int] = field(default_factory=dict)  # storage -> the earlier op whose kernel makes it
     recompute_shared: bool = False
     # Whether a kept op's view of another op's storage keeps that storage (the eager executor: the view is a tensor
     # autograd or the next op holds). A compiler that re-runs views from their rebuilt base (free, no kernel) does not:
@@ -129,6 +130,8 @@ def assemble(record: StepRecord) -> GraphProfile:
         materialized_in_forward=flags(record.materialized_in_forward),
         materialized_when_rebuilt=flags(record.materialized_when_rebuilt),
         saved_buffer=flags(record.saved_buffer),
+        storage_fused_from=np.array([record.fused_from.get(k, -1) for k in tracked], dtype=np.int64)
+        if record.fused_from else np.zeros(0, dtype=np.int64),
         storage_taken_at=np.array([record.taken_at.get(k, -1) for k in tracked], dtype=np.int64)
         if record.taken_at else np.zeros(0, dtype=np.int64),
         recompute_shared=record.recompute_shared,

@@ -146,14 +146,21 @@ def _layout(profile: GraphProfile, a: PlanAnalysis) -> _Layout:
 
 def _forward_extra(profile: GraphProfile, a: PlanAnalysis) -> np.ndarray:
     """Per op, its own bytes while it runs under the plan: a value that is a buffer only because forward saves it
-    takes none where the plan does not retain it (it is fused into its readers, in forward and when rebuilt)."""
+    takes none where the plan does not retain it (it is fused into its readers, in forward and when rebuilt), at its
+    op nor at the earlier ops whose kernel makes it."""
     extra = profile.forward_extra
     if not len(profile.saved_buffer) or not profile.saved_buffer.any():
         return extra
     unsaved = profile.saved_buffer & ~a.retained
-    fused = np.bincount(profile.storage_producer[unsaved], weights=profile.storage_bytes[unsaved],
-                        minlength=profile.num_ops).astype(np.int64)
-    return np.maximum(0, extra - fused)
+    producer, sizes, n = profile.storage_producer, profile.storage_bytes, profile.num_ops
+    fused = np.bincount(producer[unsaved], weights=sizes[unsaved], minlength=n).astype(np.float64)
+    if len(profile.storage_fused_from):
+        early = unsaved & (profile.storage_fused_from >= 0)
+        span = np.zeros(n + 1)
+        np.add.at(span, profile.storage_fused_from[early], sizes[early])
+        np.add.at(span, producer[early], -sizes[early])
+        fused += np.cumsum(span)[:n]
+    return np.maximum(0, extra - fused.astype(np.int64))
 
 
 def _slot_terms(profile: GraphProfile, at: _Layout, forward_extra: np.ndarray
