@@ -26,7 +26,7 @@ from sublinear.core.plan import Plan, PlanError
 __all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 7  # 7: compiled costs model inductor's in-place writes (entries of 6 hold costs taught on the older model)
+_FORMAT = 8  # 8: compiled code keeps products in place, saves no constant (entries of 7: costs taught on older code)
 
 
 def cache_dir(configured: str | os.PathLike | None) -> Path | None:
