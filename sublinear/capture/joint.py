@@ -149,11 +149,11 @@ def product_sum(node: fx.Node) -> fx.Node | None:
     """The sum that inductor's post-grad pass makes one ``addmm`` with the matrix product ``node`` (None: none): the
     product's only reader adds it to a tensor of its dtype, of a shape that broadcasts to the product's. On a GPU
     the pass leaves the pair apart where only pointwise ops read the sum."""
+    if node.target is not torch.ops.aten.mm.default or len(node.users) != 1:
+        return None
     from torch._inductor.utils import is_gpu, is_pointwise_use  # noqa: PLC0415
     from torch._prims_common import is_expandable_to  # noqa: PLC0415
 
-    if node.target is not torch.ops.aten.mm.default or len(node.users) != 1:
-        return None
     (total,) = node.users
     if total.target is not torch.ops.aten.add.Tensor or total.kwargs or len(total.args) != 2:
         return None

@@ -163,9 +163,9 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
             tracked: list[int], materialized, costs: ForwardCosts, backward: BackwardWalk,
             rates: DeviceRates, constants: set[int], through: dict[int, set[int]],
             dataflow: tuple[dict[int, set[int]], dict[int, int]]) -> StepRecord:
-    """``constants``: storages no op reads from
-    the op that made them; ``through``: :func:`_read_through_rebuilt`; ``dataflow``: per storage what it is made
-    from and its backward deadline (:func:`made_from`, :func:`backward_deadlines`)."""
+    """``costs``: :func:`forward_costs`; ``constants``: storages no op reads from the op that made them;
+    ``through``: :func:`_read_through_rebuilt`; ``dataflow``: per storage what it is made from and its backward
+    deadline (:func:`made_from`, :func:`backward_deadlines`)."""
     fw, n_ops = joint.forward, len(grouping.nodes)
     op_of_node, produced = grouping.op_of_node, storages.produced_by
     captured = list(graph.graph_module.graph.nodes)
