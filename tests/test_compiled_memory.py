@@ -332,6 +332,23 @@ class _Recurrence(nn.Module):
         return self.out(torch.stack(outs, 1) * F.silu(gate))
 
 
+class _PointwiseScales(nn.Module):
+    """Pointwise ops with per-column scales after an input-sized offset, and no library kernel: inductor's C++
+    backend runs their whole backward as one kernel, which allocates the offset's gradient (input-sized) before it
+    runs and frees the forward values it reads after it, those the later ops' backward reads included."""
+
+    def __init__(self, rows: int = 512, width: int = 256, depth: int = 4) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.zeros(rows, width))
+        self.scales = nn.ParameterList(nn.Parameter(torch.rand(width) + 0.5) for _ in range(depth))
+
+    def forward(self, x):
+        x = x + self.offset
+        for i, scale in enumerate(self.scales):
+            x = torch.sin(x * scale) if i % 2 else torch.tanh(x * scale)
+        return x
+
+
 def _dropout_chain() -> nn.Module:
     """Dropout between wide linears: with inductor's ``fallback_random`` each dropout is the aten op, called as a
     library kernel."""
@@ -399,6 +416,20 @@ def _predicted_before_compiling_and_measured(case: str, plan_for=lambda n: Plan.
     assert graph.predicted_before_compile_bytes == before
     assert graph.compiled_peak_bytes <= graph.predicted_peak_bytes <= max(before, graph.compiled_peak_bytes)
     assert np.all(compiled.sublinear_profile.grad_peak >= profile.grad_peak)  # taught, never lowered
+
+
+
+def test_a_value_a_fused_backward_kernel_reads_is_held_until_that_kernel_has_run():
+    """Without a library call backward is one kernel, spanning every rank: it frees the forward values it reads
+    once it has run, so each is held to its last rank but one, not released at its own op's backward."""
+    torch.manual_seed(0)
+    model = _PointwiseScales(rows=64, width=32).train()
+    graph = sublinear.capture.dynamo.capture(model, (torch.randn(64, 32),)).graph
+    p = profile_joint(trace_joint(graph, graph.example_values), graph, None, measure_scratch=False).profile
+    saved = [s for s, ranks in enumerate(p.storage_saved_at) if ranks]
+    reading = sorted({r for s in saved for r in p.storage_saved_by[s]})  # the ranks whose backward reads them
+    assert len(saved) >= 4 and len(reading) >= 4
+    assert all(min(p.storage_saved_at[s]) <= reading[1] for s in saved), [(s, p.storage_saved_at[s]) for s in saved]
 
 
 @pytest.mark.slow

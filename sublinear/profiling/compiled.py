@@ -196,7 +196,8 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         op_of_node=op_of_node,
         node_keys={i: tuple(k for k in storages.keys_of(node) if k not in storages.state) for i, node in enumerate(fw)},
         storage_bytes=dict(storages.size_of), producer={k: op_of_node[i] for k, i in produced.items()},
-        last_use=last_use, saved_by=reads.saved_at, saved_at=reads.saved_at, rebuilt_read_at=through,
+        last_use=last_use, saved_by=reads.saved_at, saved_at=_held_to_kernel_end(reads.saved_at, backward.kernel_end),
+        rebuilt_read_at=through,
         made_from=dataflow[0], deadline=dataflow[1],
         op_inputs=[sorted((p, sorted(keys)) for p, keys in inputs.items()) for inputs in op_inputs],
         tracked=tracked, reaches_output=[True] * n_ops, node_op=list(range(n_ops)),
@@ -217,6 +218,11 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         recompute_shared=True,
         views_hold_bases=False,
     )
+
+
+def _held_to_kernel_end(saved_at: dict[int, set[int]], kernel_end: dict[int, int]) -> dict[int, set[int]]:
+    """The ranks whose backward reads each saved value, with the rank its last reading kernel runs down to."""
+    return {k: ranks | {kernel_end[k]} if k in kernel_end else ranks for k, ranks in saved_at.items()}
 
 
 def _op_name(orig: int | None, members: list[int], fw: list[fx.Node], captured: list[fx.Node]) -> str:

@@ -201,6 +201,11 @@ class BackwardWalk:
     flops: int
     gradient_bytes: int
     taken_at: dict[int, int]  # forward value -> the rank whose backward kernel writes its output into it
+    # forward value -> the rank to which the fused kernel that reads it last holds it, below the rank of its last
+    # reading node: the kernel allocates the buffers of all its ranks before it runs and frees its inputs after it.
+    # Held to the kernel's last rank but one: what that rank re-runs, the compiled code re-runs after the kernel
+    # (right before its reader), the simulation before the rank's backward
+    kernel_end: dict[int, int]
 
 
 class GradientSide:
@@ -292,6 +297,10 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
         ending[k].append(key)
 
     held_from, held_until = _held_past_saves(reads, side, storages)
+    read_last_at: dict[int, list[int]] = defaultdict(list)  # backward node -> forward values it reads last
+    for key, k in reads.last_backward_read.items():
+        read_last_at[k].append(key)
+    kernel_end: dict[int, int] = {}
 
     def readable(key: int) -> bool:
         return key in storages.produced_by or side.buffer(key)
@@ -305,7 +314,13 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
         taken = in_place.take(segment, made)
         live += sum(side.sizes[key] for key in made if key not in taken or taken[key] in storages.produced_by)
         inside = live + max((scratch.get(bw[k], 0) for k in segment), default=0)
-        for r in {ranks[k] for k in segment}:
+        runs_at = min((ranks[side.born[key]] for key in made), default=ranks[segment[0]])
+        above = min((ranks[k] for k in segment if ranks[k] > runs_at), default=None)
+        for k in segment:
+            for key in read_last_at.get(k, ()):
+                if above is not None and ranks[k] > above:
+                    kernel_end[key] = above
+        for r in {ranks[k] for k in segment if ranks[k] >= runs_at}:
             if r in released:
                 after[r] = max(after[r], inside)
             else:
@@ -315,6 +330,8 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
         live -= sum(side.sizes[key] for key in freed if side.buffer(key) and key not in side.outputs
                     and key not in in_place.given)
         live += sum(held_from.get(k, 0) - held_until.get(k, 0) for k in segment)
+        for r in {ranks[k] for k in segment if ranks[k] < runs_at}:  # reached once the kernel has run
+            before[r], after[r] = max(before[r], live), max(after[r], live)
         for k in segment:
             left[ranks[k]] = live
             if last_release.get(ranks[k]) == k:
@@ -331,7 +348,9 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
             carried = left[r]
     parameter_grads = sum(side.sizes[key] for key, kind in side.outputs.items() if kind == PARAMETER
                           and key in side.sizes)
-    return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken)
+    kernel_end = {key: r for key, r in kernel_end.items() if key not in in_place.forward_taken}
+    return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken,
+                        kernel_end)
 
 
 def _held_past_saves(reads: StorageReads, side: GradientSide, storages: StepStorages
