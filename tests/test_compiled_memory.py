@@ -337,7 +337,7 @@ class _PointwiseScales(nn.Module):
     backend runs their whole backward as one kernel, which allocates the offset's gradient (input-sized) before it
     runs and frees the forward values it reads after it, those the later ops' backward reads included."""
 
-    def __init__(self, rows: int = 512, width: int = 256, depth: int = 4) -> None:
+    def __init__(self, rows: int = 64, width: int = 32, depth: int = 4) -> None:
         super().__init__()
         self.offset = nn.Parameter(torch.zeros(rows, width))
         self.scales = nn.ParameterList(nn.Parameter(torch.rand(width) + 0.5) for _ in range(depth))
@@ -418,12 +418,11 @@ def _predicted_before_compiling_and_measured(case: str, plan_for=lambda n: Plan.
     assert np.all(compiled.sublinear_profile.grad_peak >= profile.grad_peak)  # taught, never lowered
 
 
-
 def test_a_value_a_fused_backward_kernel_reads_is_held_until_that_kernel_has_run():
     """Without a library call backward is one kernel, spanning every rank: it frees the forward values it reads
     once it has run, so each is held to its last rank but one, not released at its own op's backward."""
     torch.manual_seed(0)
-    model = _PointwiseScales(rows=64, width=32).train()
+    model = _PointwiseScales().train()
     graph = sublinear.capture.dynamo.capture(model, (torch.randn(64, 32),)).graph
     p = profile_joint(trace_joint(graph, graph.example_values), graph, None, measure_scratch=False).profile
     saved = [s for s, ranks in enumerate(p.storage_saved_at) if ranks]
