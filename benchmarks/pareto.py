@@ -46,7 +46,7 @@ import sublinear
 from sublinear.tools.baselines import checkpoint_blocks, residual_blocks
 from sublinear.capture.dynamo import capture
 from sublinear.profiling.costs import REFERENCE_GPU, StepCost
-from sublinear.tools.maxbatch import _Environment
+from sublinear.tools.maxbatch import StepEnvironment
 from sublinear.models import get_model
 from sublinear.profiling.graph import profile
 from sublinear.training import training_step
@@ -102,7 +102,7 @@ class Strategy:
 def references(spec, batch: int, seq: int | None) -> list[Strategy]:
     """Eager and the hand-written strategies at ``batch``, on data-less tensors: measured peak, and predicted time
     and FLOPs over eager's."""
-    environment = _Environment.for_model(spec, "meta", None)
+    environment = StepEnvironment.for_model(spec, "meta", None)
     measured = []
     for label, apply in REFERENCES.items():
         model = environment.build(spec)

@@ -191,7 +191,7 @@ def test_a_budget_no_strategy_meets_at_batch_1_names_the_least_need(monkeypatch)
     spec = _chain_spec()
     budget = fixed_floor(spec, None).total + 1  # above the fixed bytes, below any step's activations
     eager = sublinear.tools.maxbatch._largest_batch(spec, "eager", lambda model, batch: model, budget,
-                                              sublinear.tools.maxbatch._Environment("meta", None), None)
+                                              sublinear.tools.maxbatch.StepEnvironment("meta", None), None)
     assert eager.max_batch == 0 and eager.least_need[0] == 1 and eager.least_need[1] > budget
     config = SublinearMemoryConfig(planners=("grid",), cache_dir="", cost_model="estimate")
     (_, planned), = strategies((0,), config, None, spec, baselines=False, budget=budget)[1:]
@@ -202,7 +202,7 @@ def test_a_budget_no_strategy_meets_at_batch_1_names_the_least_need(monkeypatch)
     def refused(model, batch):
         raise DoesNotFit("no plan fits", 10 * batch * budget)
     refusing = sublinear.tools.maxbatch._largest_batch(spec, "sublinear", refused, budget,
-                                                 sublinear.tools.maxbatch._Environment("meta", None), None)
+                                                 sublinear.tools.maxbatch.StepEnvironment("meta", None), None)
     assert refusing.max_batch == 0 and refusing.least_need == (1, 10 * budget)
     rows = [eager, refusing]
     monkeypatch.setattr(sublinear.tools.maxbatch, "_largest_batch", lambda spec, name, *args: rows.pop(0))
@@ -233,14 +233,14 @@ def test_a_causal_lm_on_fake_tensors_runs_the_plan_it_reports_with_its_head_chun
     type: transformers' once-only warning about it, before the loss, is left out of the graph)."""
     import transformers  # noqa: F401  (in the test extra)
     from sublinear.models.hf import hf_model
-    from sublinear.tools.maxbatch import _Environment, _PlannedAtBatch, _step_peak
+    from sublinear.tools.maxbatch import StepEnvironment, _PlannedAtBatch, _step_peak
 
     monkeypatch.delenv("SUBLINEAR_COMPILER")  # the default: inductor where it compiles for the values' device
     # TorchDynamo remembers per code object which sizes changed: after another GPT-2 in this process its frames
     # capture dynamic graphs, planned for their sizes' power-of-two bucket (above this step's measured peak)
     torch._dynamo.reset()
     spec = hf_model("GPT2LMHeadModel", layers=1, hidden=64)
-    env = _Environment.for_model(spec, "meta", None)
+    env = StepEnvironment.for_model(spec, "meta", None)
     model = env.build(spec)
     assert model.loss_type is None
     prepare = _PlannedAtBatch(spec, 256, SublinearMemoryConfig(memory_budget=2**40))

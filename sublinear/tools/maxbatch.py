@@ -40,7 +40,7 @@ from sublinear.planners.driver import StepFloor
 from sublinear.training import step_backward
 from sublinear.runtime import SublinearPlan
 
-__all__ = ["NothingFits", "StrategyResult", "Tuning", "TuningRow", "compare", "fixed_floor",
+__all__ = ["NothingFits", "StepEnvironment", "StrategyResult", "Tuning", "TuningRow", "compare", "fixed_floor",
            "largest_fitting", "tune"]
 
 log = logging.getLogger("sublinear.tools.maxbatch")
@@ -204,7 +204,7 @@ def compare(spec: ModelSpec, budget: int, genetic_iters: tuple[int, ...] = (0,),
         raise NothingFits(f"{spec.name}: the budget ({format_bytes(budget)}) is below what a training step holds at "
                           f"batch 1 whatever the strategy: {floor} (optimizer state, if any, comes on top); raise the "
                           f"budget to at least {format_bytes(floor.total)}")
-    env = _Environment.for_model(spec, device, autocast)
+    env = StepEnvironment.for_model(spec, device, autocast)
     if device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
@@ -253,7 +253,7 @@ def fixed_floor(spec: ModelSpec, seq: int | None) -> StepFloor:
                       ("gradients", nbytes(p for p in model.parameters() if p.requires_grad))))
 
 
-def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, budget: int, env: _Environment,
+def _largest_batch(spec: ModelSpec, name: str, prepare: Prepare, budget: int, env: StepEnvironment,
                    seq: int | None) -> StrategyResult:
     """One strategy's max batch on a fresh model; on meta, the search starts from :func:`_bracket`."""
     model = env.build(spec)
@@ -403,7 +403,7 @@ def _reads_input_values(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-class _Environment:
+class StepEnvironment:
     """Where strategies run: real device or data-less tensors (meta, or fake CPU ones with ``fake``), and the
     autocast state of every step and plan."""
 
@@ -418,11 +418,11 @@ class _Environment:
         self._stack: list[contextlib.ExitStack] = []
 
     @staticmethod
-    def for_model(spec: ModelSpec, device: str, autocast: torch.dtype | None) -> _Environment:
+    def for_model(spec: ModelSpec, device: str, autocast: torch.dtype | None) -> StepEnvironment:
         """The environment for ``spec``: fake CPU tensors for data-less runs of models that read input values."""
         with torch.device("meta"):
             probe = spec.build()
-        return _Environment(device, autocast, fake=_reads_input_values(probe))
+        return StepEnvironment(device, autocast, fake=_reads_input_values(probe))
 
     def build(self, spec: ModelSpec) -> nn.Module:
         """A fresh model in training mode; with fake tensors, built on meta (initialisers that read values, such as
@@ -462,7 +462,7 @@ class _Environment:
         return self._stack.pop().__exit__(*exc)
 
 
-def _step_peak(spec: ModelSpec, module: nn.Module, model: nn.Module, batch: int, env: _Environment,
+def _step_peak(spec: ModelSpec, module: nn.Module, model: nn.Module, batch: int, env: StepEnvironment,
                seq: int | None) -> int | None:
     """Peak bytes of one training step, or None when it runs out of memory (CUDA)."""
     args, kwargs = spec.example_inputs(batch, device=env.data_device, seq=seq)
@@ -480,14 +480,14 @@ def _step_peak(spec: ModelSpec, module: nn.Module, model: nn.Module, batch: int,
 
 
 def _cost_ratios(spec: ModelSpec, prepare: Prepare, batch: int, seq: int | None,
-                 env: _Environment) -> tuple[float, float]:
+                 env: StepEnvironment) -> tuple[float, float]:
     """Step FLOPs and predicted step time of the strategy over eager's, both counted on data-less twins at
     ``batch`` with the planner's cost model (the reference GPU's rates, as plans on data-less tensors use; the
     device's on CUDA)."""
     rates = device_rates("cuda") if env.device == "cuda" else REFERENCE_GPU
     counts = []
     for make in (lambda model, b: model, prepare):
-        twin = env if env.fake is not None else _Environment("meta", None)
+        twin = env if env.fake is not None else StepEnvironment("meta", None)
         model = twin.build(spec)
         with twin:
             args, kwargs = spec.example_inputs(batch, device=twin.data_device, seq=seq)
