@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from sublinear.runtime import (GraphPlan, ParetoPoint, SublinearBackend, SublinearPlan, backend, compile_module,
-                      plan_ahead)
+                      plan_ahead, rewritten)
 from sublinear.capture.dynamo import ModelErrorsAsEager, capture, model_error
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core.objective import ratio_over
@@ -342,12 +342,14 @@ def pareto(module: nn.Module, example_inputs: Sequence[Any] | Any = (), example_
            config: SublinearMemoryConfig | None = None, budgets: int = 8) -> list[ParetoPoint]:
     """The non-dominated (predicted peak, predicted step time) plans found for ``module`` at the example inputs.
 
-    One grid search (and its keep variants), then the least-time plan for ``budgets`` memory budgets spread between
-    the lowest peak found and eager, each refined by the genetic search when ``config.genetic_nr_iter`` > 0 and
-    seeded with every candidate so far. Sorted by increasing peak, hence decreasing time.
+    The graph is the one a module compiled with ``config`` runs (its attentions fused and LM heads chunked as the
+    config says), so that ``use`` applies a point to it. One grid search (and its keep variants), then the least-time
+    plan for ``budgets`` memory budgets spread between the lowest peak found and eager, each refined by the genetic
+    search when ``config.genetic_nr_iter`` > 0 and seeded with every candidate so far. Sorted by increasing peak,
+    hence decreasing time.
     """
     config = dataclasses.replace(config or SublinearMemoryConfig(), max_time_ratio=math.inf)
-    graph = capture(module, _examples(example_inputs), example_kwargs).graph
+    graph = rewritten(capture(module, _examples(example_inputs), example_kwargs).graph, config)
     profile_ = profile(graph, cost_model=config.cost_model)
     first = make_plan(profile_, config, memory_budget=None)
     found = {c.plan: c for c in first.candidates}

@@ -59,6 +59,13 @@ class SublinearMemoryConfig:
         equal to the unchunked loss and gradients to float rounding, not bit for bit. None (default): on where
         inductor runs the graph and when planning on the meta device, off on sublinear's eager executor (which trains
         bit for bit like eager); True or False: on or off everywhere.
+    fuse_attention: attention written out as its matrices (a product of queries and keys, its softmax, a product
+        with the values: Hugging Face's ``attn_implementation="eager"``) is computed by
+        ``F.scaled_dot_product_attention``, never holding heads x queries x keys values
+        (``sublinear.capture.attention``; a site whose dropout draws random numbers, whose probabilities are read
+        elsewhere or whose operands differ in dtype is left alone); equal to float rounding, not bit for bit.
+        None (default): on where inductor runs the graph and when planning on the meta device, off on sublinear's
+        eager executor; True or False: on or off everywhere.
     max_sizes: the largest shape of the forward's tensor arguments, by argument name (``{"input_ids": (32, 512)}``;
         None for a dimension left to TorchDynamo). Every dimension of the arguments is then dynamic from the first
         call, and the one plan is made for these sizes, so it serves every smaller shape. Without it a size that
@@ -80,6 +87,7 @@ class SublinearMemoryConfig:
     compiler: str = "auto"
     cache_dir: str | None = None
     chunk_lm_heads: bool | None = None
+    fuse_attention: bool | None = None
     max_sizes: Mapping[str, Sequence[int | None]] | None = None
 
     def __post_init__(self) -> None:
@@ -123,9 +131,10 @@ class SublinearMemoryConfig:
         _int_at_least("seed", self.seed, 0)
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}; got {self.compiler!r}")
-        if self.chunk_lm_heads is not None and not isinstance(self.chunk_lm_heads, bool):
-            raise ValueError(f"chunk_lm_heads must be True, False or None (on where inductor runs the graph); "
-                             f"got {self.chunk_lm_heads!r}")
+        for name in ("chunk_lm_heads", "fuse_attention"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True, False or None (on where inductor runs the graph); "
+                                 f"got {getattr(self, name)!r}")
         if self.max_sizes is not None:
             object.__setattr__(self, "max_sizes", _max_sizes(self.max_sizes))
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):

@@ -177,6 +177,53 @@ def assert_same_training(eager, other) -> None:
     assert torch.equal(rng_a, rng_b)
 
 
+ROUNDING = 1e-5  # float rounding: of the reference's largest magnitude
+
+
+def close_to_rounding(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to float rounding: within ROUNDING of the reference's largest magnitude, or 1e-9 for a value that is
+    zero but for rounding noise (attention's key bias gets no gradient in theory)."""
+    return bool((a - b).abs().max() <= ROUNDING * b.abs().max() + 1e-9)
+
+
+def token_batches(lengths: list[int], vocabulary: int = 1000) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four sequences of each length (token ids and labels), the first padded (-100) from its middle."""
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for length in lengths:
+        ids = torch.randint(0, vocabulary, (4, length), generator=g)
+        labels = ids.clone()
+        labels[0, length // 2:] = -100  # a padded sequence
+        batches.append((ids, labels))
+    return batches
+
+
+def train_lm(run, model, batches, keep_logits=False, through_logits=False):
+    """Per step the loss, the returned logits (when kept) and every gradient; ``through_logits``: a second loss
+    on the returned logits is backpropagated with the model's."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    torch.manual_seed(2)  # dropout draws alike
+    for ids, labels in batches:
+        out = run(input_ids=ids, labels=labels)
+        loss, logits = out.loss, out.logits.detach() if keep_logits else None
+        total = loss + out.logits.float().square().mean() if through_logits else loss
+        del out
+        total.backward()
+        steps.append((loss.detach(), logits, {k: p.grad.clone() for k, p in model.named_parameters()}))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return steps
+
+
+def assert_trains_to_rounding(got, expected) -> None:
+    """:func:`train_lm`'s steps equal to float rounding."""
+    for (loss, logits, grads), (ref_loss, ref_logits, ref_grads) in zip(got, expected, strict=True):
+        assert close_to_rounding(loss, ref_loss), (loss, ref_loss)
+        assert logits is None or close_to_rounding(logits, ref_logits)
+        assert all(close_to_rounding(grads[k], ref_grads[k]) for k in ref_grads)
+
+
 @pytest.fixture
 def residual_net():
     torch.manual_seed(0)

@@ -1,4 +1,9 @@
-"""Scaled dot-product attention as plans see it: measured on meta as CPU runs it, and its fused kernel's FLOPs."""
+"""Scaled dot-product attention as plans see it (measured on meta as CPU runs it, its fused kernel's FLOPs), and
+attention written out as its matrices computed by it (:mod:`sublinear.capture.attention`)."""
+
+import copy
+import dataclasses
+import math
 
 import pytest
 import torch
@@ -7,6 +12,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import sublinear
+from sublinear.capture.attention import with_attention_fused
+from sublinear.capture.dynamo import capture
+from sublinear.measurement import measure_cpu_allocator
+
+from conftest import PLAIN, assert_trains_to_rounding, close_to_rounding, token_batches, train_lm
 
 BATCH, HEADS, TOKENS, WIDTH = 2, 4, 128, 32
 OPTIONS = {
@@ -93,3 +103,141 @@ def test_a_plan_made_on_meta_measures_its_prediction_with_attention(budgeted):
     measured = sublinear.measure(lambda m, x: m(x).backward(), compiled, x).peak_bytes
     assert measured == pytest.approx(predicted, rel=0.01)
     assert budget is None or measured <= budget
+
+
+class _WrittenOut(nn.Module):
+    """One attention written out as its matrices, in a chosen variant: the scale multiplied or divided, a mask added,
+    the softmax in float32 and cast back, a dropout, grouped keys repeated, the probabilities also returned."""
+
+    def __init__(self, variant: str, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.variant, self.heads = variant, heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x, mask):
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        if self.variant == "grouped":  # two key heads, repeated as Hugging Face's repeat_kv does
+            k, v = (t[:, ::2, None].expand(b, 2, 2, s, w // self.heads).reshape(b, 4, s, -1) for t in (k, v))
+        if self.variant == "divided":
+            scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(w // self.heads)
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * (w // self.heads) ** -0.5
+        if self.variant != "unmasked":
+            scores = scores + mask
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        p = 0.1 if self.variant == "dropout" else 0.0
+        weights = F.dropout(weights, p=p, training=self.training)
+        out = self.out(torch.matmul(weights, v).transpose(1, 2).reshape(b, s, w))
+        return (out, weights) if self.variant == "returned" else out
+
+
+FUSED = dataclasses.replace(PLAIN, fuse_attention=True)
+_FUSED = ("multiplied", "divided", "unmasked", "grouped")
+_LEFT_ALONE = {"dropout": "its dropout (p=0.1) draws random numbers",
+               "returned": "its probabilities are read elsewhere"}
+
+
+def _written_out_inputs():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 32, generator=generator)
+    mask = torch.zeros(2, 1, 16, 16).masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), torch.finfo().min)
+    return x, mask
+
+
+@pytest.mark.parametrize("variant", _FUSED + tuple(_LEFT_ALONE))
+def test_attention_written_out_is_computed_by_the_fused_call_to_float_rounding_or_left_alone_saying_why(variant):
+    torch.manual_seed(0)
+    model = _WrittenOut(variant).train()
+    x, mask = _written_out_inputs()
+    graph = with_attention_fused(capture(model, (x, mask)).graph)
+    assert len(graph.attention) == 1
+    site = graph.attention[0]
+    targets = {n.target for n in graph.graph_module.graph.nodes}
+    if variant in _LEFT_ALONE:
+        assert not site.fused and _LEFT_ALONE[variant] in site.reason and F.softmax in targets
+        return
+    assert site.fused and F.scaled_dot_product_attention in targets and F.softmax not in targets
+    reference = copy.deepcopy(model)
+    expected = reference(x, mask)
+    expected.square().sum().backward()
+    compiled = sublinear.compile(model, (x, mask), config=FUSED)
+    got = compiled(x, mask)
+    got.square().sum().backward()
+    assert close_to_rounding(got, expected)
+    assert all(close_to_rounding(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    assert "computed by F.scaled_dot_product_attention" in str(compiled.sublinear_plan.graphs[0])
+
+
+def _causal_lm(family: str) -> nn.Module:
+    """A tiny Hugging Face causal LM with eager attention: Llama with grouped keys, or GPT-2 whose attention
+    dropout is off (its residual and MLP dropouts stay on)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+        return transformers.LlamaForCausalLM(config).train()
+    config = transformers.GPT2Config(vocab_size=1000, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0,
+                                     attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budgeted", [False, True], ids=["no-budget", "budget"])
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_an_hf_models_eager_attention_is_fused_and_trains_like_eager_over_changing_lengths(family, compiler,
+                                                                                            budgeted):
+    """The budget is halfway from the lowest plan's predicted peak to eager's at one length, and the step measures
+    within it; inductor draws dropout's random numbers as eager does (``fallback_random``)."""
+    model, batches = _causal_lm(family), token_batches([16, 16, 16] if budgeted else [16, 16, 24])
+    config = dataclasses.replace(FUSED, compiler=compiler)
+    if budgeted:
+        lowest = copy.deepcopy(model)
+        sublinear.apply(lowest, config)(input_ids=batches[0][0], labels=batches[0][1]).loss.backward()
+        plan = lowest.sublinear_plan.graphs[0]
+        config = dataclasses.replace(config, memory_budget=(plan.predicted_peak_bytes + plan.baseline_peak_bytes) // 2)
+    reference = copy.deepcopy(model)
+    expected = train_lm(reference, reference, batches)
+    run = sublinear.apply(model, config)
+    with torch._inductor.config.patch(fallback_random=True):
+        assert_trains_to_rounding(train_lm(run, model, batches), expected)
+    assert "attention at 2 sites" in str(model.sublinear_plan.graphs[0])
+    if budgeted:
+        ids, labels = batches[0]
+        measured = measure_cpu_allocator(lambda m: m(input_ids=ids, labels=labels).loss.backward(), model).peak_bytes
+        assert measured <= config.memory_budget, (measured, config.memory_budget)
+
+
+def test_fused_attention_holds_less_than_its_matrices_and_is_predicted_as_measured():
+    """Four heads over 256 tokens: each layer's probabilities (and their gradient) are 1 MiB a sequence."""
+    model, (ids, labels) = _causal_lm("llama"), token_batches([256])[0]
+
+    def step(m):  # the output held through backward, as predicted
+        out = m(input_ids=ids, labels=labels)
+        out.loss.backward()
+
+    peaks = {}
+    for fused in (False, True):
+        run = sublinear.compile(copy.deepcopy(model), example_kwargs=dict(input_ids=ids, labels=labels),
+                                config=dataclasses.replace(FUSED, fuse_attention=fused, max_time_ratio=1.0))
+        measured = measure_cpu_allocator(step, run).peak_bytes
+        predicted = run.sublinear_plan.predicted_peak_bytes
+        assert measured == pytest.approx(predicted, rel=0.02)
+        peaks[fused] = measured
+    assert peaks[True] < peaks[False] - 4 * 2**20, peaks
+
+
+def test_a_pareto_point_is_of_the_graph_with_attention_fused_and_runs_when_used():
+    torch.manual_seed(0)
+    model = _WrittenOut("multiplied").train()
+    x, mask = _written_out_inputs()
+    points = sublinear.pareto(model, (x, mask), config=FUSED, budgets=2)
+    compiled = sublinear.compile(model, (x, mask), config=FUSED)
+    compiled.use(points[0])
+    compiled(x, mask).sum().backward()
+    graph = compiled.sublinear_plan.graphs[0]
+    assert graph.plan == points[0].plan and graph.origin == "use()", graph

@@ -25,11 +25,10 @@ from sublinear.runtime import session
 from sublinear.runtime.head_chunks import HEADROOM, HeadChunks
 from sublinear.simulation.timeline import simulate
 
-from conftest import PLAIN
+from conftest import PLAIN, assert_trains_to_rounding, close_to_rounding, token_batches, train_lm
 
 CHUNKED = dataclasses.replace(PLAIN, chunk_lm_heads=True, memory_budget=None)
 INDUCTOR = dataclasses.replace(CHUNKED, compiler="inductor")
-RTOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
@@ -37,12 +36,6 @@ def _chunks_of_32_rows(monkeypatch):
     """Chunks of 32 rows (24 for half-precision heads) whatever this machine's measured rates: these small heads
     then span several chunks."""
     monkeypatch.setattr(session, "device_rates", lambda device: DeviceRates(device, 0.6, 1.0, 0.0))
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal to float rounding: within RTOL of the reference's largest magnitude, or 1e-9 for a value that is zero
-    but for rounding noise (attention's key bias gets no gradient in theory)."""
-    return bool((a - b).abs().max() <= RTOL * b.abs().max() + 1e-9)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
@@ -70,8 +63,8 @@ def test_the_chunked_loss_and_gradients_equal_the_unchunked(bias, reduction, lab
     loss = chunked_linear_cross_entropy(hidden, weight, b, target, logits, -100, reduction, label_smoothing,
                                         torch.float32, 8, softcap)
     grads = torch.autograd.grad(loss * 1.7, leaves)
-    assert _close(loss, expected)
-    assert all(_close(g, e) for g, e in zip(grads, expected_grads))
+    assert close_to_rounding(loss, expected)
+    assert all(close_to_rounding(g, e) for g, e in zip(grads, expected_grads))
 
 
 def _llama(vocabulary: int = 1000, hidden: int = 32):
@@ -82,42 +75,6 @@ def _llama(vocabulary: int = 1000, hidden: int = 32):
     return LlamaForCausalLM(config).train()
 
 
-def _batches(lengths: list[int], vocabulary: int = 1000) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    batches = []
-    for length in lengths:
-        ids = torch.randint(0, vocabulary, (4, length), generator=g)
-        labels = ids.clone()
-        labels[0, length // 2:] = -100  # a padded sequence
-        batches.append((ids, labels))
-    return batches
-
-
-def _train(run, model, batches, keep_logits=False, through_logits=False):
-    """Per step the loss, the returned logits (when kept) and every gradient; ``through_logits``: a second loss
-    on the returned logits is backpropagated with the model's."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    steps = []
-    torch.manual_seed(2)  # dropout draws alike
-    for ids, labels in batches:
-        out = run(input_ids=ids, labels=labels)
-        loss, logits = out.loss, out.logits.detach() if keep_logits else None
-        total = loss + out.logits.float().square().mean() if through_logits else loss
-        del out
-        total.backward()
-        steps.append((loss.detach(), logits, {k: p.grad.clone() for k, p in model.named_parameters()}))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return steps
-
-
-def _assert_trains_alike(got, expected) -> None:
-    for (loss, logits, grads), (ref_loss, ref_logits, ref_grads) in zip(got, expected, strict=True):
-        assert _close(loss, ref_loss), (loss, ref_loss)
-        assert logits is None or _close(logits, ref_logits)
-        assert all(_close(grads[k], ref_grads[k]) for k in ref_grads)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("through_logits", [False, True], ids=["loss", "loss-and-logits"])
 @pytest.mark.parametrize("config", [CHUNKED, INDUCTOR], ids=["eager-executor", "inductor"])
@@ -126,12 +83,12 @@ def test_an_hf_causal_lm_head_is_chunked_and_trains_like_eager_over_changing_len
     """The caller reads the logits (they are the model's) and, in one case, backpropagates a loss on them too:
     they are computed when read, and their gradient reaches the model through the head outside the graph."""
     model = _llama()
-    batches = _batches([16, 16, 24])
+    batches = token_batches([16, 16, 24])
     reference = copy.deepcopy(model)
-    expected = _train(reference, reference, batches, keep_logits=True, through_logits=through_logits)
+    expected = train_lm(reference, reference, batches, keep_logits=True, through_logits=through_logits)
     run = sublinear.apply(model, config)
-    got = _train(run, model, batches, keep_logits=True, through_logits=through_logits)
-    _assert_trains_alike(got, expected)
+    got = train_lm(run, model, batches, keep_logits=True, through_logits=through_logits)
+    assert_trains_to_rounding(got, expected)
     graph = model.sublinear_plan.graphs[0]
     assert len(graph.lm_heads) == 1 and graph.lm_heads[0].startswith("LM head lm_head (vocabulary 1,000, hidden 32)")
     assert "the logits the model returns computed only if read" in graph.lm_heads[0]
@@ -144,7 +101,7 @@ def test_a_step_that_reads_only_the_loss_never_makes_the_logits_the_model_return
     than they would), the prediction counts none, and the caller still gets them, computed when read, equal to
     eager's, with a warning (once per head in a process: forgotten here, as other tests read this head's logits)."""
     monkeypatch.setattr(returned_logits, "_READ_HEADS", set())
-    model, (ids, labels) = _llama(vocabulary=8000), _batches([64], vocabulary=8000)[0]
+    model, (ids, labels) = _llama(vocabulary=8000), token_batches([64], vocabulary=8000)[0]
     reference = copy.deepcopy(model)
     run = sublinear.apply(model, CHUNKED)
 
@@ -160,13 +117,13 @@ def test_a_step_that_reads_only_the_loss_never_makes_the_logits_the_model_return
     assert abs(predicted - measured) <= max(0.02 * measured, 256 * 1024), (predicted, measured)
     out = run(input_ids=ids, labels=labels)
     with caplog.at_level(logging.WARNING, logger="sublinear"):
-        assert _close(out.logits, reference(input_ids=ids, labels=labels).logits.detach())
+        assert close_to_rounding(out.logits, reference(input_ids=ids, labels=labels).logits.detach())
     assert "the logits of the chunked LM head lm_head were read" in caplog.text
 
 
 @pytest.mark.slow
 def test_logits_read_after_the_optimizer_changed_the_head_raise_what_to_do():
-    model, (ids, labels) = _llama(), _batches([64])[0]
+    model, (ids, labels) = _llama(), token_batches([64])[0]
     run = sublinear.apply(model, CHUNKED)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     out = run(input_ids=ids, labels=labels)
@@ -181,7 +138,7 @@ def test_logits_read_after_the_optimizer_changed_the_head_raise_what_to_do():
 @pytest.mark.slow
 def test_under_a_memory_budget_a_chunked_head_trains_like_eager_and_the_step_holds_the_budget(config):
     """The budget halfway from the lowest plan's predicted peak to eager's (both with the head chunked)."""
-    model, batches = _llama(), _batches([32, 32, 32])
+    model, batches = _llama(), token_batches([32, 32, 32])
     lowest = copy.deepcopy(model)
     run = sublinear.apply(lowest, config)
     run(input_ids=batches[0][0], labels=batches[0][1]).loss.backward()
@@ -189,9 +146,9 @@ def test_under_a_memory_budget_a_chunked_head_trains_like_eager_and_the_step_hol
     assert plan.predicted_peak_bytes < plan.baseline_peak_bytes
     budget = (plan.predicted_peak_bytes + plan.baseline_peak_bytes) // 2
     reference = copy.deepcopy(model)
-    expected = _train(reference, reference, batches)
+    expected = train_lm(reference, reference, batches)
     run = sublinear.apply(model, dataclasses.replace(config, memory_budget=budget))
-    _assert_trains_alike(_train(run, model, batches), expected)
+    assert_trains_to_rounding(train_lm(run, model, batches), expected)
     assert "computed in chunks" in model.sublinear_plan.graphs[0].lm_heads[0]
     ids, labels = batches[0]
     measured = measure_cpu_allocator(lambda m: m(input_ids=ids, labels=labels).loss.backward(), model).peak_bytes
@@ -205,16 +162,16 @@ def test_under_a_budget_the_chunk_grows_into_the_memory_the_plan_leaves(config):
     """A budget 20 % of eager's activations above eager's peak (chunks of 32 rows): the plan recomputes nothing
     and the chunk grows to the most rows at which the prediction stays within the budget less the headroom, not
     to every token; the step trains as eager and measures within its prediction."""
-    model, batches = _llama(), _batches([32, 32])
+    model, batches = _llama(), token_batches([32, 32])
     lowest = copy.deepcopy(model)
     run = sublinear.apply(lowest, config)
     run(input_ids=batches[0][0], labels=batches[0][1]).loss.backward()
     plan = lowest.sublinear_plan.graphs[0]
     budget = plan.baseline_peak_bytes + (plan.baseline_peak_bytes - plan.predicted_peak_bytes) // 5
     reference = copy.deepcopy(model)
-    expected = _train(reference, reference, batches)
+    expected = train_lm(reference, reference, batches)
     run = sublinear.apply(model, dataclasses.replace(config, memory_budget=budget))
-    _assert_trains_alike(_train(run, model, batches), expected)
+    assert_trains_to_rounding(train_lm(run, model, batches), expected)
     backend = model.forward.sublinear_backend
     variant = next(iter(backend.latest.values()))
     head, chunks = backend.graphs[0].graph.lm_heads[0], variant.lesson.chunks
@@ -237,11 +194,11 @@ def test_under_a_budget_the_chunk_grows_into_the_memory_the_plan_leaves(config):
 def test_a_dynamic_graphs_chunk_grows_at_the_token_count_of_the_sizes_it_is_planned_for():
     """Lengths that change every step: the graph is captured with a symbolic length and planned at its bound. Under
     a budget far above the step, the chunk grows to every token at the bound; training is as eager."""
-    model, batches = _llama(), _batches([24, 40, 32, 48])
+    model, batches = _llama(), token_batches([24, 40, 32, 48])
     reference = copy.deepcopy(model)
-    expected = _train(reference, reference, batches)
+    expected = train_lm(reference, reference, batches)
     run = sublinear.apply(model, dataclasses.replace(CHUNKED, memory_budget=1 << 30))
-    _assert_trains_alike(_train(run, model, batches), expected)
+    assert_trains_to_rounding(train_lm(run, model, batches), expected)
     backend = model.forward.sublinear_backend
     variant = next(iter(backend.latest.values()))
     graph = backend.graphs[-1].graph
@@ -258,7 +215,7 @@ def test_returned_logits_no_gradient_reaches_cost_no_matmul_in_the_compiled_back
     from torch.utils.flop_counter import FlopCounterMode
     model = _llama()
     run = sublinear.apply(model, INDUCTOR)
-    ids, labels = _batches([64])[0]
+    ids, labels = token_batches([64])[0]
     for _ in range(3):
         out = run(input_ids=ids, labels=labels)
         with FlopCounterMode(display=False) as counter:
@@ -409,7 +366,7 @@ def test_a_head_whose_logits_nothing_else_reads_computes_each_chunks_logits_and_
     _step(reference, x, target)
     model.zero_grad(set_to_none=True)
     _step(run, x, target)
-    assert all(_close(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    assert all(close_to_rounding(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 @pytest.mark.parametrize(("classes", "broken", "reason"), [
@@ -468,14 +425,14 @@ def test_a_shifted_upcast_head_tied_or_not_summed_or_averaged_is_chunked_alike(t
     loss.backward()
     heads = run.sublinear_plan.graphs[0].lm_heads
     assert len(heads) == 1 and "computed in chunks" in heads[0] and "computing each chunk's logits" in heads[0]
-    assert _close(loss, expected)
-    assert all(_close(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    assert close_to_rounding(loss, expected)
+    assert all(close_to_rounding(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 @pytest.mark.slow
 def test_hf_num_items_in_batch_sums_the_chunked_loss_and_divides_it():
     model = _llama()
-    (ids, labels), = _batches([20])
+    (ids, labels), = token_batches([20])
     items = (labels[:, 1:] != -100).sum()
     reference = copy.deepcopy(model)
     expected = reference(input_ids=ids, labels=labels, num_items_in_batch=items).loss
@@ -484,8 +441,8 @@ def test_hf_num_items_in_batch_sums_the_chunked_loss_and_divides_it():
     loss = run(input_ids=ids, labels=labels, num_items_in_batch=items).loss
     loss.backward()
     assert "computed in chunks" in model.sublinear_plan.graphs[0].lm_heads[0]
-    assert _close(loss, expected)
-    assert all(_close(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    assert close_to_rounding(loss, expected)
+    assert all(close_to_rounding(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 @pytest.mark.slow
@@ -496,11 +453,11 @@ def test_a_soft_capped_gemma2_head_is_chunked_and_trains_like_eager():
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=30.0,
                           sliding_window=8, use_cache=False)
     model = Gemma2ForCausalLM(config).train()
-    batches = _batches([16, 24])
+    batches = token_batches([16, 24])
     reference = copy.deepcopy(model)
-    expected = _train(reference, reference, batches, keep_logits=True, through_logits=True)
+    expected = train_lm(reference, reference, batches, keep_logits=True, through_logits=True)
     run = sublinear.apply(model, CHUNKED)
-    _assert_trains_alike(_train(run, model, batches, keep_logits=True, through_logits=True), expected)
+    assert_trains_to_rounding(train_lm(run, model, batches, keep_logits=True, through_logits=True), expected)
     head = model.sublinear_plan.graphs[0].lm_heads[0]
     assert "soft-capped at 30" in head and "the logits the model returns computed only if read" in head
 
@@ -514,11 +471,11 @@ def test_a_bart_head_with_its_final_logits_bias_is_chunked_and_trains_like_eager
     model = BartForConditionalGeneration(config).train()
     with torch.no_grad():
         model.final_logits_bias.normal_()  # zeros would hide a bias left out
-    batches = _batches([16, 24])
+    batches = token_batches([16, 24])
     reference = copy.deepcopy(model)
-    expected = _train(reference, reference, batches, keep_logits=True, through_logits=True)
+    expected = train_lm(reference, reference, batches, keep_logits=True, through_logits=True)
     run = sublinear.apply(model, CHUNKED)
-    _assert_trains_alike(_train(run, model, batches, keep_logits=True, through_logits=True), expected)
+    assert_trains_to_rounding(train_lm(run, model, batches, keep_logits=True, through_logits=True), expected)
     assert any("computed in chunks" in head for g in model.sublinear_plan.graphs for head in g.lm_heads)
 
 
@@ -536,7 +493,7 @@ def test_under_bf16_autocast_the_chunks_run_in_the_dtype_the_head_ran_in():
     expected.backward()
     loss.backward()
     assert "computed in chunks" in run.sublinear_plan.graphs[0].lm_heads[0]
-    assert _close(loss, expected)
+    assert close_to_rounding(loss, expected)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert p.grad.dtype == q.grad.dtype == torch.float32
         assert (p.grad - q.grad).abs().max() <= 2 ** -6 * q.grad.abs().max()  # bf16 keeps 8 bits
@@ -602,9 +559,9 @@ def test_seq2seq_heads_are_chunked_and_train_like_eager_over_changing_lengths(bu
         torch.set_rng_state(state)
         expected = reference(**batch).loss
         expected.backward()
-        assert _close(loss, expected)
+        assert close_to_rounding(loss, expected)
         for p, q in zip(model.parameters(), reference.parameters()):
-            assert (p.grad is None) == (q.grad is None) and (q.grad is None or _close(p.grad, q.grad))
+            assert (p.grad is None) == (q.grad is None) and (q.grad is None or close_to_rounding(p.grad, q.grad))
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
     assert "computed in chunks" in model.sublinear_plan.graphs[0].lm_heads[0]

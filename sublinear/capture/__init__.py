@@ -6,6 +6,8 @@
   what is recomputed.
 - :mod:`.joint`: the joint forward+backward graph AOTAutograd traces from a captured graph, which the compiled
   front end profiles and the compiled executor partitions.
+- :mod:`.attention`, :mod:`.lm_head`: rewrites of a captured graph that hold less whatever the plan: attention written
+  out as its matrices computed by ``F.scaled_dot_product_attention``, an LM head and its cross-entropy in chunks.
 - :mod:`.shapes`: a dynamic graph's symbolic sizes (:func:`~sublinear.capture.shapes.symbolic_sizes`): one shape
   family, planned once for a bound and served below it.
 """

@@ -94,6 +94,7 @@ class CapturedGraph:
     sizes: SymbolicSizes | None = None  # a dynamic graph's symbolic input sizes (None: every size is static)
     lm_heads: tuple = ()  # the cross-entropies found, chunked or left alone (sublinear.capture.lm_head.LMHead)
     returned_logits: tuple = ()  # chunked heads' logits returned detached (sublinear.capture.returned_logits)
+    attention: tuple = ()  # the attentions found, fused or left alone (sublinear.capture.attention.AttentionSite)
 
     @staticmethod
     def from_dynamo(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CapturedGraph:
@@ -120,6 +121,12 @@ class CapturedGraph:
         data_less = any(isinstance(v, FakeTensor) for v in example_inputs)
         return CapturedGraph(gm, tuple(kinds), tuple(sources), model_device="meta" if data_less else None,
                              sizes=symbolic_sizes(gm))
+
+    def copied_module(self) -> fx.GraphModule:
+        """A copy of ``graph_module`` to rewrite, leaving this graph's as it is."""
+        copied = fx.Graph()
+        copied.output(copied.graph_copy(self.graph_module.graph, {}))
+        return fx.GraphModule(self.graph_module, copied)
 
     @functools.cached_property
     def code(self) -> str:

@@ -108,7 +108,7 @@ def with_lm_heads_chunked(graph: CapturedGraph, flops_per_byte: FlopsPerByte) ->
     every cross-entropy found in ``lm_heads``; ``graph`` itself when it has no cross-entropy."""
     if not any(n.op == "call_function" and n.target in _CROSS_ENTROPY for n in graph.graph_module.graph.nodes):
         return graph
-    module = _copied(graph.graph_module)
+    module = graph.copied_module()
     heads = chunk_lm_heads(module, flops_per_byte)
     if not any(head.chunked for head in heads):
         return dataclasses.replace(graph, lm_heads=tuple(heads))
@@ -119,7 +119,7 @@ def with_lm_heads_chunked(graph: CapturedGraph, flops_per_byte: FlopsPerByte) ->
 def with_chunk_rows(graph: CapturedGraph, rows: Sequence[int]) -> CapturedGraph:
     """``graph`` with its chunked heads computed in chunks of ``rows`` tokens (one count per chunked head, in graph
     order), in a copy of its module; its ``code`` is kept (the graph computes the same values)."""
-    module = _copied(graph.graph_module)
+    module = graph.copied_module()
     calls = [n for n in module.graph.nodes if n.op == "call_function" and n.target is chunked_linear_cross_entropy]
     chunked = [k for k, head in enumerate(graph.lm_heads) if head.chunked]
     if len(calls) != len(rows) or len(chunked) != len(rows):
@@ -131,13 +131,6 @@ def with_chunk_rows(graph: CapturedGraph, rows: Sequence[int]) -> CapturedGraph:
     for k, count in zip(chunked, rows):
         heads[k] = dataclasses.replace(heads[k], rows=int(count))
     return dataclasses.replace(graph, graph_module=module, lm_heads=tuple(heads))
-
-
-def _copied(module: fx.GraphModule) -> fx.GraphModule:
-    copied = fx.Graph()
-    output = copied.graph_copy(module.graph, {})
-    copied.output(output)
-    return fx.GraphModule(module, copied)
 
 
 def device_type(graph: CapturedGraph) -> str:

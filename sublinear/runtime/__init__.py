@@ -1,7 +1,7 @@
 """The runtime: what runs each captured graph under its plan, and what it reports.
 
 - :mod:`.session`: :class:`SublinearBackend`, the ``torch.compile`` backend, one session per compiled model: its
-  graphs, its calls and its plan pipeline.
+  graphs, its calls and its plan pipeline; :func:`rewritten`, a captured graph as a session runs it.
 - :mod:`.graph`: what TorchDynamo calls in place of one captured graph (its variants by call signature).
 - :mod:`.calls`: the training calls the session saw: each graph's step context and what the call did with its
   outputs.
@@ -15,10 +15,10 @@
 - :mod:`.plans`: what a plan says, for people (:class:`SublinearPlan`).
 """
 
-from sublinear.runtime.session import SublinearBackend, backend, collecting_new_objects_only
+from sublinear.runtime.session import SublinearBackend, backend, collecting_new_objects_only, rewritten
 from sublinear.runtime.modules import compile_module, plan_ahead
 from sublinear.runtime.plans import BlockSummary, GraphPlan, ParetoPoint, SublinearPlan
 from sublinear.runtime.step import output_uses, step_contexts
 
 __all__ = ["BlockSummary", "GraphPlan", "ParetoPoint", "SublinearBackend", "SublinearPlan", "backend",
-           "collecting_new_objects_only", "compile_module", "output_uses", "plan_ahead", "step_contexts"]
+           "collecting_new_objects_only", "compile_module", "output_uses", "plan_ahead", "rewritten", "step_contexts"]

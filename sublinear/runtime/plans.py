@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
+from sublinear.capture.attention import describe_sites
 from sublinear.capture.dynamo import (CapturedGraph, GraphBreak, input_signature)
 from sublinear.core.analysis import analyse
 from sublinear.core.objective import Objective, Simulation, ratio_over
@@ -79,6 +80,7 @@ class GraphPlan:
     predicted_before_compile_bytes: int | None = None  # the predicted peak before its code was compiled and read
     executor: str = ""  # what runs the graph: "inductor", or "sublinear's eager executor (why)"
     lm_heads: tuple[str, ...] = ()  # each cross-entropy found: its LM head chunked, or why it was left alone
+    attention: tuple[str, ...] = ()  # the attentions found: which were fused, which left alone and why
 
     @property
     def num_blocks(self) -> int:
@@ -100,7 +102,7 @@ class GraphPlan:
                 f"{format_bytes(self.baseline_peak_bytes)}, step time x{self.time_ratio:.3f} (FLOPs "
                 f"x{self.flops_ratio:.3f}); {self.objective}; by {self.origin}{' (cache)' if self.from_cache else ''}"
                 + (f"; runs on {self.executor}" if self.executor else "")
-                + "".join(f"; {head}" for head in self.lm_heads))
+                + "".join(f"; {head}" for head in self.lm_heads) + "".join(f"; {line}" for line in self.attention))
 
     def describe(self) -> str:
         return "\n".join([str(self), *(f"  {b}" for b in self.blocks)])
@@ -203,4 +205,5 @@ def summarise_plan(index: int, values: Sequence[Any], graph: CapturedGraph, prof
                      objective=objective.describe(), origin=origin, cost_source=profile_.cost_source,
                      history=history, planning_seconds=planning_seconds,
                      search_seconds=result.seconds if result is not None and not from_cache else 0.0,
-                     from_cache=from_cache, lm_heads=tuple(str(head) for head in graph.lm_heads))
+                     from_cache=from_cache, lm_heads=tuple(str(head) for head in graph.lm_heads),
+                     attention=describe_sites(graph.attention))

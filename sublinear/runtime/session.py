@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from sublinear.capture.dynamo import CapturedGraph, GraphBreak, InputSignature, SharedGraph
+from sublinear.capture.attention import with_attention_fused
 from sublinear.capture.lm_head import device_type, with_lm_heads_chunked
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core.plan import Plan
@@ -30,9 +31,24 @@ from sublinear.runtime.pipeline import PlanPipeline
 from sublinear.runtime.plans import ParetoPoint, SublinearPlan
 from sublinear.runtime.variant import GraphVariant
 
-__all__ = ["SublinearBackend", "backend", "collecting_new_objects_only", "named_backend"]
+__all__ = ["SublinearBackend", "backend", "collecting_new_objects_only", "named_backend", "rewritten"]
 
 log = logging.getLogger("sublinear")
+
+
+def rewritten(graph: CapturedGraph, config: SublinearMemoryConfig) -> CapturedGraph:
+    """``graph`` as a session of ``config`` plans and runs it: its attentions fused (``fuse_attention``) and its LM
+    heads chunked (``chunk_lm_heads``); each setting, where None, is on where inductor runs the graph or it is
+    planned on meta."""
+    device = device_type(graph)
+    default = device == "meta" or resolve_compiler(config.compiler, device)[0] == "inductor"
+    if default if config.fuse_attention is None else config.fuse_attention:
+        graph = with_attention_fused(graph)
+    if default if config.chunk_lm_heads is None else config.chunk_lm_heads:
+        rates = device_rates(device)  # meta: the reference GPU's
+        graph = with_lm_heads_chunked(
+            graph, lambda itemsize: rates.matmul_flops_per_second(itemsize) / rates.bytes_per_second)
+    return graph
 
 
 class SublinearBackend:
@@ -65,24 +81,12 @@ class SublinearBackend:
         return self.add_graph(CapturedGraph.from_dynamo(gm, example_inputs))
 
     def add_graph(self, graph: CapturedGraph) -> GraphRuntime:
-        """A captured graph this session runs from now on, its LM heads chunked where the config says."""
-        if self._chunks_lm_heads(graph):
-            rates = device_rates(device_type(graph))  # meta: the reference GPU's
-            graph = with_lm_heads_chunked(
-                graph, lambda itemsize: rates.matmul_flops_per_second(itemsize) / rates.bytes_per_second)
-        runtime = GraphRuntime(graph, self, len(self.graphs))
+        """A captured graph this session runs from now on, as :func:`rewritten` for its config."""
+        runtime = GraphRuntime(rewritten(graph, self.config), self, len(self.graphs))
         self.graphs.append(runtime)
         self.calls.captures += 1
-        log.debug("captured graph %d: %s", runtime.index, graph.describe())
+        log.debug("captured graph %d: %s", runtime.index, runtime.graph.describe())
         return runtime
-
-    def _chunks_lm_heads(self, graph: CapturedGraph) -> bool:
-        """``chunk_lm_heads``, and where it is None: whether inductor runs the graph or it is planned on meta."""
-        setting = self.config.chunk_lm_heads
-        if setting is not None:
-            return setting
-        device = device_type(graph)
-        return device == "meta" or resolve_compiler(self.config.compiler, device)[0] == "inductor"
 
     def forget_graphs(self) -> None:
         """Drop the captured graphs (the plans stay in the pipeline's store for the graphs captured next)."""
