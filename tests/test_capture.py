@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from sublinear.capture.dynamo import (BUFFER, INPUT, PARAMETER, CaptureError, NeedsData, _Dispatch, capture,
-                               compile_entry, describe_node, graph_breaks, receiving)
+                               compile_entry, describe_node, graph_breaks, module_path, receiving)
 import sublinear
 from sublinear.execute.program import NodeProgram
 from sublinear.profiling.graph import profile
@@ -125,6 +125,29 @@ def test_nodes_are_described_by_module_path_and_source_line():
     graph = capture(ItemAssignment(), (torch.randn(2, 6),)).graph
     linear = next(n for n in graph.graph_module.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
     assert re.fullmatch(r"lin \(linear\) at .*test_capture.py:\d+", describe_node(linear))
+
+
+def test_a_submodule_a_wrapper_reaches_through_its_dict_is_named_by_its_path():
+    """peft's wrappers forward attribute reads to the model they wrap: TorchDynamo names its modules through
+    ``__dict__['_modules']``."""
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base_model = nn.Sequential(nn.Linear(4, 4))
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.base_model, name)
+
+        def forward(self, x):
+            return self.base_model(x)
+
+    graph = capture(Wrapper(), (torch.randn(2, 4),)).graph
+    linear = next(n for n in graph.graph_module.graph.nodes if n.op == "call_function")
+    assert module_path(linear) == "base_model.0"
 
 
 def test_code_is_the_same_for_fake_and_real_captures():

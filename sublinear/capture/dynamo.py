@@ -155,7 +155,8 @@ def module_path(node: fx.Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     path = re.sub(r"^L\['self'\]\.?(__self__\.?)?|^L\['[^']*'\]\.?", "", str(path))  # a bound forward: __self__
-    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    # submodules as ._modules['name'], or through __dict__['_modules'] (a wrapper's __getattr__, as peft's)
+    path = re.sub(r"(?:\.|^)(?:__dict__\[')?_modules(?:'\])?\['([^']*)'\]", r".\1", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
 
 
