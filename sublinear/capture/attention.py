@@ -10,7 +10,8 @@ A site is ``matmul(q, k.transpose(-2, -1))``, optionally multiplied or divided b
 tensor, then ``softmax`` over the last dimension (in any dtype), casts, a dropout of probability 0 or not training
 (which draws no random numbers), and ``matmul(·, v)``; every value between the two products is read by the next only.
 It becomes ``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s)``: equal to float rounding, not bit
-for bit (the fused kernels sum the keys in blocks). A site is left alone, and the reason recorded, when its
+for bit (the fused kernels sum the keys in blocks; a query whose every key a mask sets to ``-inf`` gets zeros there,
+NaN from the softmax). A site is left alone, and the reason recorded, when its
 probabilities are read elsewhere (returned, as with ``output_attentions``), when its dropout draws random numbers
 (the fused kernel would draw others), or when ``q``, ``k``, ``v`` and the result differ in dtype (autocast's mixed
 precision, whose roundings the fused kernel does not repeat).
