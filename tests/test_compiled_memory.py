@@ -1106,3 +1106,24 @@ def test_no_op_reads_a_constant_from_the_op_that_made_it():
     read = {s for inputs in p.op_inputs for _, storages in inputs for s in storages}
     shared = read & constants
     assert not shared, [names[i] for i in range(len(names)) if set(p.node_storages.get(i, ())) & shared]
+
+
+@pytest.mark.slow
+def test_library_workspaces_count_once_in_the_prediction_and_in_the_compiled_walk(monkeypatch):
+    """Workspaces made to stand on the CPU (1 MiB): predicted before compiling and walked in the compiled code as
+    one storage the step holds throughout, beside what the allocator counts."""
+    from sublinear.execute.compiled import step_memory
+    from sublinear.profiling import compiled as compiled_front_end
+
+    workspaces = 1 << 20
+    monkeypatch.setattr(compiled_front_end, "blas_workspace_bytes", lambda device: workspaces)
+    monkeypatch.setattr(step_memory, "blas_workspace_bytes", lambda device: workspaces)
+    torch.manual_seed(0)
+    model, x = _dropout_chain().train(), torch.randn(256, 256)
+    compiled = sublinear.compile(model, (x,), config=INDUCTOR)
+    assert compiled.sublinear_profile.workspace_bytes == workspaces
+    before = simulate(compiled.sublinear_profile, compiled.sublinear_plan.graphs[0].plan).peak_bytes
+    measured = _compiled_step_peak(compiled, model, x)
+    graph = compiled.sublinear_plan.graphs[0]
+    assert graph.compiled_peak_bytes - workspaces == pytest.approx(measured, rel=0.005, abs=16 << 10)
+    assert before - workspaces == pytest.approx(measured, rel=0.02, abs=256 << 10)

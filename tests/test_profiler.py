@@ -177,3 +177,51 @@ def test_a_failing_node_is_named_with_its_module_and_line():
         profile(graph, [torch.randn(2, 4) if v.dim() == 2 and v.shape[0] == 2 else torch.randn(3, 3)
                         for v in graph.example_values], cost_model="estimate")
     assert isinstance(graph.graph_module, fx.GraphModule)
+
+
+@pytest.mark.parametrize("unified", [True, False], ids=["unified", "own-lt-workspace"])
+def test_cuda_steps_hold_one_cublas_workspace_per_thread_running_matrix_products(monkeypatch, unified):
+    """The caller's thread (forward) and autograd's device thread (backward): two handles, a workspace each."""
+    from sublinear.profiling.kernels import blas_workspace_bytes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "cublas_workspace_size", lambda: 32 << 20)
+    monkeypatch.setattr(torch.backends.cuda, "cublaslt_workspace_size", lambda: 1 << 20)
+    if not unified:
+        monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")
+    assert blas_workspace_bytes("cuda") == (64 << 20 if unified else 66 << 20)
+    assert blas_workspace_bytes("cpu") == blas_workspace_bytes("meta") == 0
+
+
+def test_the_libraries_workspaces_are_in_the_baseline_every_plan_and_the_floor_hold(monkeypatch):
+    from sublinear.core import Plan
+    from sublinear.planners.driver import step_floor
+    from sublinear.profiling import graph as eager_front_end
+    from sublinear.simulation.timeline import simulate
+
+    model, x = ResidualNet().train(), torch.randn(2, 3, 8, 8)
+    plain = profile_of(model, x)
+    monkeypatch.setattr(eager_front_end, "blas_workspace_bytes", lambda device: 1 << 20)
+    held = profile_of(model, x)
+    assert held.workspace_bytes == 1 << 20 and held.baseline_bytes == plain.baseline_bytes + (1 << 20)
+    for plan in (Plan.no_split(plain.num_ops), Plan.of(range(1, plain.num_ops, 2), plain.num_ops)):
+        assert simulate(held, plan).peak_bytes == simulate(plain, plan).peak_bytes + (1 << 20)
+    assert ("cuBLAS workspaces", 1 << 20) in step_floor(held).parts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_cuda_step_measures_its_prediction_cublas_workspaces_included(compiler):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(4)])
+    model, x = model.cuda().train(), torch.randn(512, 256, device="cuda")
+    compiled = sublinear.compile(model, (x,), config=sublinear.SublinearMemoryConfig(compiler=compiler,
+                                                                                      cache_dir=""))
+
+    def step(m, x):
+        m(x).square().mean().backward()
+
+    step(compiled, x)  # both threads' workspaces made, the plan compiled
+    model.zero_grad(set_to_none=True)
+    measured = sublinear.measure(step, compiled, x).peak_bytes
+    assert measured == pytest.approx(compiled.sublinear_plan.predicted_peak_bytes, rel=0.01, abs=1 << 20)

@@ -159,13 +159,14 @@ class GraphProfile:
     storage_last_use: np.ndarray
     storage_saved_by: list[tuple[int, ...]]
     op_inputs: list[tuple[tuple[int, tuple[int, ...]], ...]]
-    baseline_bytes: int  # parameters, buffers and inputs: live before the step starts
+    baseline_bytes: int  # parameters, buffers, inputs and library workspaces: live before the step starts
     parameter_bytes: int
     buffer_bytes: int
     input_bytes: int
     gradient_bytes: int
     measured_peak_bytes: int  # the profiled eager step's peak (storage tracking)
     backward_flops: int
+    workspace_bytes: int = 0  # library workspaces held beside the step's tensors (CUDA: cuBLAS's), in the baseline
     node_facts: dict[int, NodeFacts] = field(default_factory=dict)
     op_of_node: dict[int, int] = field(default_factory=dict)
     node_storages: dict[int, tuple[int, ...]] = field(default_factory=dict)  # node -> storage per tensor (-1: none)

@@ -50,11 +50,13 @@ class StepFloor:
 
 def step_floor(profile: GraphProfile) -> StepFloor:
     """The largest of the simulator's plan-independent lower bounds on a step's peak: when the step ends, its
-    parameters, buffers, inputs and gradients are live beside whatever the plan keeps (under FSDP2, the shards;
-    and through the forward, the gathered parameters), and beside them what the other graphs of the call hold;
-    later graphs of the call reach their own peak beside this one."""
+    parameters, buffers, inputs, library workspaces and gradients are live beside whatever the plan keeps (under
+    FSDP2, the shards; and through the forward, the gathered parameters), and beside them what the other graphs of
+    the call hold; later graphs of the call reach their own peak beside this one."""
     context = profile.step_context
     state = (("buffers", profile.buffer_bytes), ("inputs", profile.input_bytes))
+    if profile.workspace_bytes:
+        state += (("cuBLAS workspaces", profile.workspace_bytes),)
     s = profile.sharding
     if s is None:
         bounds = [(("parameters", profile.parameter_bytes), *state, ("gradients", profile.gradient_bytes))]

@@ -52,7 +52,7 @@ from sublinear.profiling.compiled_nodes import (
     writes_input,
 )
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates, device_rates
-from sublinear.profiling.kernels import kernel_memory
+from sublinear.profiling.kernels import blas_workspace_bytes, kernel_memory
 from sublinear.profiling.record import StepRecord, assemble
 from sublinear.training import DROPPED, held_to_end
 
@@ -98,8 +98,9 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     costs = forward_costs(fw, grouping, storages, reads, set(tracked), materialized, scratch, kinds, rates)
     side = GradientSide(joint, storages, kinds, granule, graph.kinds)
     backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
-    record = _record(joint, graph, grouping, storages, reads, tracked, materialized, costs, backward, rates,
-                     _constants(storages, fw, kinds), through, dataflow)
+    record = dataclasses.replace(_record(joint, graph, grouping, storages, reads, tracked, materialized, costs,
+                                         backward, rates, _constants(storages, fw, kinds), through, dataflow),
+                                 workspace_bytes=blas_workspace_bytes(device))
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports
 

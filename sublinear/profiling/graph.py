@@ -19,6 +19,7 @@ from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
 from sublinear.execute.program import NodeProgram
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates
+from sublinear.profiling.kernels import blas_workspace_bytes
 from sublinear.profiling.eager_costs import EagerStepCosts, eager_step_costs, saved_rng_state_bytes
 from sublinear.profiling.eager_trace import StepTrace, trace_step
 from sublinear.profiling.record import StepRecord, assemble
@@ -62,7 +63,8 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     lifetimes = _lifetimes(trace, grouping)
     costs = eager_step_costs(trace, grouping.op_of_node, grouping.rank_of_node, len(grouping.groups), device, measure,
                              rates, granule)
-    return assemble(_record(trace, grouping, lifetimes, costs, granule, saved_rng_state_bytes(device)))
+    return assemble(_record(trace, grouping, lifetimes, costs, granule, saved_rng_state_bytes(device),
+                            blas_workspace_bytes(device)))
 
 
 @dataclass(frozen=True)
@@ -140,8 +142,9 @@ def _lifetimes(trace: StepTrace, grouping: _Grouping) -> _Lifetimes:
 
 
 def _record(trace: StepTrace, grouping: _Grouping, lifetimes: _Lifetimes, costs: EagerStepCosts, granule: int,
-            rng_state_bytes: int) -> StepRecord:
-    """What the traced step says, as the one profiling stage reads it (storages named by their serials)."""
+            rng_state_bytes: int, workspace_bytes: int) -> StepRecord:
+    """What the traced step says, as the one profiling stage reads it (storages named by their serials);
+    ``workspace_bytes``: the library workspaces held beside the step (:func:`~.kernels.blas_workspace_bytes`)."""
     program, rec = trace.program, trace.recorder
     operators, groups, facts = program.operators, grouping.groups, grouping.facts
     op_of_node, producer_node = grouping.op_of_node, grouping.producer_node
@@ -180,7 +183,8 @@ def _record(trace: StepTrace, grouping: _Grouping, lifetimes: _Lifetimes, costs:
         parameter_bytes=kind_bytes(PARAMETER), buffer_bytes=kind_bytes(BUFFER), input_bytes=kind_bytes(INPUT),
         gradient_bytes=sum(-(-b // granule) * granule for b in trace.gradient_sizes),
         backward_flops=rec.backward_flops, cost_source=costs.times.source, output_uses=trace.output_uses,
-        measured_peak_bytes=_peak(rec.events, rec.serial_bytes, sum(rec.serial_bytes[s] for s in trace.state_serials)),
+        measured_peak_bytes=_peak(rec.events, rec.serial_bytes, sum(rec.serial_bytes[s] for s in trace.state_serials))
+        + workspace_bytes, workspace_bytes=workspace_bytes,
         # autocast's cache, and the outputs the caller drops: the graph holds them until forward returns them
         held_through_forward={s for s in storages if s in rec.autocast_cached or s in trace.dropped_serials},
         output_storages=trace.output_keys,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,23 @@ import torch
 from sublinear.cache import cache_dir, write_json
 from sublinear.profiling.costs import cuda_peak, machine_key, range_peaks
 
-__all__ = ["KernelMemory", "KernelRun", "Measured", "TensorLayout", "kernel_memory"]
+__all__ = ["KernelMemory", "KernelRun", "Measured", "TensorLayout", "blas_workspace_bytes", "kernel_memory"]
 
 log = logging.getLogger("sublinear.profiling.kernels")
+
+
+def blas_workspace_bytes(device: torch.device | str) -> int:
+    """Bytes of the cuBLAS workspaces a training step on ``device`` holds beside its tensors (0 off CUDA). torch
+    gives each thread's cuBLAS handle a workspace of ``torch.backends.cuda.cublas_workspace_size()`` bytes (32 MiB
+    on Hopper by default), allocated through the caching allocator at the thread's first matrix product and kept;
+    cuBLASLt shares it unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` gives it one of its own. A step runs matrix
+    products on two threads: the caller's, in forward, and autograd's thread for the device, in backward."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return 0
+    per_handle = torch.backends.cuda.cublas_workspace_size()
+    if os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1") == "0":
+        per_handle += torch.backends.cuda.cublaslt_workspace_size()
+    return 2 * per_handle
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ class StepRecord:
     cost_source: str
     output_uses: tuple[str, ...]
     measured_peak_bytes: int = 0
+    workspace_bytes: int = 0  # library workspaces the step holds beside its tensors (blas_workspace_bytes)
     held_through_forward: set[int] = field(default_factory=set)
     output_storages: tuple[int, ...] = ()  # per tensor output, its storage's key (-1: not one forward made)
     saved_inputs: tuple[bool, ...] | None = None  # per graph input: autograd saves it (None: unknown, as if saved)
@@ -99,7 +100,8 @@ def assemble(record: StepRecord) -> GraphProfile:
         storage_saved_by=ranks(record.saved_by),
         op_inputs=[tuple((p, tuple(sid[k] for k in keys if k in sid)) for p, keys in inputs)
                    for inputs in record.op_inputs],
-        baseline_bytes=record.parameter_bytes + record.buffer_bytes + record.input_bytes,
+        baseline_bytes=record.parameter_bytes + record.buffer_bytes + record.input_bytes + record.workspace_bytes,
+        workspace_bytes=record.workspace_bytes,
         parameter_bytes=record.parameter_bytes,
         buffer_bytes=record.buffer_bytes,
         input_bytes=record.input_bytes,

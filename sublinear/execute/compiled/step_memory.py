@@ -22,7 +22,7 @@ from sublinear.execute.compiled.wrapper import (
     CALLER, RETURNED, CallMemory, Layout, LibraryCall, Statement, StepWalk, parse_wrapper,
 )
 from sublinear.tensors import size_hint as hint
-from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout
+from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout, blas_workspace_bytes
 from sublinear.training import held_to_end
 
 __all__ = ["CompiledStepMemory", "TracePoint", "compiled_step_memory"]
@@ -30,9 +30,9 @@ __all__ = ["CompiledStepMemory", "TracePoint", "compiled_step_memory"]
 
 @dataclass(frozen=True)
 class CompiledStepMemory:
-    """Bytes live in one compiled training step, parameters, buffers and inputs included: its peak and where it is
-    (``where``: "forward", "backward" or "gradients"), forward's peak, what forward leaves for backward and the
-    caller (``forward_end``), backward's peak, and the step's end (with the gradients)."""
+    """Bytes live in one compiled training step, parameters, buffers, inputs and cuBLAS's workspaces included: its
+    peak and where it is (``where``: "forward", "backward" or "gradients"), forward's peak, what forward leaves for
+    backward and the caller (``forward_end``), backward's peak, and the step's end (with the gradients)."""
 
     peak: int
     where: str
@@ -121,6 +121,9 @@ def _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins: O
             arguments.append((storages[st._cdata], _layout(value, sizes)))
         else:
             arguments.append((None, None))
+    device = next((v.device for n in primals if isinstance(v := n.meta.get("val"), torch.Tensor)), None)
+    if device is not None and blas_workspace_bytes(device):
+        walk.storage(blas_workspace_bytes(device))  # cuBLAS's workspaces, held by the caller through the step
     fw = walk.walk(fw_statements, arguments)
     inputs = _placeholders(bw_gm)
     tangents = [n for n in inputs if n.name.startswith("tangents")]
