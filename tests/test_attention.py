@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -241,3 +242,51 @@ def test_a_pareto_point_is_of_the_graph_with_attention_fused_and_runs_when_used(
     compiled(x, mask).sum().backward()
     graph = compiled.sublinear_plan.graphs[0]
     assert graph.plan == points[0].plan and graph.origin == "use()", graph
+
+
+class _CrossAttention(nn.Module):
+    """Queries from one sequence, keys and values from another (of another length), scaled by a number, with an
+    additive mask of the given shape (broadcast over what it leaves out)."""
+
+    def __init__(self, heads: int, width: int, scale: float, divide: bool, mask_shape) -> None:
+        super().__init__()
+        self.heads, self.scale, self.divide, self.mask_shape = heads, scale, divide, mask_shape
+        self.q, self.kv = nn.Linear(width, width), nn.Linear(width, 2 * width)
+
+    def forward(self, x, memory, mask):
+        b, length, w = x.shape
+        q = self.q(x).view(b, length, self.heads, -1).transpose(1, 2)
+        k, v = self.kv(memory).view(b, memory.shape[1], 2, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-2, -1))
+        scores = scores / self.scale if self.divide else scores * self.scale
+        if mask is not None:
+            scores = scores + mask
+        return torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).reshape(b, length, w)
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
+@given(heads=st.sampled_from([1, 2, 4]), queries=st.integers(1, 9), keys=st.integers(1, 9),
+       scale=st.floats(0.05, 4.0), divide=st.booleans(), mask=st.sampled_from(["none", "full", "per-key", "per-head"]))
+def test_any_written_out_attention_is_fused_to_float_rounding(heads, queries, keys, scale, divide, mask):
+    batch, width = 2, 8 * heads
+    shapes = {"none": None, "full": (batch, heads, queries, keys), "per-key": (batch, 1, 1, keys),
+              "per-head": (1, heads, queries, keys)}
+    generator = torch.Generator().manual_seed(queries * 10 + keys)
+    x, memory = torch.randn(batch, queries, width, generator=generator), torch.randn(batch, keys, width,
+                                                                                    generator=generator)
+    additive = torch.randn(*shapes[mask], generator=generator) if shapes[mask] else None
+    torch.manual_seed(0)
+    model = _CrossAttention(heads, width, scale, divide, shapes[mask]).train()
+    reference = copy.deepcopy(model)
+    expected = reference(x, memory, additive)
+    expected.square().sum().backward()
+    compiled = sublinear.compile(model, (x, memory, additive), config=FUSED)
+    got = compiled(x, memory, additive)
+    got.square().sum().backward()
+    assert "computed by F.scaled_dot_product_attention" in str(compiled.sublinear_plan.graphs[0])
+    assert close_to_rounding(got, expected)
+    # a single key makes the queries' and keys' gradients zero but for rounding: measured against the largest
+    scale = max(q.grad.abs().max() for q in reference.parameters())
+    assert all((p.grad - q.grad).abs().max() <= 1e-5 * scale for p, q in zip(model.parameters(),
+                                                                                reference.parameters()))
