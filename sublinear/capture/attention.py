@@ -184,20 +184,16 @@ def _scaling(node: fx.Node) -> float:
 
 
 def _transposed_last(node) -> fx.Node | None:
-    """``k`` of ``k.transpose(a, b)`` swapping its last two dimensions (``k.mT`` too), else None."""
-    if not isinstance(node, fx.Node):
+    """``k`` of ``k.transpose(a, b)`` or ``torch.transpose(k, a, b)`` swapping its last two dimensions, else None."""
+    if not isinstance(node, fx.Node) or len(node.args) != 3 or not (
+            (node.op == "call_method" and node.target == "transpose")
+            or (node.op == "call_function" and node.target is torch.transpose)):
         return None
     value = _value(node)
     if value is None or value.dim() < 2:
         return None
-    rank = value.dim()
-    if node.op == "call_method" and node.target == "transpose" and len(node.args) == 3:
-        dims = {d % rank for d in node.args[1:] if isinstance(d, int)}
-        return node.args[0] if dims == {rank - 2, rank - 1} else None
-    if node.op == "call_function" and node.target is torch.transpose and len(node.args) == 3:
-        dims = {d % rank for d in node.args[1:] if isinstance(d, int)}
-        return node.args[0] if dims == {rank - 2, rank - 1} else None
-    return None
+    dims = {d % value.dim() for d in node.args[1:] if isinstance(d, int)}
+    return node.args[0] if dims == {value.dim() - 2, value.dim() - 1} else None
 
 
 def _after_softmax(softmax: fx.Node) -> tuple[list[fx.Node] | None, str]:
