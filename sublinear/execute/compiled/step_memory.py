@@ -122,8 +122,9 @@ def _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins: O
         else:
             arguments.append((None, None))
     device = next((v.device for n in primals if isinstance(v := n.meta.get("val"), torch.Tensor)), None)
-    if device is not None and blas_workspace_bytes(device):
-        walk.storage(blas_workspace_bytes(device))  # cuBLAS's workspaces, held by the caller through the step
+    workspaces = blas_workspace_bytes(device) if device is not None else 0
+    if workspaces:
+        walk.storage(workspaces)  # cuBLAS's workspaces, held by the caller through the step
     fw = walk.walk(fw_statements, arguments)
     inputs = _placeholders(bw_gm)
     tangents = [n for n in inputs if n.name.startswith("tangents")]
