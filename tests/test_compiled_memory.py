@@ -462,11 +462,14 @@ def test_layers_re_run_in_a_chain_under_inductors_random_numbers_are_predicted_b
 
 
 @pytest.mark.slow
-def test_a_hugging_face_gpt2_whose_layers_re_run_for_the_layers_above_is_predicted_before_compiling():
+@pytest.mark.parametrize("split, tolerance", [(0.5, 0.02), (0.85, 0.045)])
+def test_a_hugging_face_gpt2_whose_layers_re_run_for_the_layers_above_is_predicted_before_compiling(split, tolerance):
     """Under ``fallback_random``, a 3-layer GPT-2 split at half its ops: its attention's masked-fill constant (one
     zeros tensor the graph shares between layers) is not saved, its tied head's weight gradient is made at the head,
     and a softmax output fused into the reduction's kernel takes no bytes there where the plan drops it (4 % under
-    the measured peak before the first two, 4 % over before the third)."""
+    the measured peak before the first two, 4 % over before the third). Split at 0.85, the first layer's attention
+    op also makes the causal mask the layers above read: its queries and keys are re-run at their own layer, not
+    with the mask for the top layer (12.2 % over when they were; 4.0 % over now, so 4.5 % here)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=1000, n_positions=256,
                                      use_cache=False)
@@ -483,14 +486,14 @@ def test_a_hugging_face_gpt2_whose_layers_re_run_for_the_layers_above_is_predict
     with torch._inductor.config.patch(fallback_random=True):
         compiled = sublinear.compile(model, example_kwargs=dict(input_ids=ids, labels=ids), config=unchunked)
         n = compiled.sublinear_profile.num_ops
-        plan = Plan.of([n // 2, n - 4], n)
+        plan = Plan.of([int(split * n), n - 4], n)
         before = simulate(compiled.sublinear_profile, plan).peak_bytes
         compiled.use(plan)
         step(compiled, ids)
         model.zero_grad(set_to_none=True)
         measured = measure_cpu_allocator(step, compiled, ids).peak_bytes
     assert compiled.sublinear_plan.graphs[0].compiled_peak_bytes == pytest.approx(measured, abs=16 * 1024)
-    assert abs(before - measured) <= 0.02 * measured, (before, measured)
+    assert abs(before - measured) <= tolerance * measured, (before, measured)
 
 
 class _HeadReturningLogits(_LanguageModelHead):

@@ -91,10 +91,8 @@ class PlanAnalysis:
         """Per pair of :attr:`recompute_pairs`: the rank before whose backward the op is re-run. Where recomputes
         are shared (a compiled backward, which recomputes each value just before the first kernel that needs it)
         it is the highest rank that needs one of the op's values: its backward reads a rebuilt storage the op
-        makes, or a re-run op that reads a value of it re-run runs before it. The partitioned backward reads a
-        re-run producer's value re-run unless forward saves it: a value the plan keeps is saved, but for the parts
-        of a tuple (a max-pool's values beside its indices), which the min-cut partitioner recomputes with the
-        tuple. Otherwise it is the trigger of the pair's block (a block's recompute runs whole)."""
+        makes, or a re-run op that reads a value of it re-run (:attr:`read_rerun`) runs before it. Otherwise it is
+        the trigger of the pair's block (a block's recompute runs whole)."""
         blocks, ops = self.recompute_pairs
         if not self.profile.recompute_shared or not len(ops):
             return self.trigger[blocks]
@@ -105,12 +103,44 @@ class PlanAnalysis:
         np.maximum.at(need, p.storage_producer[saved[rebuilt]], ranks[rebuilt])
         rerun = np.zeros(p.num_ops, dtype=bool)
         rerun[ops] = True
-        read_rerun = ~self.retained | p.arrays.tuple_storages
+        read_rerun = self.read_rerun
         for c in sorted(set(ops.tolist()), reverse=True):  # consumers come after their producers
             for producer, storage in p.arrays.inputs_by_reader[c]:
                 if rerun[producer] and read_rerun[storage]:
                     need[producer] = max(need[producer], need[c])
         return need[ops]
+
+    @cached_property
+    def read_rerun(self) -> np.ndarray:
+        """Per storage: the partitioned backward reads it re-run where its producer is re-run: a value the plan
+        keeps is saved, but for the parts of a tuple (a max-pool's values beside its indices), which the min-cut
+        partitioner recomputes with the tuple."""
+        return ~self.retained | self.profile.arrays.tuple_storages
+
+    @cached_property
+    def storage_need(self) -> np.ndarray:
+        """Per storage, where recomputes are shared: the highest rank that needs its re-run copy (-1: none): a
+        backward node that saves it, a backward kernel that reads it through fused values, or the re-run of a
+        storage made from it. A compiled backward makes each re-run value just before the first kernel that needs
+        it, so the values of one op are made at their own ranks, each no earlier than its readers need it (the op
+        making the mask every attention layer reads makes its other values at its own layer)."""
+        p = self.profile
+        need = np.full(len(p.storage_bytes), -1, dtype=np.int64)
+        if not p.recompute_shared or not len(need):
+            return need
+        saved, ranks = p.arrays.saved_pairs
+        rebuilt = self.dropped[saved] & p.reaches_output[p.node_op[ranks]]
+        np.maximum.at(need, saved[rebuilt], ranks[rebuilt])
+        through, through_ranks = p.arrays.rebuilt_read_pairs
+        if len(through):
+            np.maximum.at(need, through, through_ranks)
+        rerun = self.read_rerun & np.isin(p.storage_producer, self.recompute_pairs[1])
+        made, source = p.arrays.made_from_pairs
+        chain = rerun[made] & rerun[source]  # made storages descending: every reader is done before its source
+        for m, s in zip(made[chain].tolist(), source[chain].tolist()):
+            if need[m] > need[s]:
+                need[s] = need[m]
+        return need
 
     @property
     def num_blocks(self) -> int:

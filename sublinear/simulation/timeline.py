@@ -125,6 +125,7 @@ class _Layout:
     c_ranks: np.ndarray
     c_slot: np.ndarray
     frame_stop: np.ndarray  # per block: the slot after which its group's frame is released (-1: none)
+    rank_start: np.ndarray  # per rank: the first slot of its recomputes (its backward's where it has none)
 
 
 def _layout(profile: GraphProfile, a: PlanAnalysis) -> _Layout:
@@ -141,7 +142,8 @@ def _layout(profile: GraphProfile, a: PlanAnalysis) -> _Layout:
     c_slot[order] = group_start[c_ranks[order]] + np.arange(len(c_ops)) - first_of_rank[c_ranks[order]]
     frame_stop = np.full(len(a.frame_end), -1, dtype=np.int64)
     frame_stop[a.frame_end >= 0] = backward_slot[a.frame_end[a.frame_end >= 0]]
-    return _Layout(n, n + int(width.sum()), backward_slot, c_blocks, c_ops, c_ranks, c_slot, frame_stop)
+    return _Layout(n, n + int(width.sum()), backward_slot, c_blocks, c_ops, c_ranks, c_slot, frame_stop,
+                   group_start)
 
 
 def _forward_extra(profile: GraphProfile, a: PlanAnalysis) -> np.ndarray:
@@ -209,11 +211,12 @@ def _rerun_reads(profile: GraphProfile, a: PlanAnalysis, at: _Layout) -> _Reads:
 
 @dataclass(frozen=True)
 class _Copies:
-    """The recomputed copies: per copy its storage, the pair that rebuilds it, and the slots it lives over (from
-    its recompute until the last re-run op that reads it, or, for a reader fused into the kernels that read its
-    own values, until that reader's last kernel; or the last backward that reads the dropped storage, or that
-    computes a fused value from the copy (``storage_rebuilt_read_at``); in the same block or, shared, in any);
-    ``counted``: it takes memory (else it is fused into its readers)."""
+    """The recomputed copies: per copy its storage, the pair that rebuilds it, and the slots it lives over: from
+    its recompute (where recomputes are shared and the rank that needs it, :attr:`PlanAnalysis.storage_need`, is
+    below its op's, from that rank's first slot) until the last re-run op that reads it or the last copy made from
+    it is made (for a reader fused into the kernels that read its own values, that reader's last kernel), or the last
+    backward that reads the dropped storage or computes a fused value from the copy (``storage_rebuilt_read_at``);
+    in the same block or, shared, in any. ``counted``: it takes memory (else it is fused into its readers)."""
 
     storage: np.ndarray
     pair: np.ndarray
@@ -231,6 +234,10 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads,
     copy_at, produced_at = _expand(bounds, at.c_ops)
     copy_storage = order[produced_at]
     copy_start = at.c_slot[copy_at]
+    if shared:  # a value needed below its op's rank (another value of the op is needed above) is made there
+        need = a.storage_need[copy_storage]
+        later = (need >= 0) & (need < at.c_ranks[copy_at])
+        copy_start[later] = at.rank_start[need[later]] - 1  # counted from the rank's first slot on
     copy_stop = copy_start.copy()
     copy_keys = copy_storage if shared else at.c_blocks[copy_at] * len(producer) + copy_storage
     by_key = np.argsort(copy_keys)
@@ -239,6 +246,11 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads,
         pos, found = _find(copy_keys[by_key], storages if shared else blocks * len(producer) + storages)
         np.maximum.at(copy_stop, by_key[pos[found]], slots[found])
 
+    if shared and len(profile.storage_made_from):  # a copy is read where what is made from it is made
+        made, source = profile.arrays.made_from_pairs
+        pos, found = _find(copy_keys[by_key], made)
+        found &= a.read_rerun[source]
+        extend(None, source[found], copy_start[by_key[pos[found]]])
     inside = reads.inside
     read_until = at.c_slot if reader_until is None else reader_until
     extend(at.c_blocks[reads.pair][inside], reads.storage[inside], read_until[reads.pair[inside]])
