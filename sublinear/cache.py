@@ -26,7 +26,7 @@ from sublinear.core.plan import Plan, PlanError
 __all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 9  # 9: a fused backward kernel holds what it reads into its last ranks (8: costs taught on older code)
+_FORMAT = 10  # 10: a value re-run inside a fused backward kernel counts from its first rank (9: older lessons)
 
 
 def cache_dir(configured: str | os.PathLike | None) -> Path | None:

@@ -431,6 +431,20 @@ def test_a_value_a_fused_backward_kernel_reads_is_held_until_that_kernel_has_run
     assert all(min(p.storage_saved_at[s]) <= reading[1] for s in saved), [(s, p.storage_saved_at[s]) for s in saved]
 
 
+def test_a_value_a_fused_backward_kernel_reads_below_its_first_rank_is_given_that_rank():
+    """The one kernel of a backward without library calls starts at the highest rank; every forward value its later
+    ranks read is marked with that rank (re-run inside the kernel, it takes memory from there), and a library
+    kernel's result is marked as one."""
+    torch.manual_seed(0)
+    model = _PointwiseScales().train()
+    graph = sublinear.capture.dynamo.capture(model, (torch.randn(64, 32),)).graph
+    p = profile_joint(trace_joint(graph, graph.example_values), graph, None, measure_scratch=False).profile
+    top = max(r for ranks in p.storage_saved_by for r in ranks)
+    below = [s for s, ranks in enumerate(p.storage_saved_by) if ranks and max(ranks) < top]
+    assert below and all(p.storage_kernel_start[s] == top for s in below), p.storage_kernel_start
+    assert not p.storage_library_made.any()
+
+
 @pytest.mark.slow
 def test_a_dropouts_random_numbers_are_a_buffer_its_mask_is_computed_from_at_its_backward():
     """Inductor's lowering stores its random numbers (float32): re-run, the dropout's mask is computed from them

@@ -101,6 +101,8 @@ class PlanAnalysis:
         saved, ranks = p.arrays.saved_pairs
         rebuilt = self.dropped[saved] & p.reaches_output[p.node_op[ranks]]
         np.maximum.at(need, p.storage_producer[saved[rebuilt]], ranks[rebuilt])
+        fused = self.kernel_start >= 0
+        np.maximum.at(need, p.storage_producer[fused], self.kernel_start[fused])
         rerun = np.zeros(p.num_ops, dtype=bool)
         rerun[ops] = True
         read_rerun = self.read_rerun
@@ -134,13 +136,40 @@ class PlanAnalysis:
         through, through_ranks = p.arrays.rebuilt_read_pairs
         if len(through):
             np.maximum.at(need, through, through_ranks)
-        rerun = self.read_rerun & np.isin(p.storage_producer, self.recompute_pairs[1])
+        np.maximum(need, self.kernel_start, out=need)
+        rerun = self.rerun_storages
         made, source = p.arrays.made_from_pairs
         chain = rerun[made] & rerun[source]  # made storages descending: every reader is done before its source
         for m, s in zip(made[chain].tolist(), source[chain].tolist()):
             if need[m] > need[s]:
                 need[s] = need[m]
         return need
+
+    @cached_property
+    def rerun_storages(self) -> np.ndarray:
+        """Per storage, where recomputes are shared: backward reads a re-run copy of it."""
+        return self.read_rerun & np.isin(self.profile.storage_producer, self.recompute_pairs[1])
+
+    @cached_property
+    def kernel_start(self) -> np.ndarray:
+        """Per storage, where recomputes are shared: the rank from whose backward on its re-run copy takes memory
+        because a fused backward kernel spanning several ranks re-runs it (``storage_kernel_start``), -1 where
+        none does. Not a library kernel's result, nor a value re-run from one that is re-run too: inductor runs
+        that call on its own, before the fused kernel that reads it, and where the kernel then runs is not known;
+        such a value keeps the ranks that read it."""
+        p = self.profile
+        start = np.full(len(p.storage_bytes), -1, dtype=np.int64)
+        if not p.recompute_shared or not len(p.storage_kernel_start):
+            return start
+        rerun, library = self.rerun_storages, p.storage_library_made
+        cut = rerun & library if len(library) else np.zeros(len(start), dtype=bool)
+        made, source = p.arrays.made_from_pairs
+        for m, s in zip(made[::-1].tolist(), source[::-1].tolist()):  # sources before what is made from them
+            if rerun[s] and cut[s]:
+                cut[m] = True
+        fused = rerun & ~cut
+        start[fused] = p.storage_kernel_start[fused]
+        return start
 
     @property
     def num_blocks(self) -> int:

@@ -100,7 +100,8 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
     record = dataclasses.replace(_record(joint, graph, grouping, storages, reads, tracked, materialized, costs,
                                          backward, rates, _constants(storages, fw, kinds), through, dataflow),
-                                 workspace_bytes=blas_workspace_bytes(device))
+                                 workspace_bytes=blas_workspace_bytes(device),
+                                 library_made={k for k in tracked if _library_made(fw[storages.produced_by[k]], kinds)})
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports
 
@@ -109,6 +110,10 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     flows = _gradient_flows(joint)
     return CompiledProfile(profile, tuple(node.name for node in fw),
                            {node.name: reads.rank_of_backward[k] for k, node in enumerate(bw) if node in flows})
+
+
+def _library_made(node: fx.Node, kinds: InductorKinds) -> bool:
+    return not kinds.fusible(node) or kinds.extern(node)
 
 
 def _constants(storages: StepStorages, fw: list[fx.Node], kinds: InductorKinds) -> set[int]:
@@ -212,6 +217,7 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         saved_buffer={k for k in tracked if materialized(k) and not materialized(k, saved=False)
                       and k not in costs.in_place},
         fused_from={k: o for k, o in costs.fused_from.items() if k in tracked},
+        kernel_start=backward.kernel_start,
         taken_at=backward.taken_at,
         # outputs the caller lets go before backward: the graph holds them until forward returns them
         held_through_forward={k for k in tracked if k in reads.output_use and not held_to_end(reads.output_use[k])},

@@ -206,6 +206,9 @@ class BackwardWalk:
     # Held to the kernel's last rank but one: what that rank re-runs, the compiled code re-runs after the kernel
     # (right before its reader), the simulation before the rank's backward
     kernel_end: dict[int, int]
+    # forward value -> the highest rank of the fused kernel spanning several ranks that reads it: the kernel
+    # allocates its buffers, a re-run copy of the value among them, before its first rank's backward
+    kernel_start: dict[int, int]
 
 
 class GradientSide:
@@ -350,7 +353,24 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                           and key in side.sizes)
     kernel_end = {key: r for key, r in kernel_end.items() if key not in in_place.forward_taken}
     return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken,
-                        kernel_end)
+                        kernel_end, _kernel_starts(bw, ranks, storages, side.kinds))
+
+
+def _kernel_starts(bw: list[fx.Node], ranks: Sequence[int], storages: StepStorages, kinds: InductorKinds
+                   ) -> dict[int, int]:
+    """Per forward value that a fused backward kernel spanning several ranks reads at a rank below its first:
+    that first (highest) rank. The kernel allocates all its buffers before it runs, so a value it re-runs inside
+    it takes memory from there on."""
+    starts: dict[int, int] = {}
+    for segment in kernel_segments(bw, kinds):
+        top = max(ranks[k] for k in segment)
+        for k in segment:
+            if ranks[k] == top:
+                continue
+            for key in (key for arg in data_inputs(bw[k]) for key in storages.keys_of(arg)):
+                if key in storages.produced_by:
+                    starts[key] = max(starts.get(key, -1), top)
+    return starts
 
 
 def _held_past_saves(reads: StorageReads, side: GradientSide, storages: StepStorages

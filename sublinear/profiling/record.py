@@ -70,6 +70,8 @@ class StepRecord:
     deadline: dict[int, int] = field(default_factory=dict)  # storage -> rank by which backward must have read it
     saved_buffer: set[int] | None = None  # a buffer in forward only because forward saves it
     fused_from: dict[int, int] = field(default_factory=dict)  # storage -> the earlier op whose kernel makes it
+    kernel_start: dict[int, int] = field(default_factory=dict)  # storage -> first rank of a fused kernel reading it
+    library_made: set[int] | None = None  # storages a library kernel makes (None: unknown)
     recompute_shared: bool = False
     # Whether a kept op's view of another op's storage keeps that storage (the eager executor: the view is a tensor
     # autograd or the next op holds). A compiler that re-runs views from their rebuilt base (free, no kernel) does not:
@@ -136,6 +138,9 @@ def assemble(record: StepRecord) -> GraphProfile:
         if record.fused_from else np.zeros(0, dtype=np.int64),
         storage_taken_at=np.array([record.taken_at.get(k, -1) for k in tracked], dtype=np.int64)
         if record.taken_at else np.zeros(0, dtype=np.int64),
+        storage_kernel_start=np.array([record.kernel_start.get(k, -1) for k in tracked], dtype=np.int64)
+        if record.kernel_start else np.zeros(0, dtype=np.int64),
+        storage_library_made=flags(record.library_made),
         recompute_shared=record.recompute_shared,
     )
 
