@@ -252,7 +252,7 @@ def test_a_copy_read_through_fused_values_is_held_to_their_backward_only_where_i
 def test_a_value_a_fused_backward_kernel_re_runs_takes_memory_from_that_kernels_first_rank(source_from_a_library_call):
     """A chain of ops, each value saved for the next rank; one fused backward kernel spans ranks 5 to 3 and reads
     storage 2 at rank 3. Inductor allocates all its buffers before it runs, storage 2's re-run copy among them:
-    counted from rank 5 on (HF Mamba's scan backward, which re-runs the layer's recurrence: 8.9 % under when the
+    counted from rank 5 on (HF Mamba's scan backward, which re-runs the layer's recurrence: 7.5 % under when the
     copies were counted from their own ranks). Where storage 2 is re-run from a library call's result that is re-run
     too, that call runs just before its reader, and the kernel after it: counted from rank 4 on, where storage 3,
     made from it, is read."""
