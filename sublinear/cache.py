@@ -26,7 +26,7 @@ from sublinear.core.plan import Plan, PlanError
 __all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 10  # 10: a value re-run inside a fused backward kernel counts from its first rank (9: older lessons)
+_FORMAT = 11  # 11: only library kernels' results keep re-run copies at their readers' ranks (10: lessons differ)
 
 
 def cache_dir(configured: str | os.PathLike | None) -> Path | None:

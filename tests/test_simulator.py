@@ -254,8 +254,8 @@ def test_a_value_a_fused_backward_kernel_re_runs_takes_memory_from_that_kernels_
     storage 2 at rank 3. Inductor allocates all its buffers before it runs, storage 2's re-run copy among them:
     counted from rank 5 on (HF Mamba's scan backward, which re-runs the layer's recurrence: 7.5 % under when the
     copies were counted from their own ranks). Where storage 2 is re-run from a library call's result that is re-run
-    too, that call runs just before its reader, and the kernel after it: counted from rank 4 on, where storage 3,
-    made from it, is read."""
+    too, inductor runs that call on its own, before the fused kernel that reads it, and where that kernel then runs
+    depends on the plan: the copy keeps the ranks that read it (4, where storage 3, made from it, is read, and 3)."""
     p = dataclasses.replace(chain(6), recompute_shared=True, materialized_when_rebuilt=np.ones(6, dtype=bool),
                             storage_made_from=[(), (0,), (1,), (2,), (3,), (4,)],
                             storage_kernel_start=np.array([-1, -1, 5, -1, -1, -1]),

@@ -157,19 +157,7 @@ class PlanAnalysis:
         none does. Not a library kernel's result, nor a value re-run from one that is re-run too: inductor runs
         that call on its own, before the fused kernel that reads it, and where the kernel then runs is not known;
         such a value keeps the ranks that read it."""
-        p = self.profile
-        start = np.full(len(p.storage_bytes), -1, dtype=np.int64)
-        if not p.recompute_shared or not len(p.storage_kernel_start):
-            return start
-        rerun, library = self.rerun_storages, p.storage_library_made
-        cut = rerun & library if len(library) else np.zeros(len(start), dtype=bool)
-        made, source = p.arrays.made_from_pairs
-        for m, s in zip(made[::-1].tolist(), source[::-1].tolist()):  # sources before what is made from them
-            if rerun[s] and cut[s]:
-                cut[m] = True
-        fused = rerun & ~cut
-        start[fused] = p.storage_kernel_start[fused]
-        return start
+        return _kernel_start(self.profile, self.rerun_storages)
 
     @property
     def num_blocks(self) -> int:
@@ -185,6 +173,24 @@ class PlanAnalysis:
 
     def recompute_flops(self, profile: GraphProfile) -> int:
         return int(profile.op_flops[self.recompute_pairs[1]].sum())
+
+
+
+def _kernel_start(p: GraphProfile, rerun: np.ndarray) -> np.ndarray:
+    """:attr:`PlanAnalysis.kernel_start` for the storages ``rerun`` marks."""
+    start = np.full(len(p.storage_bytes), -1, dtype=np.int64)
+    if not p.recompute_shared or not len(p.storage_kernel_start) or not (rerun & (p.storage_kernel_start >= 0)).any():
+        return start
+    library = p.storage_library_made
+    cut = rerun & library if len(library) else np.zeros(len(start), dtype=bool)
+    made, source = p.arrays.made_from_pairs
+    through = rerun[source]  # a cut passes along pairs from a re-run source only
+    for m, s in zip(made[through][::-1].tolist(), source[through][::-1].tolist()):  # sources before products
+        if cut[s]:
+            cut[m] = True
+    fused = rerun & ~cut
+    start[fused] = p.storage_kernel_start[fused]
+    return start
 
 
 def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:

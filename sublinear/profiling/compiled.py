@@ -101,7 +101,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     record = dataclasses.replace(_record(joint, graph, grouping, storages, reads, tracked, materialized, costs,
                                          backward, rates, _constants(storages, fw, kinds), through, dataflow),
                                  workspace_bytes=blas_workspace_bytes(device),
-                                 library_made={k for k in tracked if _library_made(fw[storages.produced_by[k]], kinds)})
+                                 library_made={k for k in tracked if kinds.extern(fw[storages.produced_by[k]])})
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports
 
@@ -110,10 +110,6 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     flows = _gradient_flows(joint)
     return CompiledProfile(profile, tuple(node.name for node in fw),
                            {node.name: reads.rank_of_backward[k] for k, node in enumerate(bw) if node in flows})
-
-
-def _library_made(node: fx.Node, kinds: InductorKinds) -> bool:
-    return not kinds.fusible(node) or kinds.extern(node)
 
 
 def _constants(storages: StepStorages, fw: list[fx.Node], kinds: InductorKinds) -> set[int]:
