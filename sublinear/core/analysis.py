@@ -175,7 +175,6 @@ class PlanAnalysis:
         return int(profile.op_flops[self.recompute_pairs[1]].sum())
 
 
-
 def _kernel_start(p: GraphProfile, rerun: np.ndarray) -> np.ndarray:
     """:attr:`PlanAnalysis.kernel_start` for the storages ``rerun`` marks."""
     start = np.full(len(p.storage_bytes), -1, dtype=np.int64)
