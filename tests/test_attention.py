@@ -213,6 +213,7 @@ def test_an_hf_models_eager_attention_is_fused_and_trains_like_eager_over_changi
         assert measured <= config.memory_budget, (measured, config.memory_budget)
 
 
+@pytest.mark.slow
 def test_fused_attention_holds_less_than_its_matrices_and_is_predicted_as_measured():
     """Four heads over 256 tokens: each layer's probabilities (and their gradient) are 1 MiB a sequence."""
     model, (ids, labels) = _causal_lm("llama"), token_batches([256])[0]
