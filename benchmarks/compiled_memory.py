@@ -234,15 +234,19 @@ def _within(predicted: int, measured: int) -> bool:
 
 def _rows(res: dict) -> tuple[list[str], dict]:
     title = HEAD_TITLES.get(res["model"]) or third_party.MODELS.get(res["model"], ("ResNet-50 (zoo, 4×3×64×64)",))[0]
-    checks = {"predicted": 0, "predicted_ok": 0, "budgets": 0, "met": 0, "one_compile": 0, "monotone": True}
+    checks = {"predicted": 0, "predicted_ok": 0, "budgets": 0, "met": 0, "one_compile": 0, "monotone": True,
+              "refused_fitting": False}
     if res.get("error") and not res["points"]:
         return [f"| {title} | – | – | – | – | – | – | – | {res['error']} |"], checks
-    rows, last = [], None
+    rows, last, lowest_met = [], None, None
     for p in res["points"]:
         budget = "none" if p["budget"] is None else _mib(p["budget"])
         if p["error"]:
+            fits = p["budget"] is not None and lowest_met is not None and lowest_met <= p["budget"]
+            checks["refused_fitting"] |= fits
+            known = f"**refused, though a smaller budget's plan measures {_mib(lowest_met)}**: " if fits else ""
             rows.append(f"| {title} | {_mib(res['eager'])} | {budget} | – | – | – | – | {p['compiles']} | "
-                        f"{p['error']} |")
+                        f"{known}{p['error']} |")
             continue
         error = (p["before"] - p["measured"]) / p["measured"]
         checks["predicted"] += 1
@@ -252,6 +256,8 @@ def _rows(res: dict) -> tuple[list[str], dict]:
             checks["budgets"] += 1
             met = p["measured"] <= p["budget"]
             checks["met"] += met
+            if met:
+                lowest_met = p["measured"] if lowest_met is None else min(lowest_met, p["measured"])
             checks["one_compile"] += p["compiles"] == 1
             notes.append("met" if met else f"**over by {(p['measured'] - p['budget']) / 2**10:.0f} KiB**")
             if last is not None and p["measured"] < last:
@@ -279,7 +285,7 @@ def report(results: list[dict], seconds: float, command: str, device: str, rng: 
              "| model | eager | budget | predicted before compiling | after the compile check | measured | error "
              "| compiles | budget |", "|---|---|---|---|---|---|---|---|---|"]
     totals = {"predicted": 0, "predicted_ok": 0, "budgets": 0, "met": 0, "one_compile": 0}
-    non_monotone = []
+    non_monotone, refused_fitting = [], []
     for res in results:
         rows, checks = _rows(res)
         lines += rows
@@ -287,12 +293,16 @@ def report(results: list[dict], seconds: float, command: str, device: str, rng: 
             totals[key] += checks[key]
         if not checks["monotone"]:
             non_monotone.append(res["model"])
+        if checks["refused_fitting"]:
+            refused_fitting.append(res["model"])
     lines += ["", "## Summary", "",
               f"- Predicted before compiling within 2 % (or 256 KiB) of the allocator: {totals['predicted_ok']} of "
               f"{totals['predicted']} points.",
               f"- Budgets met: {totals['met']} of {totals['budgets']}; met with one compile: {totals['one_compile']}.",
               "- Measured peak falling as the budget rises (a larger budget planned to a lower peak): "
-              f"{', '.join(non_monotone) or 'none'}."]
+              f"{', '.join(non_monotone) or 'none'}.",
+              "- A budget refused where a smaller budget's plan, compiled, measures within it: "
+              f"{', '.join(refused_fitting) or 'none'}."]
     failed = [r for r in results if r.get("error")]
     if failed:
         lines += ["", "## Failures", ""] + [f"- {r['model']}: {r['error']}" for r in failed]
