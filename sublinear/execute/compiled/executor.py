@@ -25,12 +25,10 @@ the update as a write after the forward, which a recompute does not repeat.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import hashlib
 import logging
 import os
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -292,7 +290,7 @@ class ResultsTakenAtOnce(CustomSchedulerPass):
     def uuid(self) -> str:
         # Inductor's cache keys compiled code on this pass's uuid, not on the fusion choices it compiled under
         # (NearFusionChoices): the uuid names both, so that code fused under other rules is never served.
-        return "sublinear-results-taken-at-once-1-near-fusion-3"
+        return "sublinear-results-taken-at-once-1-near-fusion-2"
 
 
 def _computes(node: fx.Node) -> bool:
@@ -303,9 +301,9 @@ def _computes(node: fx.Node) -> bool:
 
 
 class NearFusionChoices(InductorChoices):
-    """Inductor's fusion heuristics, with more, so that kernels run in the partitioned graph's order, which is what
-    the plan's memory model follows. A fused kernel runs where its first node was (inductor sorts fused nodes by
-    their first node and then places every producer before its consumers):
+    """Inductor's fusion heuristics, with two more, so that kernels run in the partitioned graph's order, which is
+    what the plan's memory model follows. A fused kernel runs where its first node was (inductor sorts fused nodes
+    by their first node and then places every producer before its consumers):
 
     - a producer is fused into a consumer only when the two are near in the graph's order, as inductor already
       requires of two consumers of the same values. Fused far from where it was, a producer runs where the later
@@ -314,24 +312,17 @@ class NearFusionChoices(InductorChoices):
     - two consumers of the same values (a horizontal fusion) are fused only when every producer of the later one
       has run by the earlier one's place. Otherwise those producers run early: in a backward that recomputes, the
       rotary embedding of a block recomputed later (it reads the same cos and sin) fused into this block's
-      backward pulls that block's whole recompute up into this block's backward, and holds it through it;
-    - nor when a library kernel runs between the two: the later one would run before it, its buffers made while
-      what the library kernel reads is still held. A GEGLU's backward fused with its recomputed output moves ahead
-      of the weight gradient that reads that output, and its gradient (twice the output's size) is allocated while
-      the output is held."""
+      backward pulls that block's whole recompute up into this block's backward, and holds it through it."""
 
     FAR = 64  # nodes apart in the graph's order (inductor's own limit for consumers fused together)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._library_orders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> sorted orders
 
     @staticmethod
     def can_fuse_vertical(scheduler, node1, node2, shared_data_score) -> bool:
         far = max(abs(node1.min_order - node2.max_order), abs(node2.min_order - node1.max_order))
         return far <= NearFusionChoices.FAR
 
-    def can_fuse_horizontal(self, scheduler, node1, node2, shared_data_score) -> bool:
+    @staticmethod
+    def can_fuse_horizontal(scheduler, node1, node2, shared_data_score) -> bool:
         if not InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
             return False
         first, later = sorted((node1, node2), key=lambda node: node.min_order)
@@ -340,10 +331,7 @@ class NearFusionChoices(InductorChoices):
             producer = buffer and buffer.defining_op and scheduler.name_to_fused_node.get(buffer.defining_op_name())
             if producer is not None and producer is not first and producer.min_order > first.min_order:
                 return False
-        orders = self._library_orders.get(scheduler)
-        if orders is None:  # library kernels are never fused: their places stay those of the graph's order
-            orders = self._library_orders[scheduler] = sorted(n.min_order for n in scheduler.nodes if n.is_extern())
-        return bisect.bisect_right(orders, first.min_order) == bisect.bisect_left(orders, later.min_order)
+        return True
 
 
 def compile_patches(partitioner: CustomPartitionerFn, scheduling: ResultsTakenAtOnce) -> dict[str, Any]:
