@@ -25,10 +25,12 @@ the update as a write after the forward, which a recompute does not repeat.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import logging
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -290,7 +292,7 @@ class ResultsTakenAtOnce(CustomSchedulerPass):
     def uuid(self) -> str:
         # Inductor's cache keys compiled code on this pass's uuid, not on the fusion choices it compiled under
         # (NearFusionChoices): the uuid names both, so that code fused under other rules is never served.
-        return "sublinear-results-taken-at-once-1-near-fusion-2"
+        return "sublinear-results-taken-at-once-1-near-fusion-15"
 
 
 def _computes(node: fx.Node) -> bool:
@@ -301,9 +303,9 @@ def _computes(node: fx.Node) -> bool:
 
 
 class NearFusionChoices(InductorChoices):
-    """Inductor's fusion heuristics, with two more, so that kernels run in the partitioned graph's order, which is
-    what the plan's memory model follows. A fused kernel runs where its first node was (inductor sorts fused nodes
-    by their first node and then places every producer before its consumers):
+    """Inductor's fusion heuristics, with more, so that kernels run in the partitioned graph's order, which is what
+    the plan's memory model follows. A fused kernel runs where its first node was (inductor sorts fused nodes by
+    their first node and then places every producer before its consumers):
 
     - a producer is fused into a consumer only when the two are near in the graph's order, as inductor already
       requires of two consumers of the same values. Fused far from where it was, a producer runs where the later
@@ -312,17 +314,32 @@ class NearFusionChoices(InductorChoices):
     - two consumers of the same values (a horizontal fusion) are fused only when every producer of the later one
       has run by the earlier one's place. Otherwise those producers run early: in a backward that recomputes, the
       rotary embedding of a block recomputed later (it reads the same cos and sin) fused into this block's
-      backward pulls that block's whole recompute up into this block's backward, and holds it through it."""
+      backward pulls that block's whole recompute up into this block's backward, and holds it through it;
+    - and where a library kernel runs between the two, only when the later one makes no buffer there beyond one of
+      its inputs' whose place it takes (an input of the same size that only it reads from the earlier one's place
+      on; inductor writes such a result in place) or small results (:attr:`SMALL_RESULTS`). Fused, the kernel
+      holds both nodes' inputs and results at once: a GEGLU's backward fused with its recomputed output held the
+      projection, the output and the projection's gradient together, where the graph's order holds the output
+      only until the weight gradient between them has read it. A BatchNorm's backward written in place of its
+      input frees the gradient it shares with the other branch's before the convolution's backward instead."""
 
     FAR = 64  # nodes apart in the graph's order (inductor's own limit for consumers fused together)
+    # Bytes of results a horizontal fusion across a library kernel may make early. A BatchNorm backward's
+    # per-channel sums are made before the kernel that reads the gradient they reduce; refused, the kernels that
+    # read those sums could not fuse either, and the gradient (a whole activation) was held through a convolution's
+    # backward.
+    SMALL_RESULTS = 4096
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._library_orders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> sorted orders
 
     @staticmethod
     def can_fuse_vertical(scheduler, node1, node2, shared_data_score) -> bool:
         far = max(abs(node1.min_order - node2.max_order), abs(node2.min_order - node1.max_order))
         return far <= NearFusionChoices.FAR
 
-    @staticmethod
-    def can_fuse_horizontal(scheduler, node1, node2, shared_data_score) -> bool:
+    def can_fuse_horizontal(self, scheduler, node1, node2, shared_data_score) -> bool:
         if not InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
             return False
         first, later = sorted((node1, node2), key=lambda node: node.min_order)
@@ -331,7 +348,49 @@ class NearFusionChoices(InductorChoices):
             producer = buffer and buffer.defining_op and scheduler.name_to_fused_node.get(buffer.defining_op_name())
             if producer is not None and producer is not first and producer.min_order > first.min_order:
                 return False
-        return True
+        orders = self._library_orders.get(scheduler)
+        if orders is None:  # library kernels are never fused: their places stay those of the graph's order
+            orders = self._library_orders[scheduler] = sorted(n.min_order for n in scheduler.nodes if n.is_extern())
+        if bisect.bisect_right(orders, first.min_order) == bisect.bisect_left(orders, later.min_order):
+            return True
+        return _made_early(scheduler, first, later) <= NearFusionChoices.SMALL_RESULTS
+
+
+def _bytes(buffer) -> int:
+    """A scheduler buffer's bytes, its sizes at their hints (none for a buffer without storage of its own)."""
+    from torch._inductor.ir import MultiOutputLayout, NoneLayout  # noqa: PLC0415
+    from torch._inductor.virtualized import V  # noqa: PLC0415
+
+    node = buffer.node
+    if isinstance(node.layout, (NoneLayout, MultiOutputLayout)):
+        return 0
+    return V.graph.sizevars.optimization_hint(node.get_numel(), fallback=0) * node.get_dtype().itemsize
+
+
+def _made_early(scheduler, first, later) -> int:
+    """The bytes of ``later``'s results that fused into ``first`` are new buffers at ``first``'s place: every
+    result but one that takes the place of an input of the same size ``later`` alone reads from there on (never one
+    ``first`` reads, nor a graph's input or output)."""
+    from torch._inductor.scheduler import OutputNode  # noqa: PLC0415
+
+    dying = []
+    for name in {dep.name for dep in later.read_writes.reads}:
+        buffer = scheduler.name_to_buf.get(name)
+        if buffer is None:
+            continue
+        readers = [use.node for use in buffer.users]
+        if any(isinstance(user, OutputNode) for user in readers):
+            continue
+        readers = [scheduler.name_to_fused_node.get(user.get_name(), user) for user in readers]
+        if all(user is later or (user is not first and user.min_order < first.min_order) for user in readers):
+            dying.append(_bytes(buffer))
+    made = 0
+    for size in map(_bytes, later.get_outputs()):
+        if size in dying:
+            dying.remove(size)
+        else:
+            made += size
+    return made
 
 
 def compile_patches(partitioner: CustomPartitionerFn, scheduling: ResultsTakenAtOnce) -> dict[str, Any]:
