@@ -193,6 +193,25 @@ def test_cuda_steps_hold_one_cublas_workspace_per_thread_running_matrix_products
     assert blas_workspace_bytes("cpu") == blas_workspace_bytes("meta") == 0
 
 
+@pytest.mark.parametrize("capability, config, expected", [((9, 0), None, 32 << 20), ((8, 0), None, 8320 << 10),
+                                                          ((9, 0), ":16:8", 128 << 10)])
+def test_without_a_workspace_query_the_cublas_workspace_is_read_from_its_config(monkeypatch, capability, config,
+                                                                                 expected):
+    """torch 2.11 has no ``cublas_workspace_size``: the size comes from ``CUBLAS_WORKSPACE_CONFIG`` or its default."""
+    from sublinear.profiling.kernels import blas_workspace_bytes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if hasattr(torch.backends.cuda, "cublas_workspace_size"):
+        monkeypatch.delattr(torch.backends.cuda, "cublas_workspace_size")
+    if config is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
+    monkeypatch.delenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", raising=False)
+    assert blas_workspace_bytes("cuda") == 2 * expected
+
+
 def test_the_libraries_workspaces_are_in_the_baseline_every_plan_and_the_floor_hold(monkeypatch):
     from sublinear.core import Plan
     from sublinear.planners.driver import step_floor

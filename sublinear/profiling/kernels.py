@@ -39,10 +39,25 @@ def blas_workspace_bytes(device: torch.device | str) -> int:
     products on two threads: the caller's, in forward, and autograd's thread for the device, in backward."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return 0
-    per_handle = torch.backends.cuda.cublas_workspace_size()
+    per_handle = _cublas_workspace_size(torch.device(device))
     if os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1") == "0":
-        per_handle += torch.backends.cuda.cublaslt_workspace_size()
+        query = getattr(torch.backends.cuda, "cublaslt_workspace_size", None)
+        per_handle += query() if query is not None else 1024 * int(os.environ.get("CUBLASLT_WORKSPACE_SIZE", 1024))
     return 2 * per_handle
+
+
+def _cublas_workspace_size(device: torch.device) -> int:
+    """One cuBLAS handle's workspace. torch 2.11 and earlier have no query for it: the ``:SIZE:COUNT`` pairs of
+    ``CUBLAS_WORKSPACE_CONFIG`` (KiB each), else torch's default, ``:4096:8`` (32 MiB) on compute capability 9.0
+    and above and ``:4096:2:16:8`` below."""
+    query = getattr(torch.backends.cuda, "cublas_workspace_size", None)
+    if query is not None:
+        return query()
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if config is None:
+        config = ":4096:8" if torch.cuda.get_device_capability(device)[0] >= 9 else ":4096:2:16:8"
+    numbers = [int(v) for v in config.split(":") if v]
+    return sum(1024 * size * count for size, count in zip(numbers[::2], numbers[1::2]))
 
 
 @dataclass(frozen=True)

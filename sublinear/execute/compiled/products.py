@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+try:
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+except ImportError:  # torch 2.11 and earlier: a custom-pass setting holds one pass or None, never a list
+
+    def get_custom_graph_passes(custom_pass: Any) -> tuple[Any, ...]:
+        return () if custom_pass is None else (custom_pass,)
 
 from sublinear.capture import joint
 from sublinear.capture.joint import keeps_its_place, product_sum
