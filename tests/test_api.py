@@ -827,6 +827,38 @@ def test_a_budget_holds_for_a_split_step_from_its_first_call():
     assert plan.baseline_peak_bytes == free.baseline_peak_bytes  # eager's peak, whatever the plans
 
 
+class _LightThenHeavy(nn.Module):
+    """A graph break between a narrow half and a wide one: the step's floor is the second graph's, beside what the
+    first holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.light, self.heavy = (nn.Sequential(*(nn.Sequential(nn.Linear(64, width), nn.GELU(), nn.Linear(width, 64))
+                                                  for _ in range(3))) for width in (256, 512))
+
+    def forward(self, x):
+        h = self.light(x)
+        torch._dynamo.graph_break()
+        return self.heavy(h).square().mean()
+
+
+@pytest.mark.parametrize("config", [PLAIN, pytest.param(dataclasses.replace(PLAIN, compiler="inductor"),
+                                                        marks=pytest.mark.slow)], ids=["eager-executor", "inductor"])
+def test_a_budget_below_a_split_steps_floor_is_refused_once_its_graphs_are_planned_for_each_other(config):
+    """Each graph runs its lowest peak while the other is not planned for it; once both have (the same lowest plan
+    again), the budget is refused naming the step's smallest peak, not run over at every call."""
+    x = torch.randn(64, 64)
+    torch.manual_seed(0)
+    with pytest.raises(sublinear.BudgetError) as first_graph:
+        sublinear.apply(_LightThenHeavy(), dataclasses.replace(config, memory_budget=1))(x).backward()
+    budget = first_graph.value.smallest + (16 << 10)  # above the first graph's floor, the only one the first call knows
+    torch.manual_seed(0)
+    run = sublinear.apply(_LightThenHeavy(), dataclasses.replace(config, memory_budget=budget))
+    with pytest.raises(sublinear.BudgetError) as step:
+        for _ in range(4):
+            run(x).backward()
+    assert step.value.smallest > budget
+
 @pytest.mark.slow
 def test_compile_with_a_budget_runs_exactly_and_within_it():
     spec = get_model("tiny-bert")

@@ -183,10 +183,11 @@ def upcoming_context(calls: CallTracker, runtime: GraphRuntime,
 
 def _final(run: GraphRun, last: bool) -> bool:
     """Whether ``run``'s variant is its graph's plan for good: planned knowing the graphs after it (``last``: there
-    are none), not a lowest peak taken until the others are planned for it, and still its graph's variant."""
+    are none), not a lowest peak taken until the others are planned for it (unless the same again after they were:
+    ``stuck``), and still its graph's variant."""
     variant = run.variant
     current = any(v is variant for v in run.runtime.variants.values())  # by identity: variants hold arrays
-    return variant is not None and not variant.settling and current and (
+    return variant is not None and (not variant.settling or variant.stuck) and current and (
         last or variant.planned_in is not None and variant.planned_in.later_beyond_held is not None)
 
 

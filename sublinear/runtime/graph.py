@@ -153,7 +153,7 @@ class GraphRuntime:
         keys = [k for k, v in self.variants.items() if v is variant]
         self.variants = {k: v for k, v in self.variants.items() if v is not variant}
         prior = Prior(variant.plan, variant.rewritten, keys[0] if keys else None, variant.bound,
-                      variant.lesson.chunks if variant.lesson else None)
+                      variant.lesson.chunks if variant.lesson else None, variant.settling)
         self.session.pipeline.choices.remember_prior(self.graph.code, prior)
 
     def __call__(self, *values: Any) -> Any:

@@ -154,8 +154,8 @@ class PlanPipeline:
         log.info("sublinear: %s %s", "planned" if choice.searched else "reused the plan for", summary)
         return GraphVariant(profile=profile_, plan=plan, simulation=sim, rewritten=rewritten, summary=summary,
                             auto_budget=self.config.memory_budget == "auto", objective=objective, planned_in=context,
-                            uses=profile_.output_uses, budget=budget, settling=choice.settling, bound=bound,
-                            lesson=Lesson(profiled, disk_key, chunks))
+                            uses=profile_.output_uses, budget=budget, settling=choice.settling, stuck=choice.stuck,
+                            bound=bound, lesson=Lesson(profiled, disk_key, chunks))
 
     # -- budgets ------------------------------------------------------------------------------------------------
 
@@ -299,7 +299,10 @@ class _Choices:
                      "the call's other graphs are planned for it")
             log.info("sublinear: graph %d does not fit %s yet; it runs its lowest peak until %s", runtime.index,
                      objective.describe(), until)
-            return _Choice(exc.lowest.plan, None, f"lowest peak, until {until}", False, settling=True)
+            # The same lowest plan again, searched beside the other graphs as the last call planned them: they made
+            # it no room, and the call no longer waits on it (a graph that still does not fit beside it is refused).
+            stuck = not settled and prior is not None and prior.settling and prior.plan == exc.lowest.plan
+            return _Choice(exc.lowest.plan, None, f"lowest peak, until {until}", False, settling=True, stuck=stuck)
         self.plans.store(disk_key, _entry(profile_, result.plan,
                                           [[c.simulation.peak_bytes, c.simulation.time_ratio] for c in result.history]))
         return _Choice(result.plan, result, result.origin, False, searched=True)
@@ -315,6 +318,7 @@ class Prior:
     key: tuple | None
     bound: Binding
     chunks: HeadChunks | None = None  # the LM heads' chunks its executor runs (None: as captured)
+    settling: bool = False  # it ran its lowest peak until the call's other graphs were planned for it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +328,7 @@ class _Choice:
     origin: str
     from_cache: bool
     settling: bool = False
+    stuck: bool = False  # settling at the plan it settled at last call (see _Choices.choose)
     searched: bool = False
     prior: Prior | None = None  # the forgotten variant whose plan this is
 

@@ -34,6 +34,7 @@ class GraphVariant:
     uses: tuple[str, ...]  # what the profiled step did with each output
     budget: int | None  # the memory budget the step must fit
     settling: bool = False  # the lowest peak taken while the call's other graphs were not planned for this one
+    stuck: bool = False  # settling at the same plan as at the last call: the others planned for it made no room
     bound: Binding = field(default_factory=dict)  # a dynamic graph's sizes its plan was made for (and serves below)
     checked: bool = False  # compiled, and what the compiled code holds read back
     lesson: Any = None  # what the compile check needs to teach the profile (the pipeline's record)
