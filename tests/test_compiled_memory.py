@@ -1171,8 +1171,8 @@ def test_library_workspaces_count_once_in_the_prediction_and_in_the_compiled_wal
     from sublinear.profiling import compiled as compiled_front_end
 
     workspaces = 1 << 20
-    monkeypatch.setattr(compiled_front_end, "blas_workspace_bytes", lambda device: workspaces)
-    monkeypatch.setattr(step_memory, "blas_workspace_bytes", lambda device: workspaces)
+    monkeypatch.setattr(compiled_front_end, "blas_workspace_bytes", lambda device, cublaslt: workspaces)
+    monkeypatch.setattr(step_memory, "blas_workspace_bytes", lambda device, cublaslt: workspaces)
     torch.manual_seed(0)
     model, x = _dropout_chain().train(), torch.randn(256, 256)
     compiled = sublinear.compile(model, (x,), config=INDUCTOR)

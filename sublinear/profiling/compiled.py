@@ -52,7 +52,7 @@ from sublinear.profiling.compiled_nodes import (
     writes_input,
 )
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates, device_rates
-from sublinear.profiling.kernels import blas_workspace_bytes, kernel_memory
+from sublinear.profiling.kernels import blas_workspace_bytes, kernel_memory, runs_cublaslt
 from sublinear.profiling.record import StepRecord, assemble
 from sublinear.training import DROPPED, held_to_end
 
@@ -100,7 +100,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
     record = dataclasses.replace(_record(joint, graph, grouping, storages, reads, tracked, materialized, costs,
                                          backward, rates, _constants(storages, fw, kinds), through, dataflow),
-                                 workspace_bytes=blas_workspace_bytes(device),
+                                 workspace_bytes=blas_workspace_bytes(device, runs_cublaslt(n.target for n in fw + bw)),
                                  library_made={k for k in tracked if kinds.extern(fw[storages.produced_by[k]])})
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports

@@ -86,6 +86,7 @@ class _StepRecorder(StorageTracker):
         self.state_serials: set[int] = set()
         self.backward_flops = 0
         self.autocast_cached: set[int] = set()  # casts of parameters that autocast's cache holds until forward ends
+        self.ops: set = set()  # every aten overload the step called, forward and backward
 
     def serial_of(self, t: torch.Tensor) -> int:
         return self.serial[t.untyped_storage()._cdata]
@@ -106,6 +107,7 @@ class _StepRecorder(StorageTracker):
         self.events.append(StorageEvent(self.backward, self._context(), kind, serial, nbytes))
 
     def on_op(self, func, args, kwargs, out) -> None:
+        self.ops.add(func)
         flops, moved = aten_work(func, args, kwargs, out)
         if self.backward:
             self.backward_flops += flops

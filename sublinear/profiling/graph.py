@@ -19,7 +19,7 @@ from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
 from sublinear.execute.program import NodeProgram
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates
-from sublinear.profiling.kernels import blas_workspace_bytes
+from sublinear.profiling.kernels import blas_workspace_bytes, runs_cublaslt
 from sublinear.profiling.eager_costs import EagerStepCosts, eager_step_costs, saved_rng_state_bytes
 from sublinear.profiling.eager_trace import StepTrace, trace_step
 from sublinear.profiling.record import StepRecord, assemble
@@ -64,7 +64,7 @@ def profile(graph: CapturedGraph, values: Sequence[Any] | None = None, *, cost_m
     costs = eager_step_costs(trace, grouping.op_of_node, grouping.rank_of_node, len(grouping.groups), device, measure,
                              rates, granule)
     return assemble(_record(trace, grouping, lifetimes, costs, granule, saved_rng_state_bytes(device),
-                            blas_workspace_bytes(device)))
+                            blas_workspace_bytes(device, runs_cublaslt(trace.recorder.ops))))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,24 +26,44 @@ import torch
 from sublinear.cache import cache_dir, write_json
 from sublinear.profiling.costs import cuda_peak, machine_key, range_peaks
 
-__all__ = ["KernelMemory", "KernelRun", "Measured", "TensorLayout", "blas_workspace_bytes", "kernel_memory"]
+__all__ = ["KernelMemory", "KernelRun", "Measured", "TensorLayout", "blas_workspace_bytes", "kernel_memory",
+           "runs_cublaslt"]
 
 log = logging.getLogger("sublinear.profiling.kernels")
 
 
-def blas_workspace_bytes(device: torch.device | str) -> int:
+CUBLASLT_OPS = frozenset({"aten::addmm", "aten::_addmm_activation"})  # aten products that reach cuBLASLt
+
+
+def blas_workspace_bytes(device: torch.device | str, cublaslt: bool = True) -> int:
     """Bytes of the cuBLAS workspaces a training step on ``device`` holds beside its tensors (0 off CUDA). torch
     gives each thread's cuBLAS handle a workspace of ``torch.backends.cuda.cublas_workspace_size()`` bytes (32 MiB
-    on Hopper by default), allocated through the caching allocator at the thread's first matrix product and kept;
-    cuBLASLt shares it unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` gives it one of its own. A step runs matrix
-    products on two threads: the caller's, in forward, and autograd's thread for the device, in backward."""
+    on Hopper by default), allocated through the caching allocator at the thread's first matrix product and kept.
+    A step runs matrix products on two threads: the caller's, in forward, and autograd's thread for the device, in
+    backward. ``cublaslt``: the step runs a product with a bias (:data:`CUBLASLT_OPS`), which takes cuBLASLt.
+    cuBLASLt shares the cuBLAS workspace where they are unified, torch's default from 2.12 on; in torch 2.11 and
+    earlier, or with ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0``, each thread running such a product gets a cuBLASLt
+    workspace of its own too (1 MiB by default), counted for both threads, since a plan may re-run the product in
+    backward."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return 0
     per_handle = _cublas_workspace_size(torch.device(device))
-    if os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1") == "0":
+    if cublaslt and not _cublaslt_unified():
         query = getattr(torch.backends.cuda, "cublaslt_workspace_size", None)
         per_handle += query() if query is not None else 1024 * int(os.environ.get("CUBLASLT_WORKSPACE_SIZE", 1024))
     return 2 * per_handle
+
+
+def runs_cublaslt(targets: Iterable[Any]) -> bool:
+    """Whether any of these call targets (aten overloads among others) is a product that takes cuBLASLt."""
+    return any(isinstance(t, torch._ops.OpOverload) and t._schema.name in CUBLASLT_OPS for t in targets)
+
+
+def _cublaslt_unified() -> bool:
+    setting = os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE")
+    if setting is not None:
+        return setting == "1"
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 12)
 
 
 def _cublas_workspace_size(device: torch.device) -> int:

@@ -22,7 +22,7 @@ from sublinear.execute.compiled.wrapper import (
     CALLER, RETURNED, CallMemory, Layout, LibraryCall, Statement, StepWalk, parse_wrapper,
 )
 from sublinear.tensors import size_hint as hint
-from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout, blas_workspace_bytes
+from sublinear.profiling.kernels import KernelMemory, KernelRun, TensorLayout, blas_workspace_bytes, runs_cublaslt
 from sublinear.training import held_to_end
 
 __all__ = ["CompiledStepMemory", "TracePoint", "compiled_step_memory"]
@@ -122,7 +122,8 @@ def _walk(fw_gm, fw_statements, bw_gm, bw_statements, sizes, measure, origins: O
         else:
             arguments.append((None, None))
     device = next((v.device for n in primals if isinstance(v := n.meta.get("val"), torch.Tensor)), None)
-    workspaces = blas_workspace_bytes(device) if device is not None else 0
+    lt = runs_cublaslt(n.target for gm in (fw_gm, bw_gm) for n in gm.graph.nodes)
+    workspaces = blas_workspace_bytes(device, lt) if device is not None else 0
     if workspaces:
         walk.storage(workspaces)  # cuBLAS's workspaces, held by the caller through the step
     fw = walk.walk(fw_statements, arguments)
