@@ -76,7 +76,9 @@ def step_floor(profile: GraphProfile) -> StepFloor:
 class BudgetError(ValueError):
     """No plan found meets the memory budget within the time cap. ``floor``: what the step holds whatever the plan
     (:func:`step_floor`), when known; a budget below it is out of every plan's reach, and the message says so.
-    ``compiled``: the smallest peak is a compiled step's (read back from the compiled code), not a prediction."""
+    ``compiled``: the smallest peak is a compiled step's (read back from the compiled code), not a prediction.
+    ``later_graphs_unknown``: raised before any call finished, so ``smallest`` is this graph's alone, a lower bound
+    of the step's where graph breaks split it (:meth:`note_later_graphs_unknown`)."""
 
     def __init__(self, objective: Objective, smallest: Candidate, fastest_fitting: Candidate | None, *,
                  floor: StepFloor | None = None, compiled: bool = False) -> None:
@@ -98,6 +100,14 @@ class BudgetError(ValueError):
         super().__init__(text)
         self.budget, self.smallest, self.floor = budget, peak, floor
         self.lowest = smallest  # the candidate with the smallest peak within the time cap
+        self.later_graphs_unknown = False
+
+    def note_later_graphs_unknown(self) -> None:
+        """Say that no call has finished yet: graphs after this one, not captured yet, may hold memory beside it."""
+        self.later_graphs_unknown = True
+        self.args = (f"{self.args[0]} No call has finished yet: where graph breaks split the step, its later "
+                     f"graphs are not captured yet and hold memory beside this one, so the step's lowest peak may be "
+                     f"higher than this graph's.",)
 
 
 @dataclass(frozen=True)
