@@ -166,11 +166,15 @@ def _point(name: str, budget: int | None) -> dict:
 
 
 def _lowest(name: str) -> int:
-    """The lowest peak any plan reaches: what a budget of one byte is refused with, or, where that refusal came
-    before the step's later graphs were captured (it names the first graph's alone), what a budget at that figure
-    is refused with once the call's graphs are planned for each other (the figure itself where that budget is met)."""
+    """The lowest peak the search reaches: what a budget of one byte is refused with. Where graph breaks split the
+    step, that refusal comes at the first graph, before the later ones are captured, and names the first graph's
+    lowest peak alone: the step's is then what a budget at that figure is refused with once the call's graphs are
+    planned for each other (the figure itself where that budget is met)."""
     import sublinear
 
+    model, args, kwargs, _ = _build(name)
+    split = torch._dynamo.explain(model)(*args, **kwargs).graph_count > 1
+    torch._dynamo.reset()
     budget = 1
     for _attempt in range(4):
         model, args, kwargs, step = _build(name)
@@ -180,7 +184,7 @@ def _lowest(name: str) -> int:
             for _call in range(3):
                 step(run, *args, **kwargs)
         except sublinear.BudgetError as exc:
-            if not exc.later_graphs_unknown or budget > 1:
+            if not (split and exc.later_graphs_unknown) or budget > 1:
                 return int(exc.smallest)
             budget = int(exc.smallest)
             continue
