@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,10 +99,13 @@ def measure_cpu_allocator(step: Callable[..., Any], *args: Any, **kwargs: Any) -
     """Like :func:`measure`, but the CPU allocator's own count, read from the profiler's memory events.
 
     It sees what storage tracking cannot: storages that are resized in place, as FSDP2 frees and re-gathers its
-    parameters. Every CPU allocation of the profiled threads counts, at its requested size. A buffer released on a
-    thread the profiler does not observe (a gloo worker that drops the last reference to a collective's output) is
-    never subtracted, so one step's count can exceed the truth by that buffer, never fall below it: take the minimum
-    of a few steps.
+    parameters. Every CPU allocation of the profiled threads counts, at its requested size, and a release counts
+    only for a block allocated within the step: torch's CPU allocator keeps the size of a block allocated while a
+    profiler counted memory until the block is freed with one counting, so a block freed between two counts leaves
+    its size behind, and a later block at the same address, made before the step and freed in it, would be
+    subtracted at that stale size. A buffer released on a thread the profiler does not observe (a gloo worker that
+    drops the last reference to a collective's output) is never subtracted, so one step's count can exceed the
+    truth by that buffer, never fall below it: take the minimum of a few steps.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -114,14 +117,40 @@ def measure_cpu_allocator(step: Callable[..., Any], *args: Any, **kwargs: Any) -
             raise RuntimeError("the step ended the profiler session that counts its allocations (it ran a torch "
                                "profiler of its own), so the count is incomplete: measure a step that profiles "
                                "nothing")
-    changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    live = peak = 0
-    for _, nbytes in changes:
-        live += nbytes
-        peak = max(peak, live)
+    peak = step_peak(_cpu_allocations(prof.profiler.kineto_results.experimental_event_tree()))
     return _allocator_report(modules, baseline + peak, baseline, param_bytes, buffer_bytes, input_bytes, "cpu",
                              "cpu-allocator")
+
+
+def step_peak(allocations: Sequence[tuple[int, int, int]]) -> int:
+    """The most bytes live at once from ``allocations`` ((time, address, bytes: negative where released), in time
+    order), counting a release only for a block allocated among them."""
+    live = peak = 0
+    made: set[int] = set()  # addresses of the blocks allocated in the step and not yet released
+    for _, address, nbytes in allocations:
+        if nbytes > 0:
+            made.add(address)
+        elif address in made:
+            made.discard(address)
+        else:
+            continue
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _cpu_allocations(roots) -> list[tuple[int, int, int]]:
+    """(time, address, bytes: negative where released) of every CPU allocator event under the profiler's events,
+    in time order."""
+    from torch._C._profiler import _EventType
+
+    found, stack = [], list(roots)
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            found.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size))
+    return sorted(found)
 
 
 def _measure_cuda(step, args, kwargs, modules, device, param_bytes, buffer_bytes, input_bytes) -> MemoryReport:

@@ -127,6 +127,20 @@ def test_cpu_allocator_sees_storages_freed_in_place():
     assert sublinear.measure(step, x).peak_bytes == 1024 + 3072  # storage tracking cannot see the resize
 
 
+def test_cpu_allocator_counts_a_release_only_for_a_block_allocated_in_the_step():
+    """torch's CPU allocator keeps the size of a block allocated while a profiler counted memory until it is freed
+    with one counting: a block freed between two counts leaves its size at its address, and a block made there
+    before the next step and freed in it is reported released at that stale size. The llama fused-attention test
+    measured 22,621,624 bytes so, for 23,206,584 in a process of its own."""
+    from sublinear.measurement import step_peak
+
+    made_before, made_in_step = 0x1000, 0x2000
+    events = [(1, made_before, -16384), (2, made_in_step, 4096), (3, made_in_step, -4096)]
+    assert step_peak(events) == 4096
+    assert step_peak([(1, made_in_step, 4096), (2, 0x3000, 1024), (3, made_in_step, -4096), (4, 0x4000, 2048)]) \
+        == 5120
+
+
 def test_cpu_allocator_agrees_with_storage_tracking_without_kernel_temporaries():
     x = torch.randn(64, 32)
     model = nn.Sequential(nn.Tanh(), nn.Dropout(0.1), nn.Sigmoid())
