@@ -104,6 +104,8 @@ class BudgetError(ValueError):
 
     def note_later_graphs_unknown(self) -> None:
         """Say that no call has finished yet: graphs after this one, not captured yet, may hold memory beside it."""
+        if self.later_graphs_unknown:
+            return
         self.later_graphs_unknown = True
         self.args = (f"{self.args[0]} No call has finished yet: where graph breaks split the step, its later "
                      f"graphs are not captured yet and hold memory beside this one, so the step's lowest peak may be "

@@ -113,10 +113,15 @@ class GraphRuntime:
                 log.info("sublinear: graph %d's plan (%s) no longer fits the device's free memory (%s); planning "
                          "again", self.index, format_bytes(variant.peak_bytes), format_bytes(budget))
                 variant = None
-        if variant is None:
-            variant = self.variants[key] = self._plan_family(values, key, dry_run, self.seen)
-        if not dry_run:
-            variant = self.variants[key] = pipeline.compiled_within_budget(self, variant, values, key)
+        try:
+            if variant is None:
+                variant = self.variants[key] = self._plan_family(values, key, dry_run, self.seen)
+            if not dry_run:
+                variant = self.variants[key] = pipeline.compiled_within_budget(self, variant, values, key)
+        except BudgetError as exc:  # planned, or compiled, before any call showed the graphs after this one
+            if not self.session.calls.previous:
+                exc.note_later_graphs_unknown()
+            raise
         return variant
 
     def _plan_family(self, values: Sequence[Any], key: tuple, dry_run: bool, seen: Binding) -> GraphVariant:

@@ -294,8 +294,6 @@ class _Choices:
             result = make_plan(profile_, self.config, memory_budget=objective.memory_budget)
         except BudgetError as exc:
             if settled and not may_fit_without_guessed_outputs(runtime, exc.smallest, profile_, exc.budget):
-                if not runtime.session.calls.previous:
-                    exc.note_later_graphs_unknown()
                 raise
             until = ("a call shows whether the caller keeps the outputs it is guessed to hold" if settled else
                      "the call's other graphs are planned for it")
