@@ -274,7 +274,7 @@ def test_higher_order_gradients_through_recomputed_blocks(plan_for):
 
 @pytest.mark.slow
 def test_a_plan_that_recomputes_nothing_runs_the_graph_without_hooks(monkeypatch):
-    """A budget the eager step fits gives eager: the captured graph runs as it is, with no saved-tensor hooks."""
+    """A budget the eager step fits gives eager: the captured graph's code runs, with no saved-tensor hooks."""
     import sublinear.execute.eager as rewriter
 
     model, x, eager = _residual_net_and_eager_training(steps=2)
@@ -284,6 +284,51 @@ def test_a_plan_that_recomputes_nothing_runs_the_graph_without_hooks(monkeypatch
     def hooked(*_):
         raise AssertionError("an eager plan ran node by node under saved-tensor hooks")
     monkeypatch.setattr(rewriter._ForwardCall, "run", hooked)
+    assert_same_training(eager, train_steps(compiled, (x,), steps=2))
+
+
+class _Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.pow(3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 3 * x * x
+
+
+class CubeChain(nn.Module):
+    """Layers whose activation is a custom autograd.Function that saves its input with ``ctx.save_for_backward``."""
+
+    def __init__(self, depth: int = 6, width: int = 64) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = _Cube.apply(torch.tanh(layer(x)))
+        return x
+
+
+def test_what_a_custom_function_saves_is_recomputed_and_freed_as_planned():
+    """TorchDynamo captures the Function as ``autograd_function_apply``, whose torch implementation keeps what the
+    Function saved until the whole backward ends and out of reach of saved-tensor hooks: run so, a plan that
+    recomputes the Function's input measured 1,099,528 bytes where 886,280 were predicted."""
+    torch.manual_seed(0)
+    base = CubeChain()
+    x = torch.randn(256, 64)
+    eager = train_steps(copy.deepcopy(base), (x,), steps=2)
+    model = copy.deepcopy(base)
+    compiled, _ = compile_with(model, lambda n: Plan.of(range(2, n, 3), n), (x,))
+    training_step(compiled, x)
+    model.zero_grad(set_to_none=True)
+    measured = sublinear.measure_cpu_allocator(training_step, compiled, x).peak_bytes
+    assert measured == compiled.sublinear_plan.predicted_peak_bytes
+    model.zero_grad(set_to_none=True)
+    assert measured < sublinear.measure_cpu_allocator(training_step, base, x).peak_bytes
+    compiled, _ = compile_with(copy.deepcopy(base), lambda n: Plan.of(range(2, n, 3), n), (x,))
     assert_same_training(eager, train_steps(compiled, (x,), steps=2))
 
 

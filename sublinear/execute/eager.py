@@ -51,9 +51,13 @@ class RecomputeError(RuntimeError):
 
 def rewrite(graph: CapturedGraph, profile: GraphProfile, plan: Plan) -> RewrittenGraph:
     """A callable computing ``graph`` on its placeholder values that recomputes per ``plan``; a plan that
-    recomputes nothing runs the graph itself, with no saved-tensor hooks."""
+    recomputes nothing runs the graph's straight-line code (:class:`NodeProgram`), with no saved-tensor hooks."""
     schedule = _Schedule(graph, profile, analyse(profile, plan))
-    return RewrittenGraph(schedule, None if schedule.analysis.recomputed.any() else graph.graph_module)
+    if schedule.analysis.recomputed.any():
+        return RewrittenGraph(schedule)
+    program = schedule.program
+    plain = program.define("graph", program.source("graph"))
+    return RewrittenGraph(schedule, lambda *values: plain(values))
 
 
 class _Schedule:
@@ -192,7 +196,7 @@ class RewrittenGraph:
 
     def __init__(self, schedule: _Schedule, unplanned: Callable[..., Any] | None = None) -> None:
         self.schedule = schedule
-        self.unplanned = unplanned  # the graph itself, when the plan recomputes nothing
+        self.unplanned = unplanned  # the graph's code, when the plan recomputes nothing
 
     @property
     def plan(self) -> Plan:

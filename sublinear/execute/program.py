@@ -14,6 +14,7 @@ from torch import fx
 from torch.fx.node import Node, map_arg
 
 from sublinear.capture.dynamo import describe_node, module_path
+from sublinear.execute.functions import AUTOGRAD_FUNCTION_APPLY, apply_function
 
 __all__ = ["NodeProgram", "OPERATOR_KINDS"]
 
@@ -76,7 +77,7 @@ class NodeProgram:
             return getattr(*_resolve(self.graph_module, node.target))(*args, **kwargs)
         if node.op == "get_attr":
             return getattr(*_resolve(self.graph_module, node.target))
-        return node.target(*args, **kwargs)
+        return _eager(node.target)(*args, **kwargs)
 
     def run(self, placeholder_values: list[Any],
             after: Callable[[int, Any], None] | None = None,
@@ -118,7 +119,7 @@ class NodeProgram:
                   for k, v in node.kwargs.items()]
         if node.op == "call_method":
             return f"{args[0]}.{node.target}({', '.join(args[1:] + kwargs)})"
-        fn = getattr(*_resolve(self.graph_module, node.target)) if node.op == "call_module" else node.target
+        fn = getattr(*_resolve(self.graph_module, node.target)) if node.op == "call_module" else _eager(node.target)
         return f"{self.bind(fn)}({', '.join(args + kwargs)})"
 
     def source(self, name: str, node_lines: Callable[[int], list[str]] | None = None, first: str = "") -> str:
@@ -215,10 +216,16 @@ def _step(node: Node, index: dict[Node, int], graph_module: fx.GraphModule) -> C
     elif node.op == "call_method":
         fn = _method_caller(node.target)
     else:
-        fn = node.target
+        fn = _eager(node.target)
     if fetch_kwargs is None:
         return lambda env: fn(*fetch(env))
     return lambda env: fn(*fetch(env), **fetch_kwargs(env))
+
+
+def _eager(target: Any) -> Any:
+    """What runs a call_function node's ``target`` eagerly: a captured ``autograd.Function`` frees what it saves
+    as eager does (:mod:`.functions`); every other target is called as it is."""
+    return apply_function if AUTOGRAD_FUNCTION_APPLY is not None and target is AUTOGRAD_FUNCTION_APPLY else target
 
 
 def _fetcher(template: Any, index: dict[Node, int]) -> Callable[[list[Any]], Any]:
