@@ -130,7 +130,7 @@ class _Replans(logging.Handler):
         self.count = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.count += "planning again on what it held" in record.getMessage()
+        self.count += "compiling that plan" in record.getMessage()
 
 
 def _point(name: str, budget: int | None) -> dict:

@@ -98,7 +98,7 @@ class BudgetError(ValueError):
                          f"raise max_time_ratio to allow it")
             text += ". Raise the budget, lower the batch size, or search longer (genetic_nr_iter)."
         super().__init__(text)
-        self.budget, self.smallest, self.floor = budget, peak, floor
+        self.budget, self.smallest, self.floor, self.compiled = budget, peak, floor, compiled
         self.lowest = smallest  # the candidate with the smallest peak within the time cap
         self.later_graphs_unknown = False
 

@@ -7,7 +7,7 @@
   outputs.
 - :mod:`.pipeline`: profile → plan → executor per graph and signature, and the caches of each stage.
 - :mod:`.compile_check`: a planned graph's first compile read back: the profile taught what inductor's code held,
-  and a plan above its budget searched again on it.
+  and, above its budget, alternate plans judged by the wrapper code inductor generates for them without kernels.
 - :mod:`.variant`: a graph planned for one call signature.
 - :mod:`.step`: a training call's graph runs and what they tell each graph (step contexts, output uses).
 - :mod:`.modules`: a module's forward run through the backend (:func:`compile_module`), and planning ahead on a

@@ -3,12 +3,18 @@
 A planned graph compiles at its first call; the compiled forward's and backward's memory is then walked statement
 by statement, library calls measured on the device (:mod:`sublinear.execute.compiled.step_memory`). The profile is
 taught what the compiled code held, slot by slot (:mod:`sublinear.simulation.calibration`): from then on it predicts
-that plan as compiled, and every plan at least as high where the compiler added memory. When the compiled step is
-above the memory budget, the plan is searched again on the taught profile (the same budget, never cut) and compiled
-again, up to :data:`COMPILED_ROUNDS` times (where the taught profile has no plan within the budget, the plan of
-the lowest peak on the profile before any lesson is compiled and measured); a budget no compiled plan meets raises
-:class:`~sublinear.planners.BudgetError` naming the lowest compiled peak. The taught profile's costs go to the plan
-cache with the plan, so a later process predicts the compiled step before compiling.
+that plan as compiled, and every plan at least as high where the compiler added memory. The taught profile's costs
+go to the plan cache with the plan, so a later process predicts the compiled step before compiling.
+
+When the compiled step is above the memory budget, other plans are tried, fastest first: the plan searched on the
+taught profile (the same budget, never cut), then the plans the planners found within the budget on the profile
+before any lesson, then that profile's plan of the lowest peak, :data:`ALTERNATES` of them at most. What a compiled
+plan held beyond its simulation depends on how inductor fuses that plan's backward (a recompute fused into a kernel
+that spans many ops allocates its buffers together), so a lesson taught to every plan over-counts some plans that
+fit and under-counts others; each alternate is therefore judged by the wrapper code inductor generates for it
+without building its kernels (:meth:`~sublinear.execute.compiled.CompiledGraph.memory_without_kernels`), and the
+first that fits is compiled. A budget none of them meets raises :class:`~sublinear.planners.BudgetError` naming
+the lowest peak read back.
 """
 
 from __future__ import annotations
@@ -20,25 +26,28 @@ from typing import TYPE_CHECKING, Any
 
 from sublinear.cache import PlanCache
 from sublinear.capture.shapes import Binding
+from sublinear.config import SublinearMemoryConfig
+from sublinear.core.analysis import analyse
 from sublinear.core.objective import Candidate
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, costs_of
 from sublinear.core.units import format_bytes
 from sublinear.execute.compiled import CompiledGraph, CompiledStepMemory
-from sublinear.planners import BudgetError
+from sublinear.planners import BudgetError, make_plan
 from sublinear.planners.driver import step_floor
 from sublinear.runtime.head_chunks import HeadChunks
 from sublinear.runtime.variant import GraphVariant
 from sublinear.simulation.calibration import recompute_ranks, taught, trace_by_slot
+from sublinear.simulation.timeline import simulate
 
 if TYPE_CHECKING:
     from sublinear.runtime.graph import GraphRuntime
 
-__all__ = ["COMPILED_ROUNDS", "CompileCheck", "Lesson", "Profiled", "may_fit_without_guessed_outputs"]
+__all__ = ["ALTERNATES", "CompileCheck", "Lesson", "Profiled", "may_fit_without_guessed_outputs"]
 
 log = logging.getLogger("sublinear")
 
-COMPILED_ROUNDS = 3  # plans searched again on the taught profile when a compiled step is above its budget
+ALTERNATES = 8  # plans judged by their wrapper code when a compiled step is above its budget
 
 
 @dataclasses.dataclass
@@ -68,60 +77,106 @@ class Lesson:
 
 
 class CompileCheck:
-    """Compiles new variants and teaches their profiles what the compiled code held (see the module docstring).
-    ``replan(runtime, values, key, dry_run, bound, lowest)`` plans a signature again on the taught profile, or,
-    with ``lowest``, for the lowest peak on the profile before it was taught."""
+    """Compiles new variants and teaches their profiles what the compiled code held; above the budget, finds and
+    compiles a plan whose compiled code fits (see the module docstring). ``replan(runtime, values, key, dry_run,
+    bound, plan)`` plans a signature again on the taught profile, or, given ``plan``, runs that plan (chosen on the
+    profile before any lesson)."""
 
-    def __init__(self, plans: PlanCache,
-                 replan: Callable[[GraphRuntime, Sequence[Any], tuple, bool, Binding, bool], GraphVariant]) -> None:
+    def __init__(self, plans: PlanCache, config: SublinearMemoryConfig,
+                 replan: Callable[[GraphRuntime, Sequence[Any], tuple, bool, Binding, Plan | None], GraphVariant]
+                 ) -> None:
         self.plans = plans
+        self.config = config
         self.replan = replan
 
     def within_budget(self, runtime: GraphRuntime, variant: GraphVariant, values: Sequence[Any],
                       key: tuple) -> GraphVariant:
-        """Compile a new variant now, read what its compiled code holds, teach its profile; above the budget, plan
-        again on the taught profile and compile again."""
-        lowest: tuple[int, GraphVariant] | None = None
-        tried_lowest = False
-        for round_ in range(COMPILED_ROUNDS + 1):
-            graph = variant.rewritten
-            if not isinstance(graph, CompiledGraph) or variant.checked:
-                return variant
-            graph.compile(values)  # nothing to do for a partition compiled before
-            variant.checked = True
-            memory = graph.memory_for(variant.uses)
-            if memory is None:
-                return variant
-            self._teach(variant, memory, tried_lowest)
-            if lowest is None or memory.peak < lowest[0]:
-                lowest = (memory.peak, variant)
-            if variant.budget is None or variant.settling or variant.peak_bytes <= variant.budget:
-                return variant  # settling: over the budget until the call's other graphs are planned for it
-            if may_fit_without_guessed_outputs(runtime, variant.peak_bytes, variant.profile, variant.budget):
-                log.info("sublinear: graph %d as compiled holds %s, above the budget of %s only by outputs guessed "
-                         "held; checked again once a call shows what the caller does with them", runtime.index,
-                         format_bytes(variant.peak_bytes), format_bytes(variant.budget))
-                variant.settling = True
-                return variant
-            if round_ == COMPILED_ROUNDS or tried_lowest:
-                raise _over_budget(lowest[1])
-            log.info("sublinear: graph %d as compiled holds %s, above the budget of %s (%s predicted before "
-                     "compiling); planning again on what it held", runtime.index, format_bytes(variant.peak_bytes),
-                     format_bytes(variant.budget), format_bytes(variant.simulation_before_compile))
-            runtime.forget(variant)
-            bound = variant.bound
-            try:
-                variant = self.replan(runtime, values, key, False, bound, False)
-            except BudgetError:
-                # What a compiled plan held beyond its simulation is taught to every plan at that op or rank, also
-                # where it came from that plan's own recompute: the taught profile may find no plan where the
-                # lowest plan, compiled, fits. That plan is compiled and measured before the budget is refused.
-                log.info("sublinear: graph %d: no plan searched on what the compiled code held is within the "
-                         "budget; compiling the plan of the lowest peak before compiling", runtime.index)
-                tried_lowest = True
-                variant = self.replan(runtime, values, key, False, bound, True)
-            runtime.variants[key] = variant
+        """Compile a new variant now, read what its compiled code holds, teach its profile; above the budget,
+        compile the first alternate whose compiled code fits instead."""
+        if not isinstance(variant.rewritten, CompiledGraph) or variant.checked:
+            return variant
+        if not self._compile(variant, values):
+            return variant
+        if variant.budget is None or variant.settling or _within(runtime, variant):
+            return variant  # settling: over the budget until the call's other graphs are planned for it
+        log.info("sublinear: graph %d as compiled holds %s, above the budget of %s (%s predicted before compiling); "
+                 "trying other plans", runtime.index, format_bytes(variant.peak_bytes),
+                 format_bytes(variant.budget), format_bytes(variant.simulation_before_compile))
+        runtime.forget(variant)
+        variant = runtime.variants[key] = self._alternate(runtime, variant, values, key)
         return variant
+
+    def _compile(self, variant: GraphVariant, values: Sequence[Any], afresh: bool = False) -> bool:
+        """Compile ``variant``, walk its code and teach its profile (``afresh``: see :meth:`_teach`); False where
+        the walk cannot read the code."""
+        variant.rewritten.compile(values)  # nothing to do for a partition compiled before
+        variant.checked = True
+        memory = variant.rewritten.memory_for(variant.uses)
+        if memory is not None:
+            self._teach(variant, memory, afresh)
+        return memory is not None
+
+    def _alternate(self, runtime: GraphRuntime, over: GraphVariant, values: Sequence[Any],
+                   key: tuple) -> GraphVariant:
+        """The first alternate (:meth:`_alternates`) whose wrapper code, then whose compiled code, fits the
+        budget, compiled; none fitting, BudgetError with the lowest peak read back."""
+        budget, lowest = over.budget, Candidate(over.plan, over.simulation)
+        searched = self._searched(runtime, over, values, key)
+        untaught = self._untaught(over)
+        walked = {_partition(over.rewritten): over.rewritten.memory_for(over.uses)}  # plans of one partition: one code
+        for plan in self._alternates(over, untaught, searched):
+            if searched is not None and plan == searched.plan:
+                variant, profile, graph = searched, searched.profile, searched.rewritten
+            else:
+                variant, profile = None, untaught
+                graph = CompiledGraph(runtime.graph, analyse(untaught, plan), over.lesson.profiled.node_names,
+                                      over.bound)
+            if _partition(graph) not in walked:
+                walked[_partition(graph)] = graph.memory_without_kernels(values, over.uses)
+            candidate = _read_back(runtime.index, walked[_partition(graph)], profile, plan)
+            peak = candidate.simulation.peak_bytes
+            if peak <= budget or may_fit_without_guessed_outputs(runtime, peak, profile, budget):
+                variant = variant or self.replan(runtime, values, key, False, over.bound, plan)
+                log.info("sublinear: graph %d: compiling that plan", runtime.index)
+                if not self._compile(variant, values, afresh=variant is not searched) or _within(runtime, variant):
+                    return variant
+                candidate = Candidate(variant.plan, variant.simulation)
+            lowest = min(lowest, candidate, key=lambda c: c.simulation.peak_bytes)
+        objective = dataclasses.replace(over.objective, memory_budget=budget)
+        raise BudgetError(objective, lowest, None, floor=step_floor(over.profile), compiled=True)
+
+    def _searched(self, runtime: GraphRuntime, over: GraphVariant, values: Sequence[Any],
+                  key: tuple) -> GraphVariant | None:
+        """The variant of the plan searched on the taught profile; None where no plan there fits the budget."""
+        try:
+            variant = self.replan(runtime, values, key, False, over.bound, None)
+        except BudgetError:
+            return None
+        return variant if variant.plan != over.plan and isinstance(variant.rewritten, CompiledGraph) else None
+
+    def _alternates(self, over: GraphVariant, untaught: GraphProfile, searched: GraphVariant | None) -> list[Plan]:
+        """The plans to try, fastest first: ``searched``'s, the plans within the objective on the profile before
+        any lesson (``untaught``), and that profile's plan of the lowest peak; :data:`ALTERNATES` at most,
+        ``over``'s left out."""
+        objective = dataclasses.replace(over.objective, memory_budget=over.budget)
+        try:
+            result = make_plan(untaught, self.config, memory_budget=over.budget)
+            fitting = [c.plan for c in result.candidates if objective.accepts(c)]
+        except BudgetError:
+            fitting = []
+        try:
+            lowest = make_plan(untaught, self.config, memory_budget=1).plan
+        except BudgetError as exc:  # no plan fits one byte: the error carries the lowest one found
+            lowest = exc.lowest.plan
+        plans = [searched.plan] if searched is not None else []
+        plans += [plan for plan in (*fitting, lowest) if plan != over.plan]
+        return list(dict.fromkeys(plans))[:ALTERNATES]
+
+    @staticmethod
+    def _untaught(variant: GraphVariant) -> GraphProfile:
+        """The variant's profile before any compile check taught it, in the variant's step context."""
+        return dataclasses.replace(variant.lesson.profiled.untaught, sharding=variant.profile.sharding,
+                                   step_context=variant.profile.step_context)
 
     def _teach(self, variant: GraphVariant, memory: CompiledStepMemory, afresh: bool = False) -> None:
         """Teach the variant's profile (and the cached profile of its signature) what its compiled code held;
@@ -146,6 +201,39 @@ class CompileCheck:
                                                                       step_context=variant.profile.step_context))
 
 
+def _partition(graph: CompiledGraph) -> tuple[int, str]:
+    """What decides a planned graph's compiled code: the captured graph and the plan's partition of it."""
+    return id(graph.graph), graph.partitioner.uuid()
+
+
+def _read_back(index: int, memory: CompiledStepMemory | None, profile: GraphProfile, plan: Plan) -> Candidate:
+    """``plan`` with the step's peak as its wrapper code holds it (``memory``, the graph alone), beside the call's
+    other graphs as ``profile`` predicts them; the prediction where the walk could not read the code."""
+    simulation = simulate(profile, plan)
+    if memory is None:
+        return Candidate(plan, simulation)
+    beside = simulation.peak_bytes - simulate(dataclasses.replace(profile, step_context=None), plan).peak_bytes
+    peak = memory.peak + beside
+    log.info("sublinear: graph %d: a plan of %d blocks (time x%.3f, predicted %s before compiling) holds %s as "
+             "inductor's wrapper code for it reads", index, len(plan.split_points), simulation.time_ratio,
+             format_bytes(simulation.peak_bytes), format_bytes(peak))
+    return Candidate(plan, dataclasses.replace(simulation, peak_bytes=peak))
+
+
+def _within(runtime: GraphRuntime, variant: GraphVariant) -> bool:
+    """Whether a compiled variant is within its budget, or may be once a call shows what the caller does with its
+    outputs (it then settles: see :func:`may_fit_without_guessed_outputs`)."""
+    if variant.peak_bytes <= variant.budget:
+        return True
+    if not may_fit_without_guessed_outputs(runtime, variant.peak_bytes, variant.profile, variant.budget):
+        return False
+    log.info("sublinear: graph %d as compiled holds %s, above the budget of %s only by outputs guessed held; checked "
+             "again once a call shows what the caller does with them", runtime.index,
+             format_bytes(variant.peak_bytes), format_bytes(variant.budget))
+    variant.settling = True
+    return True
+
+
 def may_fit_without_guessed_outputs(runtime: GraphRuntime, peak: int, profile: GraphProfile, budget: int) -> bool:
     """Whether a step of ``runtime``'s graph peaking at ``peak`` may fit ``budget`` once a call shows what the
     caller does with its outputs: no call has yet, they are guessed held (``profile``'s held outputs), and dropping
@@ -155,10 +243,3 @@ def may_fit_without_guessed_outputs(runtime: GraphRuntime, peak: int, profile: G
     if runtime.session.calls.uses_seen(runtime.graph.code):
         return False
     return peak - profile.held_output_bytes <= budget
-
-
-def _over_budget(variant: GraphVariant) -> BudgetError:
-    """The error for a compiled step no plan searched fits: the lowest compiled peak found, for the budget asked."""
-    objective = dataclasses.replace(variant.objective, memory_budget=variant.budget)
-    return BudgetError(objective, Candidate(variant.plan, variant.simulation), None, floor=step_floor(variant.profile),
-                       compiled=True)

@@ -59,7 +59,7 @@ class PlanPipeline:
         self.executors = _Executors()
         self.choices = _Choices(config, self.plans)
         self.eager_only: dict[str, str] = {}  # graph code -> why inductor cannot compile it
-        self.compile_check = CompileCheck(self.plans, self.plan)
+        self.compile_check = CompileCheck(self.plans, config, self.plan)
 
     def graph_codes(self) -> set[str]:
         return self.plans.graph_codes()
@@ -67,11 +67,11 @@ class PlanPipeline:
     # -- planning -----------------------------------------------------------------------------------------------
 
     def plan(self, runtime: GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool,
-             bound: Binding, lowest: bool = False) -> GraphVariant:
+             bound: Binding, fixed: Plan | None = None) -> GraphVariant:
         """Profile and plan ``runtime``'s graph for a call with ``values`` (real or fake). Planning draws random
         numbers (measuring op costs) under a forked RNG, so the training's random stream is as in eager, and runs
         outside the caller's dispatch modes (a memory tracker around the step sees the step, not the planning).
-        ``lowest``: the plan of the lowest peak on the profile as it was before any compile check taught it."""
+        ``fixed``: run that plan, which the compile check chose on the profile as it was before it taught it."""
         from sublinear.runtime.session import collecting_new_objects_only  # noqa: PLC0415
 
         self.progress.begin()
@@ -80,15 +80,15 @@ class PlanPipeline:
         with torch.random.fork_rng(devices=devices, device_type="cuda"), _disable_current_modes(), \
                 collecting_new_objects_only():
             try:
-                return self._plan(runtime, values, key, dry_run, bound, lowest)
+                return self._plan(runtime, values, key, dry_run, bound, fixed)
             except JointTraceError as exc:
                 self.eager_only[runtime.graph.code] = str(exc)
                 log.warning("sublinear: graph %d runs on sublinear's eager executor: inductor could not trace its "
                             "forward and backward (%s)", runtime.index, exc)
-                return self._plan(runtime, values, key, dry_run, bound, lowest)
+                return self._plan(runtime, values, key, dry_run, bound, fixed)
 
     def _plan(self, runtime: GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool,
-              bound: Binding, lowest: bool = False) -> GraphVariant:
+              bound: Binding, fixed: Plan | None = None) -> GraphVariant:
         started = time.perf_counter()
         graph, config = runtime.graph, self.config
         context, settled = upcoming_context(runtime.session.calls, runtime, values)
@@ -103,20 +103,22 @@ class PlanPipeline:
         # not keyed by the profile's lessons: a plan remembered before a compile check taught the profile is reused
         # only while it meets the objective on the taught profile (a graph captured again keeps its compiled code)
         store_key = (*profile_key, context, repr(sorted(config.planning_key().items())))
-        # the lowest plan is chosen, predicted and (by the compile check) taught on the profile before any lesson
-        profile_ = dataclasses.replace(profiled.untaught if lowest else profiled.profile, sharding=key[-1],
-                                       step_context=context)
+        # a plan the compile check chose is predicted and (by the compile check) taught on the profile before any
+        # lesson, as it was chosen
+        profile_ = dataclasses.replace(profiled.untaught if fixed is not None else profiled.profile,
+                                       sharding=key[-1], step_context=context)
         budget = self.budget_for(runtime, values, dry_run)
         objective = objective_for(config, budget)
-        if lowest:
-            choice = _Choice(_lowest_plan(profile_, config), None, "the lowest peak before compiling, no plan "
-                             "searched on what the compiled code held being within the budget", False, searched=True)
+        if fixed is not None:  # stored, so that a later process reuses it (its compile check teaches its costs)
+            self.plans.store(disk_key, _entry(profile_, fixed, []))
+            choice = _Choice(fixed, None, "the compile check: the fastest plan tried whose compiled code is within "
+                             "the budget", False, searched=True)
         else:
             choice = self.choices.choose(runtime, profile_, objective, entry, store_key, disk_key, settled)
         if not choice.settling:
             self.plans.remember(store_key, (profiled, choice.plan, choice.result))
-        chunks = None if lowest or choice.settling else self._head_chunks(graph, values, key, bound, profiled,
-                                                                          profile_, choice, budget)
+        chunks = None if fixed is not None or choice.settling else \
+            self._head_chunks(graph, values, key, bound, profiled, profile_, choice, budget)
         return self._variant(runtime, values, (key, disk_key), bound, profiled, profile_, objective, budget, choice,
                              context, time.perf_counter() - started, executor, chunks)
 
@@ -331,14 +333,6 @@ class _Choice:
     stuck: bool = False  # settling at the plan it settled at last call (see _Choices.choose)
     searched: bool = False
     prior: Prior | None = None  # the forgotten variant whose plan this is
-
-
-def _lowest_plan(profile_: GraphProfile, config: SublinearMemoryConfig) -> Plan:
-    """The plan of the lowest predicted peak on ``profile_`` within the config's time cap."""
-    try:
-        return make_plan(profile_, config, memory_budget=1).plan
-    except BudgetError as exc:  # no plan fits one byte: the error carries the lowest one found
-        return exc.lowest.plan
 
 
 def _still_best(objective: Objective, plan: Plan, profile_: GraphProfile, eager: Simulation) -> bool:

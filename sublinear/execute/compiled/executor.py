@@ -26,12 +26,15 @@ the update as a write after the forward, which a recompute does not repeat.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import hashlib
 import logging
 import os
+import types
+import unittest.mock
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import sympy
@@ -139,6 +142,7 @@ class CompiledGraph:
                  bound: Binding | None = None) -> None:
         self.graph = graph
         self.analysis = analysis
+        self.node_names = tuple(node_names)  # the joint graph's forward nodes, as the profile numbers them
         self.partitioner = PlanPartitioner(recompute_tags(analysis, node_names))
         self.scheduling = ResultsTakenAtOnce()
         self.bound = dict(bound or {})
@@ -199,6 +203,17 @@ class CompiledGraph:
             self._memory_by_uses[uses] = self._walk(uses)
         return self._memory_by_uses.get(uses, self.memory)
 
+    def memory_without_kernels(self, values: Sequence[Any], uses: Sequence[str]) -> CompiledStepMemory | None:
+        """What :meth:`memory_for` reads once compiled, read from the wrapper code inductor generates for this
+        plan without building its kernels (a few times cheaper than compiling; once compiled, the compiled code's).
+        The kernels are generated unvectorised: vectorising changes the loops inside a kernel, not the buffers the
+        wrapper allocates and frees around it."""
+        if self._walk is not None:
+            return self.memory_for(uses)
+        with _wrapper_code_only():
+            _, graphs, _, sizes = self._compile(values, self.bound)
+        return _step_memory(graphs, sizes, _device(values), self.scheduling.origins, uses)
+
     def _compile(self, values: Sequence[Any], bound: Binding) -> tuple[Callable[..., Any], list, tuple, dict]:
         """Code for ``values``' shapes, or for every size when ``bound`` is given; the forward and backward graphs
         inductor compiled with their wrappers' source; the shape guards of the code (over the family's symbols);
@@ -243,6 +258,21 @@ def _step_memory(graphs: list[tuple[bool, fx.GraphModule, str | None]], sizes: d
         return None
     kernels = kernel_memory(str(device)) if device.type in ("cpu", "cuda") else None
     return compiled_step_memory(forward[0][1:], backward[0][1:], sizes, kernels, origins, uses)
+
+
+@contextlib.contextmanager
+def _wrapper_code_only() -> Iterator[None]:
+    """Inductor generates and writes each graph's wrapper code but never loads it, so no kernel is built (the code
+    returned cannot run), unvectorised, and with its graph cache off, so that no such code is ever served."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.codecache import PyCodeCache
+
+    def unloaded(key: str, path: str, linemap: Any = None, attrs: Any = None) -> Any:
+        return types.SimpleNamespace(call=None, runner=None, __file__=path)
+
+    with unittest.mock.patch.object(PyCodeCache, "load_by_key_path", unloaded), \
+            inductor_config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}):
+        yield
 
 
 def _device(values: Sequence[Any]) -> torch.device:
