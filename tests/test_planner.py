@@ -250,6 +250,36 @@ def test_a_registered_planner_plugs_in_and_competes(resnet):
         del PLANNERS["every-other"]
 
 
+def test_a_budget_is_refused_only_when_a_search_for_the_lowest_peak_finds_no_plan_within_it(small_chain):
+    """A planner aimed at the least time within a budget may never propose the plan of the lowest peak: that plan,
+    which a search for the lowest peak (a budget of one byte) finds, still meets the budget."""
+    p = small_chain
+    n = p.num_ops
+    low = Plan.of(range(1, n, 2), n)
+
+    class LowestOnlyWhenAsked:
+        name = "lowest-only-when-asked"
+
+        def enabled(self, config):
+            return True
+
+        def propose(self, problem, pool):
+            return [problem.candidate(low, self.name)] if problem.objective.memory_budget == 1 else []
+
+    register_planner("lowest-only-when-asked", LowestOnlyWhenAsked)
+    try:
+        config = SublinearMemoryConfig(max_time_ratio=math.inf, planners=("lowest-only-when-asked",))
+        budget = simulate(p, low).peak_bytes
+        assert budget < simulate(p, Plan.no_split(n)).peak_bytes
+        result = make_plan(p, config, memory_budget=budget)
+        assert result.plan == low and result.simulation.peak_bytes <= budget
+        with pytest.raises(BudgetError) as refused:
+            make_plan(p, config, memory_budget=budget - 1)
+        assert refused.value.smallest == budget
+    finally:
+        del PLANNERS["lowest-only-when-asked"]
+
+
 def test_planners_search_without_cycle_collection_and_the_collector_comes_back(resnet):
     """A full collection of a large heap inside a planner would add its time to planning."""
     _, _, p = resnet

@@ -153,20 +153,14 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
     for c in pool:
         problem.simulations.setdefault(c.plan, c.simulation)
         found.setdefault(c.plan, c)
-    for name in config.planners:
-        planner = PLANNERS[name]()
-        if not planner.enabled(config):
-            continue
-        ranked = sorted(found.values(), key=problem.objective)
-        with _no_cycle_collection():
-            proposed = planner.propose(problem, ranked)
-        for c in proposed:
-            found.setdefault(c.plan, c)
-        best = problem.best(found.values())
-        problem.history.append(best)
-        log.info("%s: %d candidates, best peak %s at predicted time x%.3f (eager %s), %.2f s", name, len(found),
-                 format_bytes(best.simulation.peak_bytes), best.simulation.time_ratio,
-                 format_bytes(eager.simulation.peak_bytes), problem.seconds)
+    _search(problem, found, eager)
+    if memory_budget not in (None, 1) and not problem.objective.accepts(problem.best(found.values())):
+        # Planners aimed at the least time within a budget may miss the plan of the lowest peak, which a search
+        # for the lowest peak finds: a budget is refused only when that search finds none within it either.
+        lowest = PlanningProblem(profile, objective_for(config, 1), config)
+        lowest.simulations.update(problem.simulations)
+        _search(lowest, found, eager)
+        problem.simulations.update(lowest.simulations)
     ranked = sorted(found.values(), key=problem.objective)
     best = ranked[0]
     if not problem.objective.accepts(best):
@@ -183,6 +177,25 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
     history = _running_best(problem.history, problem.objective)
     return PlanningResult(best.plan, best.simulation, eager.simulation, problem.objective, tuple(ranked),
                           history, problem.seconds, best.origin)
+
+
+def _search(problem: PlanningProblem, found: dict[Plan, Candidate], eager: Candidate) -> None:
+    """Run the config's planners in turn on ``problem``, each seeded with the candidates ``found`` so far (ranked by
+    the problem's objective), adding what they propose to ``found``."""
+    for name in problem.config.planners:
+        planner = PLANNERS[name]()
+        if not planner.enabled(problem.config):
+            continue
+        ranked = sorted(found.values(), key=problem.objective)
+        with _no_cycle_collection():
+            proposed = planner.propose(problem, ranked)
+        for c in proposed:
+            found.setdefault(c.plan, c)
+        best = problem.best(found.values())
+        problem.history.append(best)
+        log.info("%s: %d candidates, best peak %s at predicted time x%.3f (eager %s), %.2f s", name, len(found),
+                 format_bytes(best.simulation.peak_bytes), best.simulation.time_ratio,
+                 format_bytes(eager.simulation.peak_bytes), problem.seconds)
 
 
 @contextlib.contextmanager
