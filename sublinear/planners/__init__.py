@@ -10,7 +10,8 @@ one-edit neighbours from the best plans found).
 
 from sublinear.planners import genetic, grid, local, mincut, optimal  # noqa: F401  (register the built-in planners)
 from sublinear.planners.base import PLANNERS, Planner, PlanningProblem, register_planner
-from sublinear.planners.driver import BudgetError, PlanningResult, hand_back, make_plan, objective_for, pareto_front
+from sublinear.planners.driver import (BudgetError, PlanningResult, hand_back, lowest_plan, make_plan, objective_for,
+                                       pareto_front)
 
-__all__ = ["BudgetError", "PLANNERS", "Planner", "PlanningProblem", "PlanningResult", "hand_back", "make_plan",
-           "objective_for", "pareto_front", "register_planner"]
+__all__ = ["BudgetError", "PLANNERS", "Planner", "PlanningProblem", "PlanningResult", "hand_back", "lowest_plan",
+           "make_plan", "objective_for", "pareto_front", "register_planner"]

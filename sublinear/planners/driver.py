@@ -26,8 +26,8 @@ from sublinear.core.profile import GraphProfile
 from sublinear.core.units import format_bytes
 from sublinear.planners.base import PLANNERS, PlanningProblem
 
-__all__ = ["MIN_SAVING", "BudgetError", "PlanningResult", "StepFloor", "hand_back", "knee", "make_plan",
-           "objective_for", "pareto_front", "step_floor"]
+__all__ = ["MIN_SAVING", "BudgetError", "PlanningResult", "StepFloor", "hand_back", "knee", "lowest_plan",
+           "make_plan", "objective_for", "pareto_front", "step_floor"]
 
 log = logging.getLogger("sublinear.planners")
 
@@ -157,10 +157,8 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
     if memory_budget not in (None, 1) and not problem.objective.accepts(problem.best(found.values())):
         # Planners aimed at the least time within a budget may miss the plan of the lowest peak, which a search
         # for the lowest peak finds: a budget is refused only when that search finds none within it either.
-        lowest = PlanningProblem(profile, objective_for(config, 1), config)
-        lowest.simulations.update(problem.simulations)
-        _search(lowest, found, eager)
-        problem.simulations.update(lowest.simulations)
+        _search(PlanningProblem(profile, objective_for(config, 1), config, simulations=problem.simulations), found,
+                eager)
     ranked = sorted(found.values(), key=problem.objective)
     best = ranked[0]
     if not problem.objective.accepts(best):
@@ -177,6 +175,14 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
     history = _running_best(problem.history, problem.objective)
     return PlanningResult(best.plan, best.simulation, eager.simulation, problem.objective, tuple(ranked),
                           history, problem.seconds, best.origin)
+
+
+def lowest_plan(profile: GraphProfile, config: SublinearMemoryConfig) -> Plan:
+    """The plan of the lowest predicted peak on ``profile`` within the config's time cap."""
+    try:
+        return make_plan(profile, config, memory_budget=1).plan
+    except BudgetError as exc:  # no plan fits one byte: the error carries the lowest one found
+        return exc.lowest.plan
 
 
 def _search(problem: PlanningProblem, found: dict[Plan, Candidate], eager: Candidate) -> None:

@@ -33,7 +33,7 @@ from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, costs_of
 from sublinear.core.units import format_bytes
 from sublinear.execute.compiled import CompiledGraph, CompiledStepMemory
-from sublinear.planners import BudgetError, make_plan
+from sublinear.planners import BudgetError, lowest_plan, make_plan
 from sublinear.planners.driver import step_floor
 from sublinear.runtime.head_chunks import HeadChunks
 from sublinear.runtime.variant import GraphVariant
@@ -161,13 +161,11 @@ class CompileCheck:
         objective = dataclasses.replace(over.objective, memory_budget=over.budget)
         try:
             result = make_plan(untaught, self.config, memory_budget=over.budget)
+        except BudgetError as exc:  # refused after a search for the lowest peak, whose plan the error carries
+            fitting, lowest = [], exc.lowest.plan
+        else:
             fitting = [c.plan for c in result.candidates if objective.accepts(c)]
-        except BudgetError:
-            fitting = []
-        try:
-            lowest = make_plan(untaught, self.config, memory_budget=1).plan
-        except BudgetError as exc:  # no plan fits one byte: the error carries the lowest one found
-            lowest = exc.lowest.plan
+            lowest = lowest_plan(untaught, self.config)
         plans = [searched.plan] if searched is not None else []
         plans += [plan for plan in (*fitting, lowest) if plan != over.plan]
         return list(dict.fromkeys(plans))[:ALTERNATES]
