@@ -121,7 +121,34 @@ class PlanPartitioner(CustomPartitionerFn):
                                           else CheckpointPolicy.MUST_SAVE)
             for node in joint.backward:  # backward stays in backward: forward saves what backward reads, as planned
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if self.applied:
+            drop_unread_saved_values(forward, backward, kwargs["num_fwd_outputs"])
+        return forward, backward
+
+
+def drop_unread_saved_values(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Forward saves only the tensors backward reads. The min-cut partitioner prunes saved values backward does not
+    read before it functionalises the random ops backward re-runs; a re-run dropout whose mask forward then saves
+    leaves the dropout's input (and what it was computed from) saved for a re-run that no longer happens, and
+    inductor keeps every saved value from forward to the end of backward."""
+    unread = {n.name: n for n in backward.graph.find_nodes(op="placeholder")
+              if not n.users and not n.name.startswith("tangents") and isinstance(n.meta.get("val"), torch.Tensor)}
+    output = forward.graph.find_nodes(op="output")[0]
+    values = list(output.args[0])
+    dropped = [i for i in range(num_fwd_outputs, len(values))
+               if isinstance(values[i], fx.Node) and values[i].name in unread]
+    if not dropped:
+        return
+    for key in ("desc", "output_stack_traces"):
+        if isinstance(output.meta.get(key), list) and len(output.meta[key]) == len(values):
+            output.meta[key] = [v for i, v in enumerate(output.meta[key]) if i not in dropped]
+    for i in dropped:
+        backward.graph.erase_node(unread[values[i].name])
+    output.args = (tuple(v for i, v in enumerate(values) if i not in dropped),)
+    forward.graph.eliminate_dead_code()
+    forward.recompile()
+    backward.recompile()
 
 
 ADMITTED_BINDINGS = 256  # sizes whose guard check is remembered per compiled graph
