@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sublinear
+import sublinear.runtime.compile_check as compile_check
 from sublinear.core import Plan
 from sublinear.execute.compiled import CompiledGraph
 from sublinear.measurement import measure_cpu_allocator
@@ -394,3 +395,29 @@ def test_a_graph_planned_as_eager_is_never_predicted_above_eager_in_a_routed_moe
         run(input_ids=ids, labels=ids).loss.backward()
     unplanned = [p for p in model.sublinear_plan.graphs if len(p.blocks) == 1]
     assert unplanned and all(p.predicted_peak_bytes <= p.baseline_peak_bytes for p in unplanned), unplanned
+
+
+@pytest.mark.slow
+def test_a_graph_captured_again_reports_the_peak_predicted_before_any_compile(monkeypatch):
+    """The classifier sets ``config.problem_type`` at its first call, so TorchDynamo captures the same graph again
+    at the second, which reuses the plan and the profile the first graph's compile check taught: the peak reported
+    as predicted before compiling is the untaught profile's for that plan and call, not the taught one (the compiled
+    step's own, which a comparison with the measured peak compares with itself). Here every op and rank is taught a
+    MiB more than its compiled code held."""
+    teach = compile_check.taught
+    monkeypatch.setattr(compile_check, "taught", lambda profile, plan, forward, backward: teach(
+        profile, plan, {op: held + 2 ** 20 for op, held in forward.items()},
+        {rank: held + 2 ** 20 for rank, held in backward.items()}))
+    torch.manual_seed(0)
+    model, _ = tiny_model("bert", "eager")
+    ids, labels = torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, 2, (BATCH,))
+    run = sublinear.apply(model.train(), dataclasses.replace(PLAIN, compiler="inductor"))
+    for _call in range(3):
+        run(input_ids=ids, labels=labels).loss.backward()
+    backend = run.forward.sublinear_backend
+    assert len(backend.graphs) == 2
+    (variant,) = backend.latest.values()
+    untaught = dataclasses.replace(variant.lesson.profiled.untaught, step_context=variant.profile.step_context)
+    (graph,) = run.sublinear_plan.graphs
+    assert graph.predicted_before_compile_bytes == simulate(untaught, variant.plan).peak_bytes
+    assert graph.predicted_before_compile_bytes + 2 ** 20 <= graph.predicted_peak_bytes

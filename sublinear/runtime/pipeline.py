@@ -157,7 +157,8 @@ class PlanPipeline:
         return GraphVariant(profile=profile_, plan=plan, simulation=sim, rewritten=rewritten, summary=summary,
                             auto_budget=self.config.memory_budget == "auto", objective=objective, planned_in=context,
                             uses=profile_.output_uses, budget=budget, settling=choice.settling, stuck=choice.stuck,
-                            bound=bound, lesson=Lesson(profiled, disk_key, chunks))
+                            bound=bound, lesson=Lesson(profiled, disk_key, chunks),
+                            simulation_before_compile=_before_compiling(profiled, profile_, plan, sim, chunks))
 
     # -- budgets ------------------------------------------------------------------------------------------------
 
@@ -347,6 +348,17 @@ def _still_best(objective: Objective, plan: Plan, profile_: GraphProfile, eager:
         return True
     eager_ok = objective.accepts(Candidate(Plan.no_split(profile_.num_ops), eager))
     return not eager_ok or plan.num_blocks == 1
+
+
+def _before_compiling(profiled: Profiled, profile: GraphProfile, plan: Plan, simulation: Simulation,
+                      chunks: HeadChunks | None) -> int:
+    """The peak predicted for ``plan`` before any compile check taught the profile (``profile``'s context and
+    chunks): a variant planned again after its graph compiled (the call that shows what the caller does with the
+    outputs, or the compile check's alternate) is simulated on the taught profile, which predicts compiled code."""
+    if not profiled.lessons:
+        return simulation.peak_bytes
+    untaught = dataclasses.replace(profiled.untaught, step_context=profile.step_context, sharding=profile.sharding)
+    return simulate(chunks.applied(untaught) if chunks is not None else untaught, plan).peak_bytes
 
 
 def _entry(profile_: GraphProfile, plan: Plan, history: list) -> dict:

@@ -38,10 +38,10 @@ class GraphVariant:
     bound: Binding = field(default_factory=dict)  # a dynamic graph's sizes its plan was made for (and serves below)
     checked: bool = False  # compiled, and what the compiled code holds read back
     lesson: Any = None  # what the compile check needs to teach the profile (the pipeline's record)
-    simulation_before_compile: int = 0
+    simulation_before_compile: int = 0  # the plan's peak as predicted before any compile (0: simulation's)
 
     def __post_init__(self) -> None:
-        self.simulation_before_compile = self.simulation.peak_bytes
+        self.simulation_before_compile = self.simulation_before_compile or self.simulation.peak_bytes
 
     @property
     def peak_bytes(self) -> int:
