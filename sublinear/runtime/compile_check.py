@@ -65,6 +65,10 @@ class Profiled:
     def __post_init__(self) -> None:
         self.untaught = self.profile
 
+    def untaught_as(self, profile: GraphProfile) -> GraphProfile:
+        """The profile before any lesson, in ``profile``'s step context and sharding."""
+        return dataclasses.replace(self.untaught, sharding=profile.sharding, step_context=profile.step_context)
+
 
 @dataclasses.dataclass(frozen=True)
 class Lesson:
@@ -122,7 +126,7 @@ class CompileCheck:
         budget, compiled; none fitting, BudgetError with the lowest peak read back."""
         budget, lowest = over.budget, Candidate(over.plan, over.simulation)
         searched = self._searched(runtime, over, values, key)
-        untaught = self._untaught(over)
+        untaught = over.lesson.profiled.untaught_as(over.profile)
         walked = {_partition(over.rewritten): over.rewritten.memory_for(over.uses)}  # plans of one partition: one code
         for plan in self._alternates(over, untaught, searched):
             if searched is not None and plan == searched.plan:
@@ -169,12 +173,6 @@ class CompileCheck:
         plans = [searched.plan] if searched is not None else []
         plans += [plan for plan in (*fitting, lowest) if plan != over.plan]
         return list(dict.fromkeys(plans))[:ALTERNATES]
-
-    @staticmethod
-    def _untaught(variant: GraphVariant) -> GraphProfile:
-        """The variant's profile before any compile check taught it, in the variant's step context."""
-        return dataclasses.replace(variant.lesson.profiled.untaught, sharding=variant.profile.sharding,
-                                   step_context=variant.profile.step_context)
 
     def _teach(self, variant: GraphVariant, memory: CompiledStepMemory, afresh: bool = False) -> None:
         """Teach the variant's profile (and the cached profile of its signature) what its compiled code held;

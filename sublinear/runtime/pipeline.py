@@ -357,7 +357,7 @@ def _before_compiling(profiled: Profiled, profile: GraphProfile, plan: Plan, sim
     outputs, or the compile check's alternate) is simulated on the taught profile, which predicts compiled code."""
     if not profiled.lessons:
         return simulation.peak_bytes
-    untaught = dataclasses.replace(profiled.untaught, step_context=profile.step_context, sharding=profile.sharding)
+    untaught = profiled.untaught_as(profile)
     return simulate(chunks.applied(untaught) if chunks is not None else untaught, plan).peak_bytes
 
 

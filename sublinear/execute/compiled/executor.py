@@ -128,16 +128,16 @@ class PlanPartitioner(CustomPartitionerFn):
 
 
 def drop_unread_saved_values(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int) -> None:
-    """Forward saves only the tensors backward reads. The min-cut partitioner prunes saved values backward does not
-    read before it functionalises the random ops backward re-runs; a re-run dropout whose mask forward then saves
-    leaves the dropout's input (and what it was computed from) saved for a re-run that no longer happens, and
-    inductor keeps every saved value from forward to the end of backward."""
+    """Forward saves only the tensors backward reads. The min-cut partitioner's backward can re-run a random op
+    nothing reads (dead-code elimination keeps random ops), so forward saves that op's input; its pass reordering
+    backward as autograd runs it then drops the re-run, leaving the input saved and unread, and inductor keeps every
+    saved value from forward to the end of backward."""
     unread = {n.name: n for n in backward.graph.find_nodes(op="placeholder")
               if not n.users and not n.name.startswith("tangents") and isinstance(n.meta.get("val"), torch.Tensor)}
     output = forward.graph.find_nodes(op="output")[0]
     values = list(output.args[0])
-    dropped = [i for i in range(num_fwd_outputs, len(values))
-               if isinstance(values[i], fx.Node) and values[i].name in unread]
+    dropped = {i for i in range(num_fwd_outputs, len(values))
+               if isinstance(values[i], fx.Node) and values[i].name in unread}
     if not dropped:
         return
     for key in ("desc", "output_stack_traces"):
