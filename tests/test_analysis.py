@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from sublinear.core import Plan, StorageState, analyse
+from sublinear.core.analysis import keeping
 
 from conftest import chain, hand_profile
 
@@ -76,3 +77,16 @@ def test_a_shared_recompute_reads_a_kept_value_saved_unless_it_is_part_of_a_tupl
 
     assert ranks(hand_profile(6, storages, reads, outputs={1: (2,)})) == {0: 1, 1: 1, 2: 3}
     assert ranks(hand_profile(6, storages, reads, outputs={1: (1, 2)})) == {0: 3, 1: 3, 2: 3}
+
+
+def test_keeping_retains_what_the_plan_retained_on_another_profile_of_the_graph_and_nothing_more():
+    # Storage 1 returned and held by the caller on one profile (retained: the code partitioned there saves it), let
+    # go when forward returns on the other (rebuilt there by the same plan): keeping op 1 describes that code.
+    storages = [(i, i + 1 if i + 1 < 6 else 6, (i + 1,) if i + 1 < 6 else ()) for i in range(6)]
+    held = hand_profile(6, [(0, 1, (1,)), (1, 6, (2,)), *storages[2:]], {i + 1: [(i, (i,))] for i in range(5)})
+    dropped, plan = chain(6), Plan.of([2], 6)
+    assert analyse(held, plan).state[1] == RETAINED and analyse(dropped, plan).state[1] == REBUILT
+    kept = keeping(dropped, plan, analyse(held, plan).retained)
+    assert kept == Plan.of([2], 6, kept=[1])
+    assert list(analyse(dropped, kept).state) == list(analyse(held, plan).state)
+    assert keeping(dropped, plan, analyse(dropped, plan).retained) is plan

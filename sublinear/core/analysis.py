@@ -25,7 +25,7 @@ import numpy as np
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile
 
-__all__ = ["PlanAnalysis", "StorageState", "analyse"]
+__all__ = ["PlanAnalysis", "StorageState", "analyse", "keeping"]
 
 
 class StorageState(IntEnum):
@@ -253,3 +253,15 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
         closure.append(sorted(members))
     return PlanAnalysis(plan, block_of, group_of, recomputed, state, closure, trigger, frame_end, last_split[group_of],
                         profile)
+
+
+def keeping(profile: GraphProfile, plan: Plan, retained: np.ndarray) -> Plan:
+    """``plan`` with every op kept whose storages ``retained`` (per storage of ``profile``) marks and ``plan`` does not
+    retain: a plan's code partitioned where the caller held the graph's outputs saves the outputs backward reads,
+    which that plan retains, where the caller drops them, rebuilds. The same plan when it retains them all."""
+    state = analyse(profile, plan).state
+    lost = np.asarray(retained, dtype=bool) & (state != StorageState.RETAINED)
+    if not lost.any():
+        return plan
+    ops = {int(o) for o in profile.storage_producer[lost] if o >= 0}
+    return Plan.normal(plan.split_points, plan.kept | ops, plan.soft)

@@ -22,7 +22,7 @@ from sublinear.capture.lm_head import with_chunk_rows
 from sublinear.capture.lm_head_op import LINEAR_CROSS_ENTROPY, chunked_linear_cross_entropy
 from sublinear.capture.shapes import Binding
 from sublinear.config import SublinearMemoryConfig
-from sublinear.core.analysis import analyse
+from sublinear.core.analysis import analyse, keeping
 from sublinear.core.objective import Candidate, Objective, Simulation
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, costs_of, with_costs
@@ -114,7 +114,8 @@ class PlanPipeline:
             choice = _Choice(fixed, None, "the compile check: the fastest plan tried whose compiled code is within "
                              "the budget", False, searched=True)
         else:
-            choice = self.choices.choose(runtime, profile_, objective, entry, store_key, disk_key, settled)
+            choice = self.choices.choose(runtime, profile_, objective, entry, (store_key, disk_key, key, bound),
+                                         settled)
         if not choice.settling:
             self.plans.remember(store_key, (profiled, choice.plan, choice.result))
         chunks = None if fixed is not None or choice.settling else \
@@ -240,8 +241,7 @@ class _Executors:
         check walks that code under the new uses (planning again if it is above the budget)."""
         if profiled.node_names is None:
             return rewrite(graph, profile_, plan)
-        if (prior is not None and isinstance(prior.rewritten, CompiledGraph) and prior.rewritten.compiled
-                and (prior.key, prior.bound) == (key, bound)):
+        if prior is not None and prior.keeps_code(key, bound):
             return prior.rewritten
         compiled = CompiledGraph(graph, analyse(profile_, plan), profiled.node_names, bound)
         compiled_key = (graph.code, key, tuple(sorted(bound.items())), compiled.partitioner.uuid(),
@@ -268,13 +268,13 @@ class _Choices:
         return code in self.overrides
 
     def choose(self, runtime: GraphRuntime, profile_: GraphProfile, objective: Objective, entry: dict | None,
-               store_key: tuple, disk_key: str, settled: bool) -> _Choice:
+               keys: tuple[tuple, str, tuple, Binding], settled: bool) -> _Choice:
         """The plan to run: the user's (``use()``), this session's or the disk's when it still meets the objective,
         the previous variant's when it does, else a search (stored on disk). Under a budget, a graph of an
         unsettled call that fits no plan yet runs its lowest-peak plan until the call's other graphs are planned for
         it, as does one whose outputs are guessed held (no call has shown what the caller does with them) where
         dropping them could bring the lowest peak within the budget."""
-        code = runtime.graph.code
+        code, (store_key, disk_key, key, bound) = runtime.graph.code, keys
         cached = self.plans.recall(store_key)
         plan, result = (cached[1], cached[2]) if cached is not None else \
             ((Plan.from_dict(entry), None) if entry is not None else (None, None))
@@ -288,11 +288,13 @@ class _Choices:
         if plan is not None:
             log.info("sublinear: the stored plan for graph %d no longer meets %s; planning again", runtime.index,
                      objective.describe())
-        elif prior is not None and prior.plan.split_points[-1] == profile_.num_ops - 1 and \
-                _still_best(objective, prior.plan, prior.chunks.applied(profile_) if prior.chunks else profile_, eager):
-            # What the latest call showed (its outputs' uses, the other graphs) changed the profile; the plan
-            # still meets the objective, and keeping it keeps its compiled code.
-            return _Choice(prior.plan, None, "the previous plan, which still meets the objective", False, prior=prior)
+        elif prior is not None and prior.plan.split_points[-1] == profile_.num_ops - 1:
+            # What the latest call showed (its outputs' uses, the other graphs) changed the profile; the plan (as its
+            # compiled code, which is kept, runs under the new profile) still meets the objective.
+            at_chunks = prior.chunks.applied(profile_) if prior.chunks else profile_
+            kept = prior.running(at_chunks, key, bound)
+            if _still_best(objective, kept, at_chunks, eager):
+                return _Choice(kept, None, "the previous plan, which still meets the objective", False, prior=prior)
         try:
             result = make_plan(profile_, self.config, memory_budget=objective.memory_budget)
         except BudgetError as exc:
@@ -322,6 +324,19 @@ class Prior:
     bound: Binding
     chunks: HeadChunks | None = None  # the LM heads' chunks its executor runs (None: as captured)
     settling: bool = False  # it ran its lowest peak until the call's other graphs were planned for it
+
+    def keeps_code(self, key: tuple, bound: Binding) -> bool:
+        """Whether a variant at ``key`` and ``bound`` runs this variant's compiled code rather than compiling again."""
+        return isinstance(self.rewritten, CompiledGraph) and self.rewritten.compiled and \
+            (self.key, self.bound) == (key, bound)
+
+    def running(self, profile_: GraphProfile, key: tuple, bound: Binding) -> Plan:
+        """The plan that describes what runs on ``profile_`` at ``key`` and ``bound``: where the compiled code is
+        kept, the plan with the ops kept whose storages that code saves (:func:`keeping`), so that the variant
+        simulates, reports and budgets the partition that runs, not one its uses would give afresh."""
+        if not self.keeps_code(key, bound):
+            return self.plan
+        return keeping(profile_, self.plan, self.rewritten.analysis.retained)
 
 
 @dataclasses.dataclass(frozen=True)
