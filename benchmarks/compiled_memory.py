@@ -3,6 +3,7 @@
     python benchmarks/compiled_memory.py --jobs 2 --out docs/compiled_memory.md
     python benchmarks/compiled_memory.py --device cuda --jobs 8 --out docs/compiled_memory_cuda.md
     python benchmarks/compiled_memory.py --rng inductor --jobs 2   # torch.compile's own random numbers
+    python benchmarks/compiled_memory.py --size large --jobs 2     # the set at 5-40 MiB a step (large_models.py)
 
 For each model (the third-party set of ``benchmarks/third_party.py``, random-initialised from small configs, the
 zoo's ResNet-50, and two causal LMs whose vocabulary-sized head decides the peak), in its own subprocess with an
@@ -46,6 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import large_models  # noqa: E402
 import third_party  # noqa: E402
 
 FRACTIONS = (0.02, 0.35, 0.7)
@@ -56,6 +58,7 @@ TOLERANCE, FLOOR = 0.02, 256 * 1024
 
 DEVICE = "cpu"  # where the subprocess runs its model (--device)
 RNG = "aten"  # aten: inductor's fallback_random (dropout draws as eager's); inductor: its own random numbers (--rng)
+SIZE = "small"  # small: third_party.py's configs; large: large_models.py's (--size)
 KEPT_BY_FIRST_STEP = 0  # CUDA: bytes the first eager step left allocated (the cuBLAS workspaces), measured in run_one
 
 
@@ -94,7 +97,8 @@ def _build(name: str):
     elif name in HEAD_TITLES:
         model, args, kwargs, extra, loss_fn = _head_model(name)
     else:
-        model, batches, loss_fn = third_party.MODELS[name][2]()
+        builder = large_models.BUILDERS[name] if SIZE == "large" else third_party.MODELS[name][2]
+        model, batches, loss_fn = builder()
         args, kwargs, extra = batches[0]
     args, kwargs, extra = tree_map(lambda v: v.to(DEVICE) if isinstance(v, torch.Tensor) else v,
                                    (args, kwargs, extra))
@@ -226,13 +230,13 @@ def run_one(name: str, path: str) -> None:
     torch.save(res, path)
 
 
-def _subprocess(name: str, folder: str, timeout: float, device: str, rng: str) -> dict:
+def _subprocess(name: str, folder: str, timeout: float, flags: list[str]) -> dict:
     path = os.path.join(folder, f"{name}.pt")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix=f"inductor-{name}-", dir=folder),
            "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "2"}
     with open(os.path.join(folder, f"{name}.log"), "w") as log:
         try:
-            subprocess.run([sys.executable, __file__, "--device", device, "--rng", rng, "--one", name, path],
+            subprocess.run([sys.executable, __file__, *flags, "--one", name, path],
                            stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env, check=False)
         except subprocess.TimeoutExpired:
             timed_out = f"timed out after {timeout:.0f} s"
@@ -292,7 +296,8 @@ def _rows(res: dict) -> tuple[list[str], dict]:
     return rows, checks
 
 
-def report(results: list[dict], seconds: float, command: str, device: str, rng: str = "aten") -> str:
+def report(results: list[dict], seconds: float, command: str, device: str, rng: str = "aten",
+           size: str = "small") -> str:
     where = (f"{platform.machine()} CPU, {os.cpu_count()} cores, 1 thread per run" if device == "cpu" else
              f"{torch.cuda.get_device_name(device)} (the caching allocator's peak), {os.cpu_count()} CPU cores")
     lines = ["# Compiled step memory: predicted before compiling, and budgets", "",
@@ -302,6 +307,8 @@ def report(results: list[dict], seconds: float, command: str, device: str, rng: 
              "inputs, activations and gradients). Budgets: no budget, then 0.02, 0.35 and 0.7 of the way from the "
              "lowest predicted peak any plan reaches (what `memory_budget=1` reports) to eager's measured peak (or the "
              "no-budget plan's predicted peak, when higher). "
+             + ("The third-party models at large_models.py's sizes (width 128, 4x128 tokens, 64x64 images). "
+                if size == "large" else "") +
              "Error: before compiling against measured. Random numbers: "
              + ("aten's (inductor's `fallback_random`)." if rng == "aten" else
                 "inductor's own (torch.compile's default, `fallback_random` off)."), "",
@@ -341,10 +348,12 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--rng", choices=("aten", "inductor"), default="aten",
                         help="aten: inductor's fallback_random (the default here); inductor: its own random numbers")
+    parser.add_argument("--size", choices=("small", "large"), default="small",
+                        help="large: the third-party models at large_models.py's sizes")
     parser.add_argument("--out", default=None)
     options = parser.parse_args()
-    global DEVICE, RNG
-    DEVICE, RNG = options.device, options.rng
+    global DEVICE, RNG, SIZE
+    DEVICE, RNG, SIZE = options.device, options.rng, options.size
     if options.one:
         run_one(*options.one)
         return
@@ -352,12 +361,12 @@ def main() -> None:
     command = f"python benchmarks/compiled_memory.py {' '.join(sys.argv[1:])}"
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(options.jobs) as pool:
-        futures = {pool.submit(_subprocess, name, folder, options.timeout, options.device, options.rng): name
-                   for name in options.models}
+        flags = ["--device", options.device, "--rng", options.rng, "--size", options.size]
+        futures = {pool.submit(_subprocess, name, folder, options.timeout, flags): name for name in options.models}
         for future in as_completed(futures):  # the report so far, rewritten as each model finishes
             results[futures[future]] = future.result()
             text = report([results[m] for m in options.models if m in results], time.perf_counter() - start,
-                          command, options.device, options.rng)
+                          command, options.device, options.rng, options.size)
             if options.out:
                 Path(options.out).write_text(text)
     print(text)
