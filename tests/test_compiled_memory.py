@@ -390,7 +390,14 @@ def _dropout_chain() -> nn.Module:
                            for _ in range(3)])
 
 
+def _dropout_of_a_fused_value() -> nn.Module:
+    """A dropout whose input only it reads (a GELU's output), as in the third-party set's custom model."""
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.1),
+                         nn.Linear(64, 10))
+
+
 CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "dropout": (_dropout_chain, (256, 256)),
+         "fused-dropout": (_dropout_of_a_fused_value, (4096, 32)),
          "recurrence": (_Recurrence, (8, 16, 64)),
          "attention": (_Attention, (4, 128, 64)), "pointwise": (_pointwise_chain, (256, 128)),
          "geglu": (_geglu_blocks, (2, 256, 64)),
@@ -454,6 +461,18 @@ def _predicted_before_compiling_and_measured(case: str, plan_for=lambda n: Plan.
     assert graph.predicted_before_compile_bytes == before
     assert graph.compiled_peak_bytes <= graph.predicted_peak_bytes <= max(before, graph.compiled_peak_bytes)
     assert np.all(compiled.sublinear_profile.grad_peak >= profile.grad_peak)  # taught, never lowered
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="not modelled: under fallback_random the profile fuses the GELU into the "
+                   "dropout as into a reduction (predicted 10 % under); counted as the library call it is (its input a "
+                   "buffer, its float mask scratch), this case is met but the dropout-chain case is 5.3 % over")
+def test_a_dropout_inductor_falls_back_on_holds_its_input_and_its_scratch():
+    """Under ``fallback_random`` inductor calls aten's dropout, a library kernel: the GELU's output it reads is a
+    buffer (not fused into it), and the call makes its mask in float before the boolean one it returns (17.6 %
+    of the step's peak missing at 4,096 rows)."""
+    with torch._inductor.config.patch(fallback_random=True):
+        _predicted_before_compiling_and_measured("fused-dropout", Plan.no_split)
 
 
 @pytest.mark.slow
