@@ -87,9 +87,9 @@ def _lm_batches(batch: int = 2, seq: int = 16):
     return out
 
 
-def _seq2seq_batches():
+def _seq2seq_batches(batch: int = 2, source: int = 12, target: int = 8):
     g = _gen()
-    return [((), {"input_ids": _ids(g, 2, 12), "labels": _ids(g, 2, 8)}, {}) for _ in range(STEPS)]
+    return [((), {"input_ids": _ids(g, batch, source), "labels": _ids(g, batch, target)}, {}) for _ in range(STEPS)]
 
 
 def _image_batches(batch: int = 4, size: int = 32, classes: int = 10):
@@ -102,23 +102,23 @@ def _cross_entropy(out, extra):
     return F.cross_entropy(out, extra["target"])
 
 
-def bert():
+def bert(width: int = 32, batch: int = 2, seq: int = 16):
     from transformers import BertConfig, BertForSequenceClassification
-    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                     max_position_embeddings=128, num_labels=3)
+    cfg = BertConfig(vocab_size=100, hidden_size=width, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=2 * width, max_position_embeddings=max(128, 2 * seq), num_labels=3)
     g = _gen()
-    batches = [((), {"input_ids": _ids(g, 2, 16), "attention_mask": torch.ones(2, 16, dtype=torch.long),
-                     "labels": torch.randint(0, 3, (2,), generator=g)}, {}) for _ in range(STEPS)]
+    batches = [((), {"input_ids": _ids(g, batch, seq), "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+                     "labels": torch.randint(0, 3, (batch,), generator=g)}, {}) for _ in range(STEPS)]
     return BertForSequenceClassification(cfg), batches, _hf_loss
 
 
-def _gpt2_model():
+def _gpt2_model(width: int = 32, positions: int = 64):
     from transformers import GPT2Config, GPT2LMHeadModel
-    return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=width, n_layer=2, n_head=4, n_positions=positions))
 
 
-def gpt2():
-    return _gpt2_model(), _lm_batches(), _hf_loss
+def gpt2(width: int = 32, batch: int = 2, seq: int = 16):
+    return _gpt2_model(width, max(64, 2 * seq)), _lm_batches(batch, seq), _hf_loss
 
 
 def gpt2_checkpointing():
@@ -127,22 +127,22 @@ def gpt2_checkpointing():
     return model, _lm_batches(), _hf_loss
 
 
-def _llama_model():
+def _llama_model(width: int = 32, positions: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(vocab_size=100, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions)
     return LlamaForCausalLM(cfg)
 
 
-def llama():
-    return _llama_model(), _lm_batches(), _hf_loss
+def llama(width: int = 32, batch: int = 2, seq: int = 16):
+    return _llama_model(width, max(64, 2 * seq)), _lm_batches(batch, seq), _hf_loss
 
 
-def t5():
+def t5(width: int = 32, batch: int = 2, source: int = 12, target: int = 8):
     from transformers import T5Config, T5ForConditionalGeneration
-    cfg = T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-    return T5ForConditionalGeneration(cfg), _seq2seq_batches(), _hf_loss
+    cfg = T5Config(vocab_size=100, d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=2, num_decoder_layers=2,
+                   num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return T5ForConditionalGeneration(cfg), _seq2seq_batches(batch, source, target), _hf_loss
 
 
 def vit():
@@ -210,12 +210,12 @@ def clip():
     return CLIPModel(cfg), batches, _hf_loss
 
 
-def mixtral():
+def mixtral(width: int = 32, batch: int = 2, seq: int = 16):
     from transformers import MixtralConfig, MixtralForCausalLM
-    cfg = MixtralConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = MixtralConfig(vocab_size=100, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        router_jitter_noise=0.1, output_router_logits=True, max_position_embeddings=64)
-    return MixtralForCausalLM(cfg), _lm_batches(), _hf_loss
+                        router_jitter_noise=0.1, output_router_logits=True, max_position_embeddings=max(64, 2 * seq))
+    return MixtralForCausalLM(cfg), _lm_batches(batch, seq), _hf_loss
 
 
 def qwen2_moe():
@@ -293,11 +293,11 @@ def qwen2_vl():
     return Qwen2VLForConditionalGeneration(cfg), batches, _hf_loss
 
 
-def mamba():
+def mamba(width: int = 32, state: int = 8, rank: int = 4, batch: int = 2, seq: int = 16):
     from transformers import MambaConfig, MambaForCausalLM
-    cfg = MambaConfig(vocab_size=100, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
-                      time_step_rank=4, use_mambapy=False)
-    return MambaForCausalLM(cfg), _lm_batches(), _hf_loss
+    cfg = MambaConfig(vocab_size=100, hidden_size=width, state_size=state, num_hidden_layers=2, expand=2,
+                      conv_kernel=4, time_step_rank=rank, use_mambapy=False)
+    return MambaForCausalLM(cfg), _lm_batches(batch, seq), _hf_loss
 
 
 def mamba2():
@@ -342,39 +342,39 @@ def bart():
     return BartForConditionalGeneration(cfg), _seq2seq_batches(), _hf_loss
 
 
-def llama_lora():
+def llama_lora(width: int = 32, batch: int = 2, seq: int = 16):
     import peft
-    model = peft.get_peft_model(_llama_model(), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
-                                                                target_modules=["q_proj", "v_proj"],
-                                                                task_type="CAUSAL_LM"))
-    return model, _lm_batches(), _hf_loss
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"],
+                           task_type="CAUSAL_LM")
+    model = peft.get_peft_model(_llama_model(width, max(64, 2 * seq)), lora)
+    return model, _lm_batches(batch, seq), _hf_loss
 
 
-def unet():
+def unet(batch: int = 2, size: int = 16):
     from diffusers import UNet2DConditionModel
-    model = UNet2DConditionModel(sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64),
+    model = UNet2DConditionModel(sample_size=size, in_channels=4, out_channels=4, block_out_channels=(32, 64),
                                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
                                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), layers_per_block=1,
                                  cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
     g = _gen()
     batches = []
     for _ in range(STEPS):
-        sample = torch.randn(2, 4, 16, 16, generator=g)
-        batches.append(((sample, torch.tensor([10, 500])),
-                        {"encoder_hidden_states": torch.randn(2, 8, 32, generator=g)},
-                        {"target": torch.randn(2, 4, 16, 16, generator=g)}))
+        sample = torch.randn(batch, 4, size, size, generator=g)
+        batches.append(((sample, torch.tensor([10, 500, 20, 900][:batch])),
+                        {"encoder_hidden_states": torch.randn(batch, 8, 32, generator=g)},
+                        {"target": torch.randn(batch, 4, size, size, generator=g)}))
     return model, batches, lambda out, extra: F.mse_loss(out.sample, extra["target"])
 
 
-def autoencoder_kl():
+def autoencoder_kl(batch: int = 2, size: int = 16):
     from diffusers import AutoencoderKL
     model = AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(32, 64),
                           down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                          latent_channels=4, norm_num_groups=8, sample_size=16)
+                          latent_channels=4, norm_num_groups=8, sample_size=size)
     g = _gen()
     batches = []
     for _ in range(STEPS):
-        x = torch.randn(2, 3, 16, 16, generator=g)
+        x = torch.randn(batch, 3, size, size, generator=g)
         batches.append(((x,), {"sample_posterior": True}, {"target": x}))
     return model, batches, lambda out, extra: F.mse_loss(out.sample, extra["target"])
 
@@ -446,24 +446,24 @@ def _import_timm():
     return timm
 
 
-def timm_vit():
+def timm_vit(width: int = 64, batch: int = 4, size: int = 32):
     timm = _import_timm()
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=64,
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=size, patch_size=8, embed_dim=width,
                               depth=2, num_heads=4, num_classes=10, drop_rate=0.1, drop_path_rate=0.1)
-    return model, _image_batches(), _cross_entropy
+    return model, _image_batches(batch, size), _cross_entropy
 
 
-def timm_convnext():
+def timm_convnext(width: int = 16, batch: int = 4, size: int = 32):
     timm = _import_timm()
-    model = timm.create_model("convnext_atto", pretrained=False, depths=(1, 1, 1, 1), dims=(16, 32, 48, 64),
-                              num_classes=10, drop_path_rate=0.1)
-    return model, _image_batches(), _cross_entropy
+    model = timm.create_model("convnext_atto", pretrained=False, depths=(1, 1, 1, 1),
+                              dims=(width, 2 * width, 3 * width, 4 * width), num_classes=10, drop_path_rate=0.1)
+    return model, _image_batches(batch, size), _cross_entropy
 
 
-def timm_resnet():
+def timm_resnet(batch: int = 4, size: int = 32):
     _import_timm()
     from timm.models.resnet import BasicBlock, ResNet
-    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10), _image_batches(), _cross_entropy
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10), _image_batches(batch, size), _cross_entropy
 
 
 class _ScaleSquare(torch.autograd.Function):
@@ -498,9 +498,9 @@ class CustomModel(nn.Module):
         return self.c(self.drop(F.gelu(self.b(h))))
 
 
-def custom():
+def custom(rows: int = 8):
     g = _gen()
-    batches = [((torch.randn(8, 32, generator=g),), {}, {"target": torch.randint(0, 10, (8,), generator=g)})
+    batches = [((torch.randn(rows, 32, generator=g),), {}, {"target": torch.randint(0, 10, (rows,), generator=g)})
                for _ in range(STEPS)]
     return CustomModel(), batches, _cross_entropy
 
