@@ -56,6 +56,10 @@ class OpProfile:
     # into the backward kernels that read it (no launch, no write of a value that is no buffer there). None: as
     # forward.
     rerun_seconds: float | None = None
+    # Bytes the op's own allocations hold while backward re-runs it, where they differ from its forward's: a value
+    # that is a buffer only because a random op that is never re-run reads it (aten's dropout, called as a library
+    # kernel under inductor's fallback_random) is fused into its readers there. None: as forward.
+    rerun_extra_bytes: int | None = None
     # Bytes a compile check found the compiled forward holding at the op beyond the simulation: counted at its
     # forward only (a re-run in backward is compiled into other kernels, and taught at the rank it runs at).
     forward_lesson_bytes: int = 0
@@ -239,6 +243,12 @@ class GraphProfile:
     def forward_extra(self) -> np.ndarray:
         """Per op: ``forward_extra_bytes``."""
         return np.array([op.forward_extra_bytes for op in self.ops], dtype=np.int64)
+
+    @functools.cached_property
+    def rerun_extra(self) -> np.ndarray:
+        """Per op: ``rerun_extra_bytes``, else ``forward_extra_bytes``."""
+        return np.array([op.forward_extra_bytes if op.rerun_extra_bytes is None else op.rerun_extra_bytes
+                         for op in self.ops], dtype=np.int64)
 
     @functools.cached_property
     def forward_lesson(self) -> np.ndarray:

@@ -175,7 +175,8 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
                      flops=costs.flops[o], forward_extra_bytes=costs.extra[o], snapshot_bytes=0,
                      random=any(draws_random(fw[i]) for i in members),
                      mutates_state=any(writes_input(fw[i]) for i in members), pin_reason=grouping.pinned.get(o, ""),
-                     forward_seconds=costs.seconds[o], rerun_seconds=costs.rerun[o])
+                     forward_seconds=costs.seconds[o], rerun_seconds=costs.rerun[o],
+                     rerun_extra_bytes=costs.rerun_extra[o])
            for o, members in enumerate(grouping.nodes)]
     op_inputs: list[dict[int, set[int]]] = [defaultdict(set) for _ in range(n_ops)]
     for key, readers in reads.readers.items():

@@ -15,7 +15,7 @@ from sublinear.capture.dynamo import INPUT, PARAMETER
 from sublinear.capture.joint import JointGraph, data_inputs
 from sublinear.profiling.compiled_dataflow import OpGrouping, StorageReads, StepStorages
 from sublinear.profiling.compiled_nodes import (
-    InductorKinds, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
+    InductorKinds, draws_random, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
 )
 from sublinear.profiling.compiled_realize import kernel_segments, stored_by_lowering
 from sublinear.profiling.costs import DeviceRates
@@ -74,6 +74,7 @@ class ForwardCosts:
     flops: list[int]
     in_place: set[int]
     fused_from: dict[int, int]
+    rerun_extra: list[int]  # ``extra`` less the buffers only random library calls, never re-run, read
 
 
 def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
@@ -118,7 +119,24 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
         extra[o] = max(0, extra[o] - size_of[key])
     if storages.layout_copies:  # made by the forward's first kernel, beside what its first op makes
         extra[0] += sum(size_of[key] for key in storages.layout_copies)
-    return ForwardCosts(extra, seconds, rerun, flops, in_place, fused_from)
+    rerun_extra = list(extra)
+    for key in _read_by_random_calls_only(fw, storages, kinds) & tracked:
+        if materialized(key):
+            o = grouping.op_of_node[produced[key]]
+            rerun_extra[o] = max(0, rerun_extra[o] - size_of[key])
+    return ForwardCosts(extra, seconds, rerun, flops, in_place, fused_from, rerun_extra)
+
+
+def _read_by_random_calls_only(fw: list[fx.Node], storages: StepStorages, kinds: InductorKinds) -> set[int]:
+    """The values only library kernels that draw random numbers read among library kernels (aten's dropout under
+    inductor's fallback_random): random ops are never re-run, so re-run in backward these need no buffer."""
+    random_reads: set[int] = set()
+    other_reads: set[int] = set()
+    for node in fw:
+        if kinds.extern(node):
+            reads = random_reads if draws_random(node) else other_reads
+            reads.update(key for arg in data_inputs(node) for key in storages.keys_of(arg))
+    return random_reads - other_reads
 
 
 def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, materialized,

@@ -29,6 +29,9 @@ _FUSIBLE = ("aten.embedding.default", "aten.index.Tensor", "aten.full.default", 
 _STORED = ("prims.inductor_random.default",)
 # Matrix products inductor calls as library kernels although they are not in its needs-realized set.
 _EXTERN = ("aten.addmm.default", "aten.baddbmm.default", "aten.addbmm.default", "aten._addmm_activation.default")
+# Random ops inductor runs as aten's own kernels under its ``fallback_random`` (else it draws their numbers itself).
+_RANDOM_FALLBACKS = ("aten.native_dropout.default", "aten.rand.default", "aten.randn.default", "aten.bernoulli.p",
+                     "aten.bernoulli_.float")
 # The convolutions, forward and backward: inductor may run them on channels-last copies of their tensors.
 CONVOLUTION_OPS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 
@@ -51,10 +54,11 @@ class InductorKinds:
     (extern), or make a buffer of its result with its inputs fused in (reductions and the rest)."""
 
     def __init__(self) -> None:
-        from torch._inductor import lowering  # noqa: PLC0415
+        from torch._inductor import config, lowering  # noqa: PLC0415
 
         self.realized_inputs, self.fallbacks = frozenset(lowering.needs_realized_inputs), frozenset(lowering.fallbacks)
-        self.fusible_ops, self.extern_ops, self.stored_ops = _ops(_FUSIBLE), _ops(_EXTERN), _ops(_STORED)
+        self.fusible_ops, self.stored_ops = _ops(_FUSIBLE), _ops(_STORED)
+        self.extern_ops = _ops(_EXTERN) | (_ops(_RANDOM_FALLBACKS) if config.fallback_random else frozenset())
 
     def fusible(self, node: fx.Node) -> bool:
         target = node.target

@@ -71,7 +71,7 @@ class FlatModel:
         self.grad_peak = np.asarray(p.grad_peak, dtype=np.int64)
         self.grad_after = np.asarray(p.grad_after_release, dtype=np.int64)
         self.op_seconds = p.op_seconds
-        self.rerun_extra = p.forward_extra  # at a recompute (a forward lesson is the op's forward's only)
+        self.rerun_extra = p.rerun_extra  # at a recompute (a forward lesson is the op's forward's only)
         self.forward_extra = p.forward_extra + p.forward_lesson  # at the op's forward
         self.snapshot = np.array([op.snapshot_bytes for op in p.ops], dtype=np.int64)
         stays = self.stays = np.zeros(n, dtype=bool)

@@ -175,7 +175,8 @@ def _slot_terms(profile: GraphProfile, at: _Layout, forward_extra: np.ndarray
     ops = np.empty(end + 1, dtype=np.int64)
     ranks = np.full(end + 1, -1, dtype=np.int64)
     extra[:n], kinds[:n], ops[:n] = forward_extra + profile.forward_lesson, _FORWARD, np.arange(n)
-    extra[at.c_slot] = forward_extra[at.c_ops] + profile.grad_start[at.c_ranks]
+    rerun_extra = np.maximum(0, forward_extra - (profile.forward_extra - profile.rerun_extra))
+    extra[at.c_slot] = rerun_extra[at.c_ops] + profile.grad_start[at.c_ranks]
     kinds[at.c_slot], ops[at.c_slot], ranks[at.c_slot] = _RECOMPUTE, at.c_ops, at.c_ranks
     every_rank = np.arange(len(node_op))
     for slot, kind, side in ((at.backward_slot, _BACKWARD, profile.grad_peak),
