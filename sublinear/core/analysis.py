@@ -256,9 +256,10 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
 
 
 def keeping(profile: GraphProfile, plan: Plan, retained: np.ndarray) -> Plan:
-    """``plan`` with every op kept whose storages ``retained`` (per storage of ``profile``) marks and ``plan`` does not
-    retain: a plan's code partitioned where the caller held the graph's outputs saves the outputs backward reads,
-    which that plan retains, where the caller drops them, rebuilds. The same plan when it retains them all."""
+    """``plan`` with every op kept that makes a storage ``retained`` marks (per storage of ``profile``) and ``plan``
+    does not retain on ``profile``: the plan a kept compiled code runs. Code partitioned while the caller held the
+    graph's outputs saves the ones backward reads (the plan retains them there); once the caller drops them, the
+    same plan would rebuild them, and keeping their ops describes the code. ``plan`` itself when nothing differs."""
     state = analyse(profile, plan).state
     lost = np.asarray(retained, dtype=bool) & (state != StorageState.RETAINED)
     if not lost.any():

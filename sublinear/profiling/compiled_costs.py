@@ -128,8 +128,8 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
 
 
 def _read_by_random_calls_only(fw: list[fx.Node], storages: StepStorages, kinds: InductorKinds) -> set[int]:
-    """The values only library kernels that draw random numbers read among library kernels (aten's dropout under
-    inductor's fallback_random): random ops are never re-run, so re-run in backward these need no buffer."""
+    """Forward values that no library kernel reads but random ones (aten's dropout under inductor's
+    fallback_random): random ops are never re-run, so where backward re-runs the op making one, it needs no buffer."""
     random_reads: set[int] = set()
     other_reads: set[int] = set()
     for node in fw:
