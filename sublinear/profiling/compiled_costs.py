@@ -15,7 +15,7 @@ from sublinear.capture.dynamo import INPUT, PARAMETER
 from sublinear.capture.joint import JointGraph, data_inputs
 from sublinear.profiling.compiled_dataflow import OpGrouping, StorageReads, StepStorages
 from sublinear.profiling.compiled_nodes import (
-    InductorKinds, draws_random, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
+    InductorKinds, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
 )
 from sublinear.profiling.compiled_realize import kernel_segments, stored_by_lowering
 from sublinear.profiling.costs import DeviceRates
@@ -120,23 +120,12 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
     if storages.layout_copies:  # made by the forward's first kernel, beside what its first op makes
         extra[0] += sum(size_of[key] for key in storages.layout_copies)
     rerun_extra = list(extra)
-    for key in _read_by_random_calls_only(fw, storages, kinds) & tracked:
+    for key in (reads.needs_buffer - reads.rerun_needs_buffer) & tracked:
         if materialized(key):
             o = grouping.op_of_node[produced[key]]
             rerun_extra[o] = max(0, rerun_extra[o] - size_of[key])
     return ForwardCosts(extra, seconds, rerun, flops, in_place, fused_from, rerun_extra)
 
-
-def _read_by_random_calls_only(fw: list[fx.Node], storages: StepStorages, kinds: InductorKinds) -> set[int]:
-    """Forward values that no library kernel reads but random ones (aten's dropout under inductor's
-    fallback_random): random ops are never re-run, so where backward re-runs the op making one, it needs no buffer."""
-    random_reads: set[int] = set()
-    other_reads: set[int] = set()
-    for node in fw:
-        if kinds.extern(node):
-            reads = random_reads if draws_random(node) else other_reads
-            reads.update(key for arg in data_inputs(node) for key in storages.keys_of(arg))
-    return random_reads - other_reads
 
 
 def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, materialized,

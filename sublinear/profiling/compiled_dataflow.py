@@ -206,6 +206,10 @@ class StorageReads:
     rank_of_backward: list[int]
     uses: tuple[str, ...]
     output_keys: tuple[int, ...]  # per tensor output, the storage forward made for it (-1: none)
+    # those of ``needs_buffer`` that a library kernel other than a random op reads: random ops are never re-run, so
+    # a value only they read among library kernels (aten's dropout under inductor's fallback_random) is no buffer
+    # where backward re-runs the op making it
+    rerun_needs_buffer: set[int]
 
 
 def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, storages: StepStorages,
@@ -217,6 +221,7 @@ def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping,
     produced = storages.produced_by
     readers: dict[int, set[int]] = defaultdict(set)
     needs_buffer: set[int] = set()
+    rerun_needs_buffer: set[int] = set()
     for i, node in enumerate(fw):
         for arg in data_inputs(node):
             for key in storages.read_keys(node, arg):
@@ -224,6 +229,8 @@ def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping,
                     readers[key].add(op_of_node[i])
                     if kinds.extern(node):
                         needs_buffer.add(key)
+                        if not draws_random(node):
+                            rerun_needs_buffer.add(key)
     for key in storages.layout_copies:  # forward returns the copy for backward whatever the plan
         readers[key].add(n_ops - 1)
     output_use, uses, output_keys = _output_uses(joint, graph, storages, uses)
@@ -244,8 +251,9 @@ def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping,
                     last_backward_read[key] = max(last_backward_read.get(key, at), at)
                     if kinds.extern(node):
                         needs_buffer.add(key)
+                        rerun_needs_buffer.add(key)
     return StorageReads(readers, needs_buffer, output_use, saved_at, last_backward_read, rank_of_backward, uses,
-                        output_keys)
+                        output_keys, rerun_needs_buffer)
 
 
 def _output_uses(joint: JointGraph, graph: CapturedGraph, storages: StepStorages,
