@@ -520,6 +520,35 @@ def test_a_value_a_fused_backward_kernel_reads_is_held_until_that_kernel_has_run
     assert all(min(p.storage_saved_at[s]) <= reading[1] for s in saved), [(s, p.storage_saved_at[s]) for s in saved]
 
 
+class _ConvThenPointwise(nn.Module):
+    """A convolution reading a GELU's output, under pointwise ops whose backward is one fused kernel spanning their
+    ranks: inductor re-runs the GELU inside that kernel, just before the convolution's backward reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.scale = nn.Parameter(torch.rand(8, 1, 1) + 0.5)
+
+    def forward(self, x):
+        h = self.c2(F.gelu(self.c1(x)))
+        return torch.sin(torch.tanh(h) * self.scale)
+
+
+def test_a_value_a_library_kernel_reads_is_given_the_first_rank_of_the_fused_kernel_before_it():
+    """The convolution's backward reads the GELU's output; the fused kernel before that call (the backward of the
+    pointwise ops above it, one kernel) re-runs the GELU and allocates it with its own buffers, at its first rank."""
+    torch.manual_seed(0)
+    model = _ConvThenPointwise().train()
+    graph = sublinear.capture.dynamo.capture(model, (torch.randn(2, 3, 8, 8),)).graph
+    p = profile_joint(trace_joint(graph, graph.example_values), graph, None, measure_scratch=False).profile
+    gelu = next(o for o, op in enumerate(p.ops) if "gelu" in op.name)
+    convolution = next(o for o, op in enumerate(p.ops) if "c2" in op.name)
+    read = [s for s in p.op_storages[gelu] if convolution in p.storage_saved_by[s]]
+    assert read, [(s, p.storage_saved_by[s]) for s in p.op_storages[gelu]]
+    assert all(p.storage_kernel_start[s] == p.num_ops - 1 > convolution for s in read), \
+        [(s, p.storage_kernel_start[s]) for s in read]
+
+
 def test_a_value_a_fused_backward_kernel_reads_below_its_first_rank_is_given_that_rank():
     """The one kernel of a backward without library calls starts at the highest rank; every forward value its later
     ranks read is marked with that rank (re-run inside the kernel, it takes memory from there), and a library

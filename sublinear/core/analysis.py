@@ -153,7 +153,7 @@ class PlanAnalysis:
     @cached_property
     def kernel_start(self) -> np.ndarray:
         """Per storage, where recomputes are shared: the rank from whose backward on its re-run copy takes memory
-        because a fused backward kernel spanning several ranks re-runs it (``storage_kernel_start``), -1 where
+        because a fused backward kernel starting at a higher rank re-runs it (``storage_kernel_start``), -1 where
         none does. Not a library kernel's result, nor a value re-run from one that is re-run too: inductor runs
         that call on its own, before the fused kernel that reads it, and where the kernel then runs is not known;
         such a value keeps the ranks that read it."""

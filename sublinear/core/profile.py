@@ -211,8 +211,8 @@ class GraphProfile:
     storage_made_from: list[tuple[int, ...]] = field(default_factory=list)
     storage_deadline: np.ndarray = field(default_factory=_empty)
     # Per storage, for a compiled step (empty: none known): the first (highest) rank of a fused backward kernel
-    # spanning several ranks that reads it below that rank (-1: none), and whether a library kernel makes it. The
-    # kernel allocates all its buffers before it runs, a value it re-runs inside it among them.
+    # that reads it below that rank, or that runs just before a library kernel reading it (-1: none), and whether a
+    # library kernel makes it. The kernel allocates all its buffers before it runs, a value it re-runs among them.
     storage_kernel_start: np.ndarray = field(default_factory=_empty)
     storage_library_made: np.ndarray = field(default_factory=lambda: _empty(bool))
     # A compiled backward runs each recomputed op once, in the block whose recompute comes first, and keeps its

@@ -213,8 +213,8 @@ class BackwardWalk:
     # Held to the kernel's last rank but one: what that rank re-runs, the compiled code re-runs after the kernel
     # (right before its reader), the simulation before the rank's backward
     kernel_end: dict[int, int]
-    # forward value -> the highest rank of the fused kernel spanning several ranks that reads it: the kernel
-    # allocates its buffers, a re-run copy of the value among them, before its first rank's backward
+    # forward value -> the highest rank of the fused kernel that re-runs it below that rank, for itself or for the
+    # library call after it: the kernel allocates its buffers, the re-run copy among them, before that rank's backward
     kernel_start: dict[int, int]
 
 
@@ -365,18 +365,24 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
 
 def _kernel_starts(bw: list[fx.Node], ranks: Sequence[int], storages: StepStorages, kinds: InductorKinds
                    ) -> dict[int, int]:
-    """Per forward value that a fused backward kernel spanning several ranks reads at a rank below its first:
-    that first (highest) rank. The kernel allocates all its buffers before it runs, so a value it re-runs inside
-    it takes memory from there on."""
+    """Per forward value that a fused backward kernel reads at a rank below its first: that first (highest) rank.
+    The kernel allocates all its buffers before it runs, so a value it re-runs inside it takes memory from there on.
+    A value a library kernel reads is re-run just before that call, in the fused kernel of the nodes between it and
+    the library call before (inductor's C++ backend runs every fused node between two library calls as one
+    function): where that kernel starts at a higher rank, the value is given that rank too."""
     starts: dict[int, int] = {}
+    previous_top = -1  # the first rank of the fused kernel just before, -1 after a library call
     for segment in kernel_segments(bw, kinds):
         top = max(ranks[k] for k in segment)
+        library = kinds.extern(bw[segment[0]])
+        start = previous_top if library else top
         for k in segment:
-            if ranks[k] == top:
+            if ranks[k] >= start:
                 continue
             for key in (key for arg in data_inputs(bw[k]) for key in storages.keys_of(arg)):
                 if key in storages.produced_by:
-                    starts[key] = max(starts.get(key, -1), top)
+                    starts[key] = max(starts.get(key, -1), start)
+        previous_top = -1 if library else top
     return starts
 
 
