@@ -155,10 +155,14 @@ def make_plan(profile: GraphProfile, config: SublinearMemoryConfig | None = None
         found.setdefault(c.plan, c)
     _search(problem, found, eager)
     if memory_budget not in (None, 1) and not problem.objective.accepts(problem.best(found.values())):
-        # Planners aimed at the least time within a budget may miss the plan of the lowest peak, which a search
-        # for the lowest peak finds: a budget is refused only when that search finds none within it either.
-        _search(PlanningProblem(profile, objective_for(config, 1), config, simulations=problem.simulations), found,
-                eager)
+        # Planners aimed at the least time within a budget may miss the plan of the lowest peak: a budget is refused
+        # only when the search for the lowest peak finds none within it either. That search is ``memory_budget=1``'s,
+        # from eager alone and nothing simulated (the local search climbs from every plan simulated so far: from the
+        # budget's, it settles elsewhere), so a budget above the peak that ``memory_budget=1`` names is met.
+        lowest = {eager.plan: eager}
+        _search(PlanningProblem(profile, objective_for(config, 1), config), lowest, eager)
+        for plan, c in lowest.items():
+            found.setdefault(plan, c)
     ranked = sorted(found.values(), key=problem.objective)
     best = ranked[0]
     if not problem.objective.accepts(best):
