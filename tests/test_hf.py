@@ -433,6 +433,7 @@ def test_compiled_code_kept_for_outputs_the_caller_drops_is_predicted_as_it_runs
     from sublinear.core.analysis import analyse
     from sublinear.execute.compiled.executor import recompute_tags
 
+    torch._dynamo.reset()  # GPT-2's frames captured fresh (static), whatever GPT-2 ran in this process before
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)).train()
