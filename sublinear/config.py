@@ -66,6 +66,12 @@ class SublinearMemoryConfig:
         elsewhere or whose operands differ in dtype is left alone); equal to float rounding, not bit for bit.
         None (default): on where inductor runs the graph and when planning on the meta device, off on sublinear's
         eager executor; True or False: on or off everywhere.
+    channels_last: how inductor lays out convolutions. True: as it chooses (on the CPU with oneDNN, channels-last
+        for every graph with a convolution: each activation and weight a convolution reads in another layout is
+        copied, and forward keeps the copies backward reads); False: in the layouts traced (inductor's
+        ``layout_optimization`` off); None (default): inductor's choice unless the layouts traced predict a lower peak
+        for the unplanned step. Both layouts compute the same values; the time model does not see which layout's
+        kernels are faster.
     max_sizes: the largest shape of the forward's tensor arguments, by argument name (``{"input_ids": (32, 512)}``;
         None for a dimension left to TorchDynamo). Every dimension of the arguments is then dynamic from the first
         call, and the one plan is made for these sizes, so it serves every smaller shape. Without it a size that
@@ -88,6 +94,7 @@ class SublinearMemoryConfig:
     cache_dir: str | None = None
     chunk_lm_heads: bool | None = None
     fuse_attention: bool | None = None
+    channels_last: bool | None = None
     max_sizes: Mapping[str, Sequence[int | None]] | None = None
 
     def __post_init__(self) -> None:
@@ -135,6 +142,9 @@ class SublinearMemoryConfig:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None (on where inductor runs the graph); "
                                  f"got {getattr(self, name)!r}")
+        if self.channels_last is not None and not isinstance(self.channels_last, bool):
+            raise ValueError(f"channels_last must be True (inductor's layout), False (the layouts traced) or None "
+                             f"(the one of lower predicted peak); got {self.channels_last!r}")
         if self.max_sizes is not None:
             object.__setattr__(self, "max_sizes", _max_sizes(self.max_sizes))
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):

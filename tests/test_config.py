@@ -31,7 +31,7 @@ def test_bounds_give_a_clear_error_instead_of_hanging(field, value, message):
     ("thresh_nr_try", -1), ("thresh_nr_try", 2.5), ("thresh_nr_try", True), ("genetic_nr_iter", -3),
     ("genetic_pool_size", 0), ("lb_memory", -1), ("num_worker", 0), ("memory_budget", 0),
     ("memory_budget", "11 gigs"), ("lb_memory", "-1GiB"), ("seed", -1), ("cache_dir", 3), ("chunk_lm_heads", 1),
-    ("fuse_attention", "yes"),
+    ("fuse_attention", "yes"), ("channels_last", "auto"),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

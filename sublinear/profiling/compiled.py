@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph, mo
 from sublinear.capture.joint import JointGraph
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
+from sublinear.core.units import format_bytes
 from sublinear.profiling.compiled_costs import (
     BackwardWalk, ForwardCosts, GradientSide, forward_costs, materialized_predicate, walk_backward,
 )
@@ -56,9 +58,11 @@ from sublinear.profiling.kernels import blas_workspace_bytes, kernel_memory, run
 from sublinear.profiling.record import StepRecord, assemble
 from sublinear.training import DROPPED, held_to_end
 
-__all__ = ["CompiledProfile", "profile_joint"]
+__all__ = ["CompiledProfile", "profile_compiled_step", "profile_joint"]
 
 CUDA_ALLOCATION_GRANULARITY = 512
+
+log = logging.getLogger("sublinear")
 
 
 @dataclass(frozen=True)
@@ -70,11 +74,36 @@ class CompiledProfile:
     profile: GraphProfile
     node_names: tuple[str, ...]
     backward_ranks: dict[str, int] = dataclasses.field(default_factory=dict)
+    layout_optimization: bool = True  # inductor's setting the step is profiled under (and compiled with)
+    channels_last: bool = False  # whether, under it, inductor lays the convolutions out channels-last
+
+
+def profile_compiled_step(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] | None,
+                          channels_last: bool | None = None) -> CompiledProfile:
+    """The profile of ``graph``'s step under the convolution layout the config asks for (``channels_last``: True,
+    inductor's own choice; False, the layouts as traced). None: inductor's choice unless the layouts as traced
+    predict a lower peak of the unplanned step. Channels-last convolutions copy every activation and weight they
+    read that is laid out otherwise, and forward keeps the copies backward reads, so inductor's choice (made for
+    speed, always with oneDNN on the CPU) can raise the step's memory above eager's."""
+    if channels_last is False:
+        return profile_joint(joint, graph, uses, layout_optimization=False)
+    inductors = profile_joint(joint, graph, uses)
+    if channels_last or not inductors.channels_last:
+        return inductors
+    as_traced = profile_joint(joint, graph, uses, layout_optimization=False)
+    lower = as_traced.profile.measured_peak_bytes < inductors.profile.measured_peak_bytes
+    log.info("sublinear: convolutions %s: the unplanned step's peak is predicted at %s channels-last (inductor's "
+             "layout), %s as traced (channels_last=%s sets it)", "as traced" if lower else "channels-last",
+             format_bytes(inductors.profile.measured_peak_bytes), format_bytes(as_traced.profile.measured_peak_bytes),
+             not lower)
+    return as_traced if lower else inductors
 
 
 def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] | None,
-                  rates: DeviceRates | None = None, measure_scratch: bool = True) -> CompiledProfile:
-    """The profile of ``graph``'s training step as inductor compiles it from ``joint``.
+                  rates: DeviceRates | None = None, measure_scratch: bool = True,
+                  layout_optimization: bool = True) -> CompiledProfile:
+    """The profile of ``graph``'s training step as inductor compiles it from ``joint`` (with its
+    ``layout_optimization`` setting).
 
     ``uses``: per tensor output of the graph, what the call does with it (gradient, held, dropped; see
     :func:`sublinear.profiling.graph.profile`); None: as :func:`sublinear.training.step_backward` by default.
@@ -85,7 +114,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     device = next((t.device for n in joint.primals for t in tensor_leaves(n.meta.get("val"))), torch.device("cpu"))
     granule = CUDA_ALLOCATION_GRANULARITY if device.type == "cuda" else 1
     rates = rates or (device_rates(str(device)) if device.type in ("cpu", "cuda") else REFERENCE_GPU)
-    channels_last = channels_last_convolutions(joint.gm)
+    channels_last = layout_optimization and channels_last_convolutions(joint.gm)
     grouping = group_ops(fw, kinds)
     storages = step_storages(joint, graph, fw, granule, channels_last)
     reads = storage_reads(joint, graph, grouping, storages, kinds, uses)
@@ -109,7 +138,8 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
                                   .peak_bytes)
     flows = _gradient_flows(joint)
     return CompiledProfile(profile, tuple(node.name for node in fw),
-                           {node.name: reads.rank_of_backward[k] for k, node in enumerate(bw) if node in flows})
+                           {node.name: reads.rank_of_backward[k] for k, node in enumerate(bw) if node in flows},
+                           layout_optimization, channels_last)
 
 
 def _constants(storages: StepStorages, fw: list[fx.Node], kinds: InductorKinds) -> set[int]:

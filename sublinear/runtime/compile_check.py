@@ -53,12 +53,13 @@ ALTERNATES = 8  # plans judged by their wrapper code when a compiled step is abo
 @dataclasses.dataclass
 class Profiled:
     """A graph's profile at one signature, with what compiling it needs (the joint graph's forward node names and
-    backward ranks; None for the eager executor), how many times a compile check taught it, and the profile as it
-    was before (``untaught``)."""
+    backward ranks, None for the eager executor; inductor's layout setting), how many times a compile check taught
+    it, and the profile as it was before (``untaught``)."""
 
     profile: GraphProfile
     node_names: tuple[str, ...] | None
     backward_ranks: dict[str, int] | None
+    layout_optimization: bool = True  # inductor's setting it was profiled under, which its code is compiled with
     lessons: int = 0
     untaught: GraphProfile = dataclasses.field(init=False)
 

@@ -29,7 +29,7 @@ from sublinear.core.profile import GraphProfile, costs_of, with_costs
 from sublinear.execute.compiled import CompiledGraph
 from sublinear.execute.eager import RewrittenGraph, rewrite
 from sublinear.planners import BudgetError, PlanningResult, make_plan, objective_for
-from sublinear.profiling.compiled import profile_joint
+from sublinear.profiling.compiled import profile_compiled_step
 from sublinear.profiling.graph import profile
 from sublinear.runtime.calls import upcoming_context
 from sublinear.runtime.compile_check import CompileCheck, Lesson, Profiled, may_fit_without_guessed_outputs
@@ -197,8 +197,9 @@ class _Profiles:
         profiled = self.profiled.get(profile_key)
         at_bound = graph.sizes.stand_ins(values, bound) if bound else values  # profiled at the plan's sizes
         if compiler == "inductor" and profiled is None:
-            compiled = profile_joint(self.joint(graph, values, key, bound), graph, uses)
-            profiled = Profiled(compiled.profile, compiled.node_names, compiled.backward_ranks)
+            compiled = profile_compiled_step(self.joint(graph, values, key, bound), graph, uses, config.channels_last)
+            profiled = Profiled(compiled.profile, compiled.node_names, compiled.backward_ranks,
+                                compiled.layout_optimization)
         if entry is not None:
             if profiled is None:  # the eager executor's costs come from the entry: no timing runs
                 estimated = profile(graph, at_bound, cost_model="estimate", uses=uses)
@@ -243,7 +244,8 @@ class _Executors:
             return rewrite(graph, profile_, plan)
         if prior is not None and prior.keeps_code(key, bound):
             return prior.rewritten
-        compiled = CompiledGraph(graph, analyse(profile_, plan), profiled.node_names, bound)
+        compiled = CompiledGraph(graph, analyse(profile_, plan), profiled.node_names, bound,
+                                 profiled.layout_optimization)
         compiled_key = (graph.code, key, tuple(sorted(bound.items())), compiled.partitioner.uuid(),
                         tuple(head.rows for head in graph.lm_heads))
         return self.compiled.setdefault(compiled_key, compiled)
