@@ -74,8 +74,7 @@ class CompiledProfile:
     profile: GraphProfile
     node_names: tuple[str, ...]
     backward_ranks: dict[str, int] = dataclasses.field(default_factory=dict)
-    layout_optimization: bool = True  # inductor's setting the step is profiled under (and compiled with)
-    channels_last: bool = False  # whether, under it, inductor lays the convolutions out channels-last
+    channels_last: bool = False  # convolutions laid out channels-last (the code is compiled so, forward and backward)
 
 
 def profile_compiled_step(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] | None,
@@ -139,7 +138,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     flows = _gradient_flows(joint)
     return CompiledProfile(profile, tuple(node.name for node in fw),
                            {node.name: reads.rank_of_backward[k] for k, node in enumerate(bw) if node in flows},
-                           layout_optimization, channels_last)
+                           channels_last)
 
 
 def _constants(storages: StepStorages, fw: list[fx.Node], kinds: InductorKinds) -> set[int]:

@@ -5,6 +5,7 @@ convolutions run channels-last, and a library call's scratch space measured on t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -207,6 +208,39 @@ def _counted_inside(node: fx.Node) -> int:
 _TENSOR = "<tensor>"
 
 
+def _lowered_convolution_layouts(target, args: tuple, inputs: dict[str, TensorLayout]) -> None:
+    """The layouts inductor's lowering gives a convolution's tensors outside channels-last graphs: forward, the
+    input and the weight in the stride order of the output as aten lays it out; backward, for the weight's gradient
+    the output's gradient and the input in that gradient's order, then for the input's gradient the output's
+    gradient and the weight in its order. (A depthwise weight's gradient has two strides of 1, so its order puts the
+    input's channels between its rows and columns, and aten takes no channels-last scratch.)"""
+    from torch._inductor.ir import FlexibleLayout, get_stride_order  # noqa: PLC0415
+
+    def meta(name: str) -> torch.Tensor:
+        layout = inputs[name]
+        return torch.empty_strided(layout.shape, layout.stride, dtype=getattr(torch, layout.dtype), device="meta")
+
+    def require(names: Sequence[str], made: torch.Tensor) -> None:
+        order = get_stride_order(made.stride())
+        for name in names:
+            layout = inputs[name]
+            if list(get_stride_order(layout.stride)) != list(order):
+                inputs[name] = dataclasses.replace(layout, stride=tuple(FlexibleLayout.stride_ordered(layout.shape,
+                                                                                                      order)))
+
+    if target is torch.ops.aten.convolution.default:
+        source, weight = args[0][1], args[1][1]
+        require((source, weight), torch.ops.aten.convolution.default(meta(source), meta(weight), None, *args[3:]))
+        return
+    grad, source, weight = (arg[1] for arg in args[:3])
+    for which, required in ((1, (grad, source)), (0, (grad, weight))):
+        if args[10][which]:
+            flags = [i == which for i in range(3)]
+            made = torch.ops.aten.convolution_backward.default(meta(grad), meta(source), meta(weight), None,
+                                                               *args[4:10], flags)[which]
+            require(required, made)
+
+
 def _library_run(node: fx.Node, channels_last: bool) -> KernelRun | None:
     """``node`` run alone on tensors of its arguments' layouts (None when an argument's value is unknown)."""
     if not isinstance(node.target, torch._ops.OpOverload):
@@ -231,6 +265,8 @@ def _library_run(node: fx.Node, channels_last: bool) -> KernelRun | None:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), described)
     except LookupError:
         return None
+    if node.target in CONVOLUTION_OPS and not (channels_last and len(inputs["t0"].shape) == 4):
+        _lowered_convolution_layouts(node.target, args, inputs)
     target = node.target
     key = f"{target}{args}{kwargs}{sorted((n, tuple(layout.__dict__.values())) for n, layout in inputs.items())}"
 

@@ -53,13 +53,13 @@ ALTERNATES = 8  # plans judged by their wrapper code when a compiled step is abo
 @dataclasses.dataclass
 class Profiled:
     """A graph's profile at one signature, with what compiling it needs (the joint graph's forward node names and
-    backward ranks, None for the eager executor; inductor's layout setting), how many times a compile check taught
+    backward ranks, None for the eager executor; the convolutions' layout), how many times a compile check taught
     it, and the profile as it was before (``untaught``)."""
 
     profile: GraphProfile
     node_names: tuple[str, ...] | None
     backward_ranks: dict[str, int] | None
-    layout_optimization: bool = True  # inductor's setting it was profiled under, which its code is compiled with
+    channels_last: bool = False  # whether its convolutions are laid out channels-last (its code is compiled so)
     lessons: int = 0
     untaught: GraphProfile = dataclasses.field(init=False)
 
@@ -135,7 +135,7 @@ class CompileCheck:
             else:
                 variant, profile = None, untaught
                 graph = CompiledGraph(runtime.graph, analyse(untaught, plan), over.lesson.profiled.node_names,
-                                      over.bound)
+                                      over.bound, channels_last=over.lesson.profiled.channels_last)
             if _partition(graph) not in walked:
                 walked[_partition(graph)] = graph.memory_without_kernels(values, over.uses)
             candidate = _read_back(runtime.index, walked[_partition(graph)], profile, plan)

@@ -199,7 +199,7 @@ class _Profiles:
         if compiler == "inductor" and profiled is None:
             compiled = profile_compiled_step(self.joint(graph, values, key, bound), graph, uses, config.channels_last)
             profiled = Profiled(compiled.profile, compiled.node_names, compiled.backward_ranks,
-                                compiled.layout_optimization)
+                                compiled.channels_last)
         if entry is not None:
             if profiled is None:  # the eager executor's costs come from the entry: no timing runs
                 estimated = profile(graph, at_bound, cost_model="estimate", uses=uses)
@@ -245,7 +245,7 @@ class _Executors:
         if prior is not None and prior.keeps_code(key, bound):
             return prior.rewritten
         compiled = CompiledGraph(graph, analyse(profile_, plan), profiled.node_names, bound,
-                                 profiled.layout_optimization)
+                                 channels_last=profiled.channels_last)
         compiled_key = (graph.code, key, tuple(sorted(bound.items())), compiled.partitioner.uuid(),
                         tuple(head.rows for head in graph.lm_heads))
         return self.compiled.setdefault(compiled_key, compiled)

@@ -166,14 +166,14 @@ class CompiledGraph:
     """
 
     def __init__(self, graph: CapturedGraph, analysis: PlanAnalysis, node_names: Sequence[str],
-                 bound: Binding | None = None, layout_optimization: bool = True) -> None:
+                 bound: Binding | None = None, *, channels_last: bool) -> None:
         self.graph = graph
         self.analysis = analysis
         self.node_names = tuple(node_names)  # the joint graph's forward nodes, as the profile numbers them
         self.partitioner = PlanPartitioner(recompute_tags(analysis, node_names))
         self.scheduling = ResultsTakenAtOnce()
         self.bound = dict(bound or {})
-        self.layout_optimization = layout_optimization  # inductor's setting, as the plan's profile was made
+        self.channels_last = channels_last  # convolutions laid out channels-last, as the plan's profile has them
         self._compiled: Callable[..., Any] | None = None
         self._guards: tuple[Any, ...] = ()  # sympy expressions over the family's symbols
         self._admitted: dict[tuple, Callable[..., Any]] = {}  # binding -> the code serving it
@@ -264,8 +264,7 @@ class CompiledGraph:
         with functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False), \
                 torch._inductor.virtualized.V.set_choices_handler(NearFusionChoices()):
             code = compile_fx(labelled_copy(self.graph.graph_module), inputs, inner_compile=inner,
-                              config_patches=compile_patches(self.partitioner, self.scheduling,
-                                                             self.layout_optimization))
+                              config_patches=compile_patches(self.partitioner, self.scheduling, self.channels_last))
         if not bound:
             return code, graphs, (), {}
         env = torch._guards.detect_fake_mode(inputs).shape_env
@@ -453,23 +452,23 @@ def _made_early(scheduler, first, later) -> int:
 
 
 def compile_patches(partitioner: CustomPartitionerFn, scheduling: ResultsTakenAtOnce,
-                    layout_optimization: bool = True) -> dict[str, Any]:
+                    channels_last: bool) -> dict[str, Any]:
     """Inductor settings for a planned graph: the plan's partition; every buffer freed after its last use (inductor
     otherwise keeps a dead buffer until a later one of the same size takes its place, which in a backward that
     recomputes holds dead activations for most of the step; the allocator reuses the memory itself); kernels in the
     order of the partitioned graphs, which is what the plan's memory model follows (inductor's own reordering for
     peak memory follows its estimate instead), matrix products among them (:mod:`.products`); and library calls'
-    results taken out at once; and, where the profile has the convolutions as traced, inductor's layout optimization
-    off (else inductor's setting stands, which the profile read)."""
+    results taken out at once; and inductor's layout optimization off where the profile has the convolutions as
+    traced (else inductor's setting stands, which the profile read)."""
     return {"custom_partitioner_fn": partitioner, "allow_buffer_reuse": False, "reorder_for_peak_memory": False,
             "_post_fusion_custom_pass": scheduling, **product_passes(),
-            **({} if layout_optimization else {"layout_optimization": False})}
+            **({} if channels_last else {"layout_optimization": False})}
 
 
 def compile_plan(graph: CapturedGraph, compiled: CompiledProfile, plan: Plan) -> CompiledGraph:
     """``graph`` under ``plan`` (for ``compiled.profile``), to be compiled by inductor at its first call."""
     return CompiledGraph(graph, analyse(compiled.profile, plan), compiled.node_names,
-                         layout_optimization=compiled.layout_optimization)
+                         channels_last=compiled.channels_last)
 
 
 @functools.cache
