@@ -118,7 +118,8 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     storages = step_storages(joint, graph, fw, granule, channels_last)
     reads = storage_reads(joint, graph, grouping, storages, kinds, uses)
     measured = measure_scratch and device.type in ("cpu", "cuda")
-    scratch = library_scratch(fw + bw, kinds, channels_last, kernel_memory(str(device)) if measured else None)
+    scratch = library_scratch(fw + bw, kinds, channels_last, kernel_memory(str(device)) if measured else None,
+                              set(fw))
     materialized = materialized_predicate(storages, reads, kinds, fw)
     through = _read_through_rebuilt(fw, storages, reads, materialized)
     tracked = _tracked(grouping, storages, reads, through)

@@ -6,6 +6,8 @@ convolutions run channels-last, and a library call's scratch space measured on t
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -182,22 +184,37 @@ def estimate_node_seconds(node: fx.Node, node_flops: int, keys_of, materialized,
 
 
 def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_last: bool,
-                    kernels: KernelMemory | None) -> dict[fx.Node, int]:
+                    kernels: KernelMemory | None, forward: set[fx.Node]) -> dict[fx.Node, int]:
     """Per library node: the bytes its kernel allocates inside the call beyond its results, measured on the
-    device, with convolutions' tensors channels-last where inductor lays them out so. Where nothing is measured
-    (``kernels`` None: planning on meta), an operator whose allocations are its Python code's (sublinear's chunked LM
-    head) is still counted, by running its code on meta; the library kernels it calls may hold more on a device."""
+    device, with convolutions' tensors in the layouts inductor gives them, and the copies inductor makes into those
+    layouts before the call. Where nothing is measured (``kernels`` None: planning on meta), an operator whose
+    allocations are its Python code's (sublinear's chunked LM head) is still counted, by running its code on meta;
+    the library kernels it calls may hold more on a device."""
     if kernels is None:
         return {node: _counted_inside(node) for node in nodes if node.target in COUNTED_INSIDE}
-    runs = {node: run for node in nodes if kinds.extern(node) and (run := _library_run(node, channels_last))}
-    kernels.measure(list(runs.values()))
+    runs = {node: run for node in nodes
+            if kinds.extern(node) and (run := _library_run(node, channels_last, _laid_out(node, kinds, forward)))}
+    kernels.measure([run for run, _ in runs.values()])
     scratch = {}
-    for node, run in runs.items():
+    for node, (run, copied) in runs.items():
         measured = kernels.get(run.key)
         if measured is not None:
             results = sum(hint(t.untyped_storage().nbytes()) for t in tensor_leaves(node.meta.get("val")))
-            scratch[node] = max(0, measured.inside_peak - results)
+            scratch[node] = max(0, measured.inside_peak - results) + copied
     return scratch
+
+
+def _laid_out(node: fx.Node, kinds: InductorKinds, forward: set[fx.Node]):
+    """Whether an argument of ``node`` has its layout fixed before the call (a graph input, a library kernel's
+    result, a forward value backward reads, or a view of one), so that another layout is a copy; a fused kernel's
+    result takes the layout its reader asks for."""
+    backward = node not in forward
+
+    def fixed(arg: fx.Node) -> bool:
+        while arg.args and isinstance(arg.args[0], fx.Node) and (is_view(arg) or arg.target is operator.getitem):
+            arg = arg.args[0]
+        return arg.op == "placeholder" or kinds.extern(arg) or (backward and arg in forward)
+    return fixed
 
 
 def _counted_inside(node: fx.Node) -> int:
@@ -208,30 +225,37 @@ def _counted_inside(node: fx.Node) -> int:
 _TENSOR = "<tensor>"
 
 
-def _lowered_convolution_layouts(target, args: tuple, inputs: dict[str, TensorLayout]) -> None:
+def _lowered_convolution_layouts(target, args: tuple, inputs: dict[str, TensorLayout], fixed: set[str]) -> int:
     """The layouts inductor's lowering gives a convolution's tensors outside channels-last graphs: forward, the
     input and the weight in the stride order of the output as aten lays it out; backward, for the weight's gradient
     the output's gradient and the input in that gradient's order, then for the input's gradient the output's
     gradient and the weight in its order. (A depthwise weight's gradient has two strides of 1, so its order puts the
-    input's channels between its rows and columns, and aten takes no channels-last scratch.)"""
+    input's channels between its rows and columns, and aten takes no channels-last scratch.) Returns the bytes of
+    the copies: a tensor in ``fixed`` (its layout fixed before) is copied into each other layout asked for; a fused
+    kernel's result is made in the layout its reader asks for."""
     from torch._inductor.ir import FlexibleLayout, get_stride_order  # noqa: PLC0415
 
     def meta(name: str) -> torch.Tensor:
         layout = inputs[name]
         return torch.empty_strided(layout.shape, layout.stride, dtype=getattr(torch, layout.dtype), device="meta")
 
+    copied = 0
+
     def require(names: Sequence[str], made: torch.Tensor) -> None:
+        nonlocal copied
         order = get_stride_order(made.stride())
         for name in names:
             layout = inputs[name]
             if list(get_stride_order(layout.stride)) != list(order):
                 inputs[name] = dataclasses.replace(layout, stride=tuple(FlexibleLayout.stride_ordered(layout.shape,
                                                                                                       order)))
+                if name in fixed:
+                    copied += math.prod(layout.shape) * getattr(torch, layout.dtype).itemsize
 
     if target is torch.ops.aten.convolution.default:
         source, weight = args[0][1], args[1][1]
         require((source, weight), torch.ops.aten.convolution.default(meta(source), meta(weight), None, *args[3:]))
-        return
+        return copied
     grad, source, weight = (arg[1] for arg in args[:3])
     for which, required in ((1, (grad, source)), (0, (grad, weight))):
         if args[10][which]:
@@ -239,13 +263,17 @@ def _lowered_convolution_layouts(target, args: tuple, inputs: dict[str, TensorLa
             made = torch.ops.aten.convolution_backward.default(meta(grad), meta(source), meta(weight), None,
                                                                *args[4:10], flags)[which]
             require(required, made)
+    return copied
 
 
-def _library_run(node: fx.Node, channels_last: bool) -> KernelRun | None:
-    """``node`` run alone on tensors of its arguments' layouts (None when an argument's value is unknown)."""
+def _library_run(node: fx.Node, channels_last: bool, fixed) -> tuple[KernelRun, int] | None:
+    """``node`` run alone on tensors of its arguments' layouts, with the bytes inductor copies them into those
+    layouts before the call (None when an argument's value is unknown). ``fixed``: whether an argument's layout is
+    fixed before the call (:func:`_laid_out`)."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return None
     inputs: dict[str, TensorLayout] = {}
+    laid_out: set[str] = set()
 
     def described(arg: fx.Node) -> Any:
         value = arg.meta.get("val")
@@ -259,14 +287,17 @@ def _library_run(node: fx.Node, channels_last: bool) -> KernelRun | None:
             stride = torch.empty(shape, device="meta").to(memory_format=torch.channels_last).stride()
         name = f"t{len(inputs)}"
         inputs[name] = TensorLayout(shape, tuple(stride), str(value.dtype).removeprefix("torch."))
+        if fixed(arg):
+            laid_out.add(name)
         return (_TENSOR, name)
 
     try:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), described)
     except LookupError:
         return None
+    copied = 0
     if node.target in CONVOLUTION_OPS and not (channels_last and len(inputs["t0"].shape) == 4):
-        _lowered_convolution_layouts(node.target, args, inputs)
+        copied = _lowered_convolution_layouts(node.target, args, inputs, laid_out)
     target = node.target
     key = f"{target}{args}{kwargs}{sorted((n, tuple(layout.__dict__.values())) for n, layout in inputs.items())}"
 
@@ -277,4 +308,4 @@ def _library_run(node: fx.Node, channels_last: bool) -> KernelRun | None:
         from torch.utils._pytree import tree_map  # noqa: PLC0415
         return target(*tree_map(real, args, is_leaf=is_tensor), **tree_map(real, kwargs, is_leaf=is_tensor))
 
-    return KernelRun(key, inputs, run)
+    return KernelRun(key, inputs, run), copied
