@@ -1,9 +1,11 @@
 """What inductor's layout optimization costs a convolution net's step on the CPU: peak and step time of eager,
 ``torch.compile`` and sublinear (inductor, no budget: the lowest peak within the time cap), with
-``torch._inductor.config.layout_optimization`` on (inductor's default) and off.
+``torch._inductor.config.layout_optimization`` on (inductor's default) and off; for sublinear, "on" and "off" set
+its ``channels_last`` to True and False, and "auto" leaves it None (the layout of the lower predicted peak).
 
     for m in timm_resnet resnet50; do for mode in eager torch.compile sublinear; do for layout in on off; do
         python benchmarks/inductor_layout.py --model $m --mode $mode --layout $layout; done; done; done
+    python benchmarks/inductor_layout.py --size large --model timm_convnext --mode sublinear --layout auto
 
 With mkldnn, inductor lays every convolution of a CPU graph out channels-last: forward makes a channels-last copy
 of each convolution's weight and of its activations, and keeps the copies it saves for backward. One model, mode
@@ -30,7 +32,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="timm_resnet", choices=compiled_memory.MODELS)
     parser.add_argument("--mode", default="sublinear", choices=("eager", "torch.compile", "sublinear"))
-    parser.add_argument("--layout", default="on", choices=("on", "off"))
+    parser.add_argument("--layout", default="on", choices=("on", "off", "auto"))
+    parser.add_argument("--size", default="small", choices=("small", "large"), help="compiled_memory.py's sizes")
     options = parser.parse_args()
     torch.set_num_threads(1)
     import torch._inductor.config as inductor_config
@@ -38,11 +41,13 @@ def main() -> None:
     import sublinear
 
     inductor_config.fallback_random = True
-    inductor_config.layout_optimization = options.layout == "on"
+    inductor_config.layout_optimization = options.layout != "off"
+    compiled_memory.SIZE = options.size
     model, args, kwargs, step = compiled_memory._build(options.model)
+    channels_last = {"on": True, "off": False, "auto": None}[options.layout]
     run = {"eager": lambda: model, "torch.compile": lambda: torch.compile(model),
            "sublinear": lambda: sublinear.apply(model, sublinear.SublinearMemoryConfig(
-               compiler="inductor", cache_dir="", min_memory_per_time=0))}[options.mode]()
+               compiler="inductor", cache_dir="", min_memory_per_time=0, channels_last=channels_last))}[options.mode]()
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         step(run, *args, **kwargs)

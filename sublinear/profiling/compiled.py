@@ -74,7 +74,7 @@ class CompiledProfile:
     profile: GraphProfile
     node_names: tuple[str, ...]
     backward_ranks: dict[str, int] = dataclasses.field(default_factory=dict)
-    channels_last: bool = False  # convolutions laid out channels-last (the code is compiled so, forward and backward)
+    channels_last: bool = False  # convolutions channels-last (inductor's layout optimization on; off: as traced)
 
 
 def profile_compiled_step(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] | None,

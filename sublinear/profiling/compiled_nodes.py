@@ -246,7 +246,7 @@ def _lowered_convolution_layouts(target, args: tuple, inputs: dict[str, TensorLa
         order = get_stride_order(made.stride())
         for name in names:
             layout = inputs[name]
-            if list(get_stride_order(layout.stride)) != list(order):
+            if not _in_order(layout.shape, layout.stride, order):
                 inputs[name] = dataclasses.replace(layout, stride=tuple(FlexibleLayout.stride_ordered(layout.shape,
                                                                                                       order)))
                 if name in fixed:
@@ -264,6 +264,18 @@ def _lowered_convolution_layouts(target, args: tuple, inputs: dict[str, TensorLa
                                                                *args[4:10], flags)[which]
             require(required, made)
     return copied
+
+
+def _in_order(shape: Sequence[int], stride: Sequence[int], order: Sequence[int]) -> bool:
+    """Whether ``stride`` runs in stride ``order`` (0: fastest) over the dimensions of more than one element, as
+    inductor checks a layout before copying it into another."""
+    kept = [i for i, n in enumerate(shape) if n != 1]
+    sub = [order[i] for i in kept]
+    ranked = sorted(sub)
+    by_order = [0] * len(kept)
+    for i, o in zip(kept, sub):
+        by_order[ranked.index(o)] = stride[i]
+    return all(a <= b for a, b in zip(by_order, by_order[1:]))
 
 
 def _library_run(node: fx.Node, channels_last: bool, fixed) -> tuple[KernelRun, int] | None:
