@@ -313,7 +313,7 @@ def test_twenty_steps_over_ten_lengths_plan_twice_and_new_lengths_capture_and_co
     import sublinear.runtime.pipeline as runtime
 
     work = []
-    for module, name in ((runtime, "trace_joint"), (runtime, "profile_joint"), (inductor, "compile_fx")):
+    for module, name in ((runtime, "trace_joint"), (runtime, "profile_compiled_step"), (inductor, "compile_fx")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: work.append(_n) or _f(*a, **k))
 
