@@ -236,8 +236,7 @@ def _lowered_convolution_layouts(target, args: tuple, inputs: dict[str, TensorLa
     from torch._inductor.ir import FlexibleLayout, get_stride_order  # noqa: PLC0415
 
     def meta(name: str) -> torch.Tensor:
-        layout = inputs[name]
-        return torch.empty_strided(layout.shape, layout.stride, dtype=getattr(torch, layout.dtype), device="meta")
+        return inputs[name].make(torch.device("meta"))
 
     copied = 0
 
