@@ -7,7 +7,8 @@ that point, and sublinear compiled by inductor with that compiled step's measure
 (the two of benchmarks/compiled.py). Both are compiled and measured first (the CPU allocator's peak of one step);
 then their steps run alternately, --rounds times each, so that a machine whose speed drifts (other work, clock
 changes) slows both alike. The table gives each one's median step, and sublinear's median over the partitioner's
-with the spread of the per-round ratios (min-max).
+with the spread of the per-round ratios (min-max). ``--layouts auto,on`` times sublinear in each convolution
+layout (``channels_last`` None, True; ``off``: False) in the same rounds, a row each.
 """
 
 from __future__ import annotations
@@ -31,33 +32,43 @@ def _timed(bench: Bench, model: torch.nn.Module, net: torch.nn.Module) -> float:
     return time.perf_counter() - started
 
 
-def point(bench: Bench, budget: float, rounds: int) -> list[str]:
-    """One budget point's row: peaks, median steps and the ratio."""
+LAYOUTS = {"auto": None, "on": True, "off": False}
+
+
+def point(bench: Bench, budget: float, rounds: int, layouts: list[str]) -> list[str]:
+    """One budget point's rows (one per sublinear layout): peaks, median steps and the ratio."""
     torch._dynamo.reset()
     aot_model = bench.model()
     aot = torch.compile(aot_model)
     with torch._functorch.config.patch(activation_memory_budget=budget):
         _timed(bench, aot_model, aot)  # compiles under the budget
     aot_peak = bench.peak(aot)
-    config = sublinear.SublinearMemoryConfig(cache_dir="", compiler="inductor", memory_budget=aot_peak)
-    ours_model = bench.model()
-    try:
-        ours = sublinear.compile(ours_model, bench.args, bench.kwargs, config=config)
-        _timed(bench, ours_model, ours)  # compiles, and plans again if the compiled step is over
-    except sublinear.BudgetError as exc:
-        return [f"| {budget:g} | {aot_peak / MIB:,.1f} | - | - | - | no plan: {str(exc).splitlines()[0]} |"]
-    ours_peak = bench.peak(ours)
-    theirs, mine = [], []
+    ours, rows = {}, []
+    for layout in layouts:
+        config = sublinear.SublinearMemoryConfig(cache_dir="", compiler="inductor", memory_budget=aot_peak,
+                                                 channels_last=LAYOUTS[layout])
+        model = bench.model()
+        try:
+            net = sublinear.compile(model, bench.args, bench.kwargs, config=config)
+            _timed(bench, model, net)  # compiles, and plans again if the compiled step is over
+        except sublinear.BudgetError as exc:
+            rows.append(f"| {budget:g} | {layout} | {aot_peak / MIB:,.1f} | - | - | - | no plan: "
+                        f"{str(exc).splitlines()[0]} |")
+            continue
+        ours[layout] = (model, net, bench.peak(net), [])
+    theirs = []
     for _ in range(rounds):
         theirs.append(_timed(bench, aot_model, aot))
-        mine.append(_timed(bench, ours_model, ours))
-    ratios = [m / t for m, t in zip(mine, theirs)]
-    plan = ours.sublinear_plan
-    row = (f"| {budget:g} | {aot_peak / MIB:,.1f} | {ours_peak / MIB:,.1f} | {statistics.median(theirs) * 1e3:,.0f} | "
-           f"{statistics.median(mine) * 1e3:,.0f} | x{statistics.median(mine) / statistics.median(theirs):.3f} "
-           f"({min(ratios):.3f}-{max(ratios):.3f}), predicted x{plan.time_ratio:.3f} |")
-    print(row, flush=True)
-    return [row]
+        for model, net, _peak, mine in ours.values():
+            mine.append(_timed(bench, model, net))
+    for layout, (_model, net, peak, mine) in ours.items():
+        ratios = [m / t for m, t in zip(mine, theirs)]
+        rows.append(f"| {budget:g} | {layout} | {aot_peak / MIB:,.1f} | {peak / MIB:,.1f} | "
+                    f"{statistics.median(theirs) * 1e3:,.0f} | {statistics.median(mine) * 1e3:,.0f} | "
+                    f"x{statistics.median(mine) / statistics.median(theirs):.3f} ({min(ratios):.3f}-{max(ratios):.3f}),"
+                    f" predicted x{net.sublinear_plan.time_ratio:.3f} |")
+    print("\n".join(rows), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -67,6 +78,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--aot-budgets", default="0.8,0.5")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--layouts", default="auto", help="sublinear's convolution layouts, comma-separated: "
+                        "auto (channels_last=None), on (True), off (False)")
     parser.add_argument("--out", default=None)
     options = parser.parse_args()
     logging.basicConfig(format="%(message)s")
@@ -78,10 +91,11 @@ def main() -> None:
     shape = f"batch {batch}" + (f", sequence {seq}" if seq else "")
     lines = [f"`python benchmarks/budget_ab.py {' '.join(sys.argv[1:])}` ({options.model}, {shape}, torch "
              f"{torch.__version__}, {torch.get_num_threads()} threads)",
-             "", "| AOT budget | AOT peak (MiB) | sublinear peak (MiB) | AOT step (ms) | sublinear step (ms) | "
-             "sublinear / AOT (per-round range), sublinear's prediction |", "|---|---|---|---|---|---|"]
+             "", "| AOT budget | sublinear layout | AOT peak (MiB) | sublinear peak (MiB) | AOT step (ms) | "
+             "sublinear step (ms) | "
+             "sublinear / AOT (per-round range), sublinear's prediction |", "|---|---|---|---|---|---|---|"]
     for budget in (float(b) for b in options.aot_budgets.split(",")):
-        lines += point(bench, budget, options.rounds)
+        lines += point(bench, budget, options.rounds, options.layouts.split(","))
     text = "\n".join(lines)
     print(text)
     if options.out:

@@ -1380,7 +1380,8 @@ def test_convolutions_are_profiled_in_the_layout_of_the_lower_unplanned_peak(cas
     """On the CPU inductor lays every convolution out channels-last (oneDNN), copying what each reads in another
     layout and keeping the copies backward reads; a convolution of few channels over a large map reads its input as
     traced through a scratch of its own instead. With ``channels_last`` None the step is profiled in the layout of
-    the lower unplanned peak; True keeps inductor's layout, False never uses it."""
+    the lower unplanned peak; True keeps inductor's layout, False never uses it. Under a memory budget inductor's
+    layout (made for speed) comes first, the layouts as traced its fallback where they are lower."""
     build, shape = LAYOUT_CASES[case]
     torch.manual_seed(0)
     graph = sublinear.capture.dynamo.capture(build().train(), (torch.randn(*shape),)).graph
@@ -1389,10 +1390,47 @@ def test_convolutions_are_profiled_in_the_layout_of_the_lower_unplanned_peak(cas
     inductors = profile_compiled_step(joint, graph, None, channels_last=True)
     as_traced = profile_compiled_step(joint, graph, None, channels_last=False)
     chosen = profile_compiled_step(joint, graph, None)
+    budgeted = profile_compiled_step(joint, graph, None, budgeted=True)
     assert (inductors.channels_last, as_traced.channels_last) == (True, False)
+    assert inductors.fallback is None and as_traced.fallback is None and chosen.fallback is None
     peaks = {True: inductors.profile.measured_peak_bytes, False: as_traced.profile.measured_peak_bytes}
     assert (peaks[False] < peaks[True]) == traced_lower, peaks
     assert (chosen.channels_last, chosen.profile.measured_peak_bytes) == (not traced_lower, min(peaks.values()))
+    assert (budgeted.channels_last, budgeted.profile.measured_peak_bytes) == (True, peaks[True])
+    fallback = budgeted.fallback
+    assert (fallback.channels_last, fallback.profile.measured_peak_bytes) == (False, peaks[False]) if traced_lower \
+        else fallback is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("above_channels_last", [True, False])
+def test_a_budget_is_planned_in_inductors_layout_where_a_plan_meets_it_else_in_the_layouts_traced(
+        above_channels_last, tmp_path):
+    """Under a budget that a channels-last plan meets, the step runs channels-last (inductor's layout, made for
+    speed); under one below every channels-last plan, no budget error: it is planned and compiled as traced, and
+    meets the budget. A later process reads the stored plan with its layout and searches nothing."""
+    build, shape = LAYOUT_CASES["basic-block"]
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    lowest = {}
+    for channels_last in (True, False):
+        config = dataclasses.replace(INDUCTOR, channels_last=channels_last, memory_budget=None,
+                                     min_memory_per_time=0)
+        lowest[channels_last] = sublinear.compile(build().train(), (x,), config=config) \
+            .sublinear_plan.graphs[0].predicted_peak_bytes
+    assert lowest[False] < lowest[True], lowest
+    budget = lowest[True] + (1 << 20) if above_channels_last else (lowest[False] + lowest[True]) // 2
+    from_cache = []
+    for _process in range(2):
+        torch._dynamo.reset()
+        model = build().train()
+        config = dataclasses.replace(INDUCTOR, memory_budget=budget, cache_dir=str(tmp_path))
+        compiled = sublinear.compile(model, (x,), config=config)
+        (variant,) = compiled.sublinear_backend.latest.values()
+        assert variant.lesson.profiled.channels_last == above_channels_last
+        from_cache.append(variant.summary.from_cache)
+        assert _compiled_step_peak(compiled, model, x) <= budget
+    assert from_cache == [False, True]
 
 
 @pytest.mark.slow

@@ -69,21 +69,25 @@ log = logging.getLogger("sublinear")
 class CompiledProfile:
     """A profile of the compiled step, with per forward node of the joint graph (the profile's node indices) its
     name, so that a plan can be turned into tags on the joint graph inductor traces again when it compiles, and per
-    backward node that a gradient flows into its rank (where the compiled code runs it)."""
+    backward node that a gradient flows into its rank (where the compiled code runs it). ``fallback``: the step's
+    profile in the other convolution layout, to plan in when no plan in this one meets the memory budget."""
 
     profile: GraphProfile
     node_names: tuple[str, ...]
     backward_ranks: dict[str, int] = dataclasses.field(default_factory=dict)
     channels_last: bool = False  # convolutions channels-last (inductor's layout optimization on; off: as traced)
+    fallback: CompiledProfile | None = None
 
 
 def profile_compiled_step(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] | None,
-                          channels_last: bool | None = None) -> CompiledProfile:
+                          channels_last: bool | None = None, budgeted: bool = False) -> CompiledProfile:
     """The profile of ``graph``'s step under the convolution layout the config asks for (``channels_last``: True,
     inductor's own choice; False, the layouts as traced). None: inductor's choice unless the layouts as traced
-    predict a lower peak of the unplanned step. Channels-last convolutions copy every activation and weight they
-    read that is laid out otherwise, and forward keeps the copies backward reads, so inductor's choice (made for
-    speed, always with oneDNN on the CPU) can raise the step's memory above eager's."""
+    predict a lower peak of the unplanned step; then, without a memory budget (``budgeted`` False), the layouts as
+    traced, and under one, inductor's with the layouts as traced as its fallback. Channels-last convolutions copy
+    every activation and weight they read that is laid out otherwise, and forward keeps the copies backward reads,
+    so inductor's choice can raise the step's memory above eager's; it is made for speed (always with oneDNN on the
+    CPU), and a budget asks for the least time within it."""
     if channels_last is False:
         return profile_joint(joint, graph, uses, layout_optimization=False)
     inductors = profile_joint(joint, graph, uses)
@@ -91,11 +95,15 @@ def profile_compiled_step(joint: JointGraph, graph: CapturedGraph, uses: Sequenc
         return inductors
     as_traced = profile_joint(joint, graph, uses, layout_optimization=False)
     lower = as_traced.profile.measured_peak_bytes < inductors.profile.measured_peak_bytes
-    log.info("sublinear: convolutions %s: the unplanned step's peak is predicted at %s channels-last (inductor's "
-             "layout), %s as traced (channels_last=%s sets it)", "as traced" if lower else "channels-last",
+    chosen = "channels-last" if budgeted or not lower else "as traced"
+    log.info("sublinear: convolutions %s%s: the unplanned step's peak is predicted at %s channels-last (inductor's "
+             "layout), %s as traced (channels_last=%s sets it)", chosen,
+             ", as traced where no plan meets the budget" if budgeted and lower else "",
              format_bytes(inductors.profile.measured_peak_bytes), format_bytes(as_traced.profile.measured_peak_bytes),
-             not lower)
-    return as_traced if lower else inductors
+             chosen == "channels-last")
+    if not lower:
+        return inductors
+    return dataclasses.replace(inductors, fallback=as_traced) if budgeted else as_traced
 
 
 def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] | None,

@@ -53,13 +53,15 @@ ALTERNATES = 8  # plans judged by their wrapper code when a compiled step is abo
 @dataclasses.dataclass
 class Profiled:
     """A graph's profile at one signature, with what compiling it needs (the joint graph's forward node names and
-    backward ranks, None for the eager executor; the convolutions' layout), how many times a compile check taught
-    it, and the profile as it was before (``untaught``)."""
+    backward ranks, None for the eager executor; the convolutions' layout, and the profile in the other layout to
+    plan in when no plan in this one meets the budget), how many times a compile check taught it, and the profile
+    as it was before (``untaught``)."""
 
     profile: GraphProfile
     node_names: tuple[str, ...] | None
     backward_ranks: dict[str, int] | None
     channels_last: bool = False  # whether its convolutions are laid out channels-last (its code is compiled so)
+    fallback: Profiled | None = None
     lessons: int = 0
     untaught: GraphProfile = dataclasses.field(init=False)
 

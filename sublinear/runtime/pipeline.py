@@ -29,7 +29,7 @@ from sublinear.core.profile import GraphProfile, costs_of, with_costs
 from sublinear.execute.compiled import CompiledGraph
 from sublinear.execute.eager import RewrittenGraph, rewrite
 from sublinear.planners import BudgetError, PlanningResult, make_plan, objective_for
-from sublinear.profiling.compiled import profile_compiled_step
+from sublinear.profiling.compiled import CompiledProfile, profile_compiled_step
 from sublinear.profiling.graph import profile
 from sublinear.runtime.calls import upcoming_context
 from sublinear.runtime.compile_check import CompileCheck, Lesson, Profiled, may_fit_without_guessed_outputs
@@ -99,7 +99,9 @@ class PlanPipeline:
         disk_key = PlanCache.key(graph=graph.code, values=key, config=config.planning_key(), context=repr(context),
                                  uses=uses, compiler=compiler, bound=sorted(bound.items()))
         entry = self.plans.load(disk_key) if not self.choices.overridden(graph.code) else None
-        profiled, entry = self.profiles.lookup(graph, values, key, bound, uses, compiler, profile_key, disk_key, entry)
+        budget = self.budget_for(runtime, values, dry_run)
+        profiled, entry = self.profiles.lookup(graph, values, key, bound, uses, compiler, profile_key, disk_key, entry,
+                                               budget is not None)
         # not keyed by the profile's lessons: a plan remembered before a compile check taught the profile is reused
         # only while it meets the objective on the taught profile (a graph captured again keeps its compiled code)
         store_key = (*profile_key, context, repr(sorted(config.planning_key().items())))
@@ -107,15 +109,22 @@ class PlanPipeline:
         # lesson, as it was chosen
         profile_ = dataclasses.replace(profiled.untaught if fixed is not None else profiled.profile,
                                        sharding=key[-1], step_context=context)
-        budget = self.budget_for(runtime, values, dry_run)
         objective = objective_for(config, budget)
         if fixed is not None:  # stored, so that a later process reuses it (its compile check teaches its costs)
-            self.plans.store(disk_key, _entry(profile_, fixed, []))
+            self.plans.store(disk_key, _entry(profile_, fixed, [], profiled.channels_last))
             choice = _Choice(fixed, None, "the compile check: the fastest plan tried whose compiled code is within "
                              "the budget", False, searched=True)
         else:
-            choice = self.choices.choose(runtime, profile_, objective, entry, (store_key, disk_key, key, bound),
-                                         settled)
+            try:
+                choice = self.choices.choose(runtime, profile_, objective, entry, (store_key, disk_key, key, bound),
+                                             settled, profiled)
+            except BudgetError:
+                if profiled.fallback is None:
+                    raise
+                log.info("sublinear: no plan of graph %d with channels-last convolutions meets %s; planning it with "
+                         "the layouts as traced", runtime.index, objective.describe())
+                self.profiles.profiled.put(profile_key, profiled.fallback)
+                return self._plan(runtime, values, key, dry_run, bound)
         if not choice.settling:
             self.plans.remember(store_key, (profiled, choice.plan, choice.result))
         chunks = None if fixed is not None or choice.settling else \
@@ -190,16 +199,20 @@ class _Profiles:
 
     def lookup(self, graph: CapturedGraph, values: Sequence[Any], key: tuple, bound: Binding,
                uses: tuple[str, ...] | None, compiler: str, profile_key: tuple, disk_key: str,
-               entry: dict | None) -> tuple[Profiled, dict | None]:
-        """The graph's profile at this signature, and the disk cache's ``entry`` for it when it still fits the
-        profile (else None)."""
+               entry: dict | None, budgeted: bool) -> tuple[Profiled, dict | None]:
+        """The graph's profile at this signature (``budgeted``: under a memory budget), and the disk cache's
+        ``entry`` for it when it still fits the profile (else None). An entry planned in the fallback layout (no
+        plan in the first met the budget) takes the fallback's profile; one of another layout is planned again."""
         config = self.config
         profiled = self.profiled.get(profile_key)
         at_bound = graph.sizes.stand_ins(values, bound) if bound else values  # profiled at the plan's sizes
         if compiler == "inductor" and profiled is None:
-            compiled = profile_compiled_step(self.joint(graph, values, key, bound), graph, uses, config.channels_last)
-            profiled = Profiled(compiled.profile, compiled.node_names, compiled.backward_ranks,
-                                compiled.channels_last)
+            profiled = _profiled(profile_compiled_step(self.joint(graph, values, key, bound), graph, uses,
+                                                       config.channels_last, budgeted))
+        if entry is not None and profiled is not None and entry.get("channels_last") != profiled.channels_last:
+            fallback = profiled.fallback
+            profiled, entry = (fallback, entry) if fallback is not None and \
+                entry.get("channels_last") == fallback.channels_last else (profiled, None)
         if entry is not None:
             if profiled is None:  # the eager executor's costs come from the entry: no timing runs
                 estimated = profile(graph, at_bound, cost_model="estimate", uses=uses)
@@ -270,12 +283,13 @@ class _Choices:
         return code in self.overrides
 
     def choose(self, runtime: GraphRuntime, profile_: GraphProfile, objective: Objective, entry: dict | None,
-               keys: tuple[tuple, str, tuple, Binding], settled: bool) -> _Choice:
+               keys: tuple[tuple, str, tuple, Binding], settled: bool, profiled: Profiled) -> _Choice:
         """The plan to run: the user's (``use()``), this session's or the disk's when it still meets the objective,
         the previous variant's when it does, else a search (stored on disk). Under a budget, a graph of an
         unsettled call that fits no plan yet runs its lowest-peak plan until the call's other graphs are planned for
         it, as does one whose outputs are guessed held (no call has shown what the caller does with them) where
-        dropping them could bring the lowest peak within the budget."""
+        dropping them could bring the lowest peak within the budget; one with a fallback layout raises the
+        ``BudgetError`` at once, for the fallback to be planned."""
         code, (store_key, disk_key, key, bound) = runtime.graph.code, keys
         cached = self.plans.recall(store_key)
         plan, result = (cached[1], cached[2]) if cached is not None else \
@@ -300,7 +314,8 @@ class _Choices:
         try:
             result = make_plan(profile_, self.config, memory_budget=objective.memory_budget)
         except BudgetError as exc:
-            if settled and not may_fit_without_guessed_outputs(runtime, exc.smallest, profile_, exc.budget):
+            if profiled.fallback is not None or \
+                    (settled and not may_fit_without_guessed_outputs(runtime, exc.smallest, profile_, exc.budget)):
                 raise
             until = ("a call shows whether the caller keeps the outputs it is guessed to hold" if settled else
                      "the call's other graphs are planned for it")
@@ -311,7 +326,8 @@ class _Choices:
             stuck = not settled and prior is not None and prior.settling and prior.plan == exc.lowest.plan
             return _Choice(exc.lowest.plan, None, f"lowest peak, until {until}", False, settling=True, stuck=stuck)
         self.plans.store(disk_key, _entry(profile_, result.plan,
-                                          [[c.simulation.peak_bytes, c.simulation.time_ratio] for c in result.history]))
+                                          [[c.simulation.peak_bytes, c.simulation.time_ratio] for c in result.history],
+                                          profiled.channels_last))
         return _Choice(result.plan, result, result.origin, False, searched=True)
 
 
@@ -378,9 +394,16 @@ def _before_compiling(profiled: Profiled, profile: GraphProfile, plan: Plan, sim
     return simulate(chunks.applied(untaught) if chunks is not None else untaught, plan).peak_bytes
 
 
-def _entry(profile_: GraphProfile, plan: Plan, history: list) -> dict:
-    """A plan cache entry: the plan, its search history and the profile's costs (a compile check's lessons in)."""
-    return {"num_ops": profile_.num_ops, **plan.as_dict(), "costs": costs_of(profile_), "history": history}
+def _entry(profile_: GraphProfile, plan: Plan, history: list, channels_last: bool) -> dict:
+    """A plan cache entry: the plan, its search history, the profile's costs (a compile check's lessons in) and
+    the convolutions' layout they are the costs of."""
+    return {"num_ops": profile_.num_ops, **plan.as_dict(), "costs": costs_of(profile_), "history": history,
+            "channels_last": channels_last}
+
+
+def _profiled(compiled: CompiledProfile) -> Profiled:
+    fallback = _profiled(compiled.fallback) if compiled.fallback is not None else None
+    return Profiled(compiled.profile, compiled.node_names, compiled.backward_ranks, compiled.channels_last, fallback)
 
 
 def _memory_budget(config: SublinearMemoryConfig, graph: CapturedGraph, values: Sequence[Any],
