@@ -70,10 +70,9 @@ class SublinearMemoryConfig:
         for every graph with a convolution: each activation and weight a convolution reads in another layout is
         copied, and forward keeps the copies backward reads); False: in the layouts traced (inductor's
         ``layout_optimization`` off); None (default): inductor's choice unless the layouts traced predict a lower peak
-        for the unplanned step, and then, under a ``memory_budget``, still inductor's (made for speed: on the CPU
-        ResNet-50 steps 9-30 % faster so) wherever a plan in it meets the budget, the layouts traced where none does;
-        without a budget, the layouts traced. Both layouts compute the same values; the time model does not see
-        which layout's kernels are faster.
+        for the unplanned step, and then, under a ``memory_budget``, still inductor's (made for speed) wherever a plan
+        in it meets the budget, the layouts traced where none does; without a budget, the layouts traced. Both
+        layouts compute the same values; the time model does not see which layout's kernels are faster.
     max_sizes: the largest shape of the forward's tensor arguments, by argument name (``{"input_ids": (32, 512)}``;
         None for a dimension left to TorchDynamo). Every dimension of the arguments is then dynamic from the first
         call, and the one plan is made for these sizes, so it serves every smaller shape. Without it a size that
