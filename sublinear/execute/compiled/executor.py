@@ -252,7 +252,11 @@ class CompiledGraph:
         graphs: list[tuple[bool, fx.GraphModule, str | None]] = []
 
         def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-            code = compile_fx_inner(gm, example_inputs, **kwargs)
+            # Inductor decides each graph's layout on that graph alone: a backward re-running no forward
+            # convolution would run as traced, where the profile has every convolution channels-last.
+            with torch._inductor.config.patch(force_layout_optimization=True) \
+                    if self.channels_last and kwargs.get("is_backward") else contextlib.nullcontext():
+                code = compile_fx_inner(gm, example_inputs, **kwargs)
             graphs.append((bool(kwargs.get("is_backward")), gm, getattr(code, "source_code", None)))
             return code
 
