@@ -23,6 +23,7 @@ import torch
 
 import sublinear
 from compiled import MIB, Bench, model_spec
+from inductor_layout import LAYOUTS
 
 
 def _timed(bench: Bench, model: torch.nn.Module, net: torch.nn.Module) -> float:
@@ -30,9 +31,6 @@ def _timed(bench: Bench, model: torch.nn.Module, net: torch.nn.Module) -> float:
     started = time.perf_counter()
     bench.step(net)
     return time.perf_counter() - started
-
-
-LAYOUTS = {"auto": None, "on": True, "off": False}
 
 
 def point(bench: Bench, budget: float, rounds: int, layouts: list[str]) -> list[str]:

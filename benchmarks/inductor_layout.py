@@ -27,12 +27,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compiled_memory  # noqa: E402
 
+LAYOUTS = {"on": True, "off": False, "auto": None}  # --layout: sublinear's channels_last
+
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="timm_resnet", choices=compiled_memory.MODELS)
     parser.add_argument("--mode", default="sublinear", choices=("eager", "torch.compile", "sublinear"))
-    parser.add_argument("--layout", default="on", choices=("on", "off", "auto"))
+    parser.add_argument("--layout", default="on", choices=tuple(LAYOUTS))
     parser.add_argument("--size", default="small", choices=("small", "large"), help="compiled_memory.py's sizes")
     options = parser.parse_args()
     torch.set_num_threads(1)
@@ -44,7 +47,7 @@ def main() -> None:
     inductor_config.layout_optimization = options.layout != "off"
     compiled_memory.SIZE = options.size
     model, args, kwargs, step = compiled_memory._build(options.model)
-    channels_last = {"on": True, "off": False, "auto": None}[options.layout]
+    channels_last = LAYOUTS[options.layout]
     run = {"eager": lambda: model, "torch.compile": lambda: torch.compile(model),
            "sublinear": lambda: sublinear.apply(model, sublinear.SublinearMemoryConfig(
                compiler="inductor", cache_dir="", min_memory_per_time=0, channels_last=channels_last))}[options.mode]()

@@ -252,11 +252,7 @@ class CompiledGraph:
         graphs: list[tuple[bool, fx.GraphModule, str | None]] = []
 
         def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-            # Inductor decides each graph's layout on that graph alone: a backward re-running no forward
-            # convolution would run as traced, where the profile has every convolution channels-last.
-            with torch._inductor.config.patch(force_layout_optimization=True) \
-                    if self.channels_last and kwargs.get("is_backward") else contextlib.nullcontext():
-                code = compile_fx_inner(gm, example_inputs, **kwargs)
+            code = compile_fx_inner(gm, example_inputs, **kwargs)
             graphs.append((bool(kwargs.get("is_backward")), gm, getattr(code, "source_code", None)))
             return code
 
@@ -462,11 +458,12 @@ def compile_patches(partitioner: CustomPartitionerFn, scheduling: ResultsTakenAt
     recomputes holds dead activations for most of the step; the allocator reuses the memory itself); kernels in the
     order of the partitioned graphs, which is what the plan's memory model follows (inductor's own reordering for
     peak memory follows its estimate instead), matrix products among them (:mod:`.products`); and library calls'
-    results taken out at once; and inductor's layout optimization off where the profile has the convolutions as
-    traced (else inductor's setting stands, which the profile read)."""
+    results taken out at once; and the convolutions in the profile's layout: inductor's layout optimization off
+    where the profile has them as traced, forced on where it has them channels-last (inductor decides each graph's
+    layout on that graph alone, and would run a backward re-running no convolution as traced)."""
     return {"custom_partitioner_fn": partitioner, "allow_buffer_reuse": False, "reorder_for_peak_memory": False,
             "_post_fusion_custom_pass": scheduling, **product_passes(),
-            **({} if channels_last else {"layout_optimization": False})}
+            **({"force_layout_optimization": True} if channels_last else {"layout_optimization": False})}
 
 
 def compile_plan(graph: CapturedGraph, compiled: CompiledProfile, plan: Plan) -> CompiledGraph:
