@@ -184,6 +184,8 @@ class GraphProfile:
     grad_start: np.ndarray = field(default_factory=_empty)
     grad_peak: np.ndarray = field(default_factory=_empty)
     grad_after_release: np.ndarray = field(default_factory=_empty)
+    # Per op: its first backward reader's rank and the gradient-side bytes there, where it is re-run (empty: none)
+    rerun_grad_side: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
     backward_seconds: np.ndarray = field(default_factory=lambda: _empty(float))  # per rank
     cost_source: str = "none"  # how op times were obtained: "measured on <device>" or "estimated: <rates>"
     sharding: ShardedParameters | None = None  # FSDP2's per-rank layout; None: full parameters and gradients
@@ -215,6 +217,9 @@ class GraphProfile:
     # library kernel makes it. The kernel allocates all its buffers before it runs, a value it re-runs among them.
     storage_kernel_start: np.ndarray = field(default_factory=_empty)
     storage_library_made: np.ndarray = field(default_factory=lambda: _empty(bool))
+    # Per storage (empty: none anywhere; -1: none): its last backward reader's rank, a pointwise op reading it, and
+    # the rank that op's re-run is made for; where the plan re-runs it so, the reader runs in that re-run's kernel.
+    storage_read_in_rerun: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
     # A compiled backward runs each recomputed op once, in the block whose recompute comes first, and keeps its
     # values until every block that reads them is done (False: every block's recompute rebuilds its own copies).
     recompute_shared: bool = False
@@ -254,11 +259,6 @@ class GraphProfile:
     def forward_lesson(self) -> np.ndarray:
         """Per op: ``forward_lesson_bytes``."""
         return np.array([op.forward_lesson_bytes for op in self.ops], dtype=np.int64)
-
-    @functools.cached_property
-    def snapshots(self) -> tuple[np.ndarray, np.ndarray]:
-        """(op, bytes) for every op that snapshots state it writes."""
-        return _columns([(op.index, op.snapshot_bytes) for op in self.ops if op.snapshot_bytes])
 
     @property
     def output_gradient_bytes(self) -> int:
@@ -313,6 +313,29 @@ class ProfileArrays:
 
     def __init__(self, profile: GraphProfile) -> None:
         self.profile = profile
+
+    @functools.cached_property
+    def snapshots(self) -> tuple[np.ndarray, np.ndarray]:
+        """(op, bytes) for every op that snapshots state it writes."""
+        return _columns([(op.index, op.snapshot_bytes) for op in self.profile.ops if op.snapshot_bytes])
+
+    def rerun_grad_side(self, ops: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """The gradient-side bytes beside each op re-run for a rank: as its first backward reader's kernel starts
+        where that reader is at the rank (``rerun_grad_side``), else as the rank's backward starts."""
+        p, side = self.profile, self.profile.grad_start[ranks]
+        if len(p.rerun_grad_side) and len(ops):
+            side = np.where(p.rerun_grad_side[ops, 0] == ranks, p.rerun_grad_side[ops, 1], side)
+        return side
+
+    @functools.cached_property
+    def most_rerun_grad_side(self) -> np.ndarray:
+        """Per rank: the most gradient-side bytes beside an op re-run for it (:meth:`rerun_grad_side`)."""
+        p = self.profile
+        most = p.grad_start.copy()
+        if len(p.rerun_grad_side):
+            read = p.rerun_grad_side[:, 0] >= 0
+            np.maximum.at(most, p.rerun_grad_side[read, 0], p.rerun_grad_side[read, 1])
+        return most
 
     @functools.cached_property
     def saved_pairs(self) -> tuple[np.ndarray, np.ndarray]:

@@ -43,7 +43,8 @@ from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
 from sublinear.core.units import format_bytes
 from sublinear.profiling.compiled_costs import (
-    BackwardWalk, ForwardCosts, GradientSide, forward_costs, materialized_predicate, walk_backward,
+    BackwardWalk, ForwardCosts, GradientSide, forward_costs, materialized_predicate, reads_fused_into_reruns,
+    rerun_grad_sides, walk_backward,
 )
 from sublinear.profiling.compiled_dataflow import (
     OpGrouping, StepStorages, StorageReads, backward_deadlines, group_ops, made_from, sources_of, step_storages,
@@ -134,11 +135,16 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     dataflow = (made_from(fw, storages, tracked), backward_deadlines(bw, storages, reads, kinds))
     costs = forward_costs(fw, grouping, storages, reads, set(tracked), materialized, scratch, kinds, rates)
     side = GradientSide(joint, storages, kinds, granule, graph.kinds)
-    backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates)
+    backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates,
+                             {k for k in storages.produced_by if not materialized(k, rebuilt=True)})
     record = dataclasses.replace(_record(joint, graph, grouping, storages, reads, tracked, materialized, costs,
                                          backward, rates, _constants(storages, fw, kinds), through, dataflow),
                                  workspace_bytes=blas_workspace_bytes(device, runs_cublaslt(n.target for n in fw + bw)),
-                                 library_made={k for k in tracked if kinds.extern(fw[storages.produced_by[k]])})
+                                 library_made={k for k in tracked if kinds.extern(fw[storages.produced_by[k]])},
+                                 read_in_rerun=reads_fused_into_reruns(joint, reads, storages, side,
+                                                                       grouping.op_of_node),
+                                 rerun_grad_side=rerun_grad_sides(joint, reads, storages, grouping.op_of_node,
+                                                                  backward))
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports
 

@@ -15,7 +15,7 @@ from sublinear.capture.dynamo import INPUT, PARAMETER
 from sublinear.capture.joint import JointGraph, data_inputs
 from sublinear.profiling.compiled_dataflow import OpGrouping, StorageReads, StepStorages
 from sublinear.profiling.compiled_nodes import (
-    InductorKinds, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
+    InductorKinds, draws_random, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
 )
 from sublinear.profiling.compiled_realize import kernel_segments, stored_by_lowering
 from sublinear.profiling.costs import DeviceRates
@@ -216,6 +216,7 @@ class BackwardWalk:
     # forward value -> the highest rank of the fused kernel that re-runs it below that rank, for itself or for the
     # library call after it: the kernel allocates its buffers, the re-run copy among them, before that rank's backward
     kernel_start: dict[int, int]
+    entering: list[int]  # per backward node: the gradient-side bytes as its kernel starts
 
 
 class GradientSide:
@@ -287,10 +288,11 @@ class GradientSide:
 
 
 def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: StepStorages, side: GradientSide,
-                  scratch: dict[fx.Node, int], rates: DeviceRates) -> BackwardWalk:
+                  scratch: dict[fx.Node, int], rates: DeviceRates, fused_when_rebuilt: set[int]) -> BackwardWalk:
     """Walk backward kernel by kernel: inductor fuses the nodes between two library kernels into one kernel, which
     allocates what they make before it runs (unless it writes it into a buffer it reads, see :class:`_InPlace`) and
-    frees what they read last after it."""
+    frees what they read last after it. ``fused_when_rebuilt``: the forward values that are no buffers where a plan
+    re-runs them."""
     bw, ranks = joint.backward, reads.rank_of_backward
     live = side.tangent_bytes()
     start: list[int | None] = [None] * n_ops
@@ -301,7 +303,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     released: set[int] = set()
     total_flops = 0
     all_sizes = {**storages.size_of, **side.sizes}
-    in_place = _InPlace(storages, side, reads)
+    in_place = _InPlace(storages, side, reads, fused_when_rebuilt)
     ending: dict[int, list[int]] = defaultdict(list)  # backward node -> the storages backward reads last there
     for key, k in side.last.items():
         ending[k].append(key)
@@ -315,7 +317,10 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     def readable(key: int) -> bool:
         return key in storages.produced_by or side.buffer(key)
 
-    for segment in kernel_segments(bw, side.kinds):
+    segments = kernel_segments(bw, side.kinds)
+    entering: list[int] = []  # per segment: the gradient-side bytes as it starts
+    for segment in segments:
+        entering.append(live)
         for k in segment:
             if start[ranks[k]] is None:
                 start[ranks[k]] = before[ranks[k]] = after[ranks[k]] = live
@@ -360,7 +365,8 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                           and key in side.sizes)
     kernel_end = {key: r for key, r in kernel_end.items() if key not in in_place.forward_taken}
     return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken,
-                        kernel_end, _kernel_starts(bw, ranks, storages, side.kinds))
+                        kernel_end, _kernel_starts(bw, ranks, storages, side.kinds),
+                        [live for segment, live in zip(segments, entering) for _ in segment])
 
 
 def _kernel_starts(bw: list[fx.Node], ranks: Sequence[int], storages: StepStorages, kinds: InductorKinds
@@ -409,13 +415,17 @@ class _InPlace:
     """Inductor writes a buffer into one its computation reads (the value and the fused values without a buffer it
     is made from) when that computation reads it last and the sizes match: a buffer backward made, or a forward
     value backward alone reads (AOTAutograd donates saved intermediates to backward); never a graph input
-    (parameters, inputs, the outputs' gradients) or a value forward returns. A taken gradient-side buffer passes its
+    (parameters, inputs, the outputs' gradients) or a value forward returns. A forward value that is no buffer where
+    a plan re-runs it is taken last: a GELU's backward writes into its output gradient where backward re-runs the
+    GELU's fused values inside that kernel. A taken gradient-side buffer passes its
     bytes on. A taken forward value is recorded (``forward_taken``, with the rank): whether it is a buffer there
     depends on the plan (saved, or rebuilt into a buffer, or fused into that kernel when recomputed), so the
     simulator ends it there, and the output counts on the gradient side."""
 
-    def __init__(self, storages: StepStorages, side: GradientSide, reads: StorageReads) -> None:
+    def __init__(self, storages: StepStorages, side: GradientSide, reads: StorageReads,
+                 fused_when_rebuilt: set[int]) -> None:
         self.storages, self.side, self.reads = storages, side, reads
+        self.fused_when_rebuilt = fused_when_rebuilt
         self.given: set[int] = set()  # gradient-side buffers an output took
         self.forward_taken: dict[int, int] = {}
 
@@ -453,6 +463,7 @@ class _InPlace:
                                                    for arg in data_inputs(side.bw[k])
                                                    for k2 in self.storages.keys_of(arg))
                       if first <= side.first[key] and side.last[key] in computation and self._size(key) is not None]
+            inputs.sort(key=lambda key: key in self.fused_when_rebuilt)  # which a plan may make no buffer
             match = next((key for key in inputs if key not in taken.values() and key != out
                           and self._size(key) == self.side.sizes[out]), None)
             if match is None:
@@ -463,3 +474,103 @@ class _InPlace:
             else:
                 self.given.add(match)
         return taken
+
+
+# Bytes of results a horizontal fusion across a library kernel may make early (the compiled executor's fusion rule,
+# which the profile follows): a BatchNorm backward's per-channel sums.
+SMALL_RESULTS_MADE_EARLY = 4096
+
+
+def reads_fused_into_reruns(joint: JointGraph, reads: StorageReads, storages: StepStorages, side: GradientSide,
+                            op_of_node: Sequence[int]) -> dict[int, tuple[int, int, int]]:
+    """Per forward value whose last backward reader inductor fuses into the re-run of a pointwise op reading it too:
+    (that reader's rank, the op, the rank of the library call that first reads the op's value). The re-run is made
+    right before that call, and the two kernels share a read; the compiled executor fuses them where the reader's
+    backward inputs are made before the call and it makes no buffer there beyond one in place of an input of the
+    same size it alone reads from there on. The fused kernel runs before the call, and the value is let go before
+    the call allocates: a GELU's backward and the GELU re-run for the weight gradient of the linear after it."""
+    fw, bw, ranks, kinds = joint.forward, joint.backward, reads.rank_of_backward, side.kinds
+    segments = kernel_segments(bw, kinds)
+    segment_of = {k: i for i, segment in enumerate(segments) for k in segment}
+    readers = _backward_readers(bw, storages)
+    first_read = _first_backward_reads(fw, storages, op_of_node, readers)
+    forward_readers: dict[int, list[int]] = defaultdict(list)  # forward value -> the ops reading it
+    for i, node in enumerate(fw):
+        for key in dict.fromkeys(key for arg in data_inputs(node) for key in storages.read_keys(node, arg)):
+            forward_readers[key].append(op_of_node[i])
+    pointwise = _pointwise_ops(fw, op_of_node, kinds)
+    fused: dict[int, tuple[int, int, int]] = {}
+    for key, last in reads.last_backward_read.items():
+        group = [k for k in segments[segment_of[last]] if ranks[k] == ranks[last]]
+        if not all(kinds.fusible(bw[k]) for k in group) or \
+                _made_beyond_in_place(bw, group, storages, side) > SMALL_RESULTS_MADE_EARLY:
+            continue
+        made_before = max((side.born.get(value, -1) for k in group for arg in data_inputs(bw[k])
+                           for value in storages.keys_of(arg) if side.born.get(value, -1) not in group), default=-1)
+        producer = op_of_node[storages.produced_by[key]]
+        for op in dict.fromkeys(forward_readers.get(key, ())):
+            call = first_read.get(op)
+            if op != producer and op in pointwise and call is not None and kinds.extern(bw[call]) and \
+                    ranks[call] > ranks[last] and made_before < call < group[0] and \
+                    not any(call < k < group[0] for k in readers[key]):
+                fused[key] = (ranks[last], op, ranks[call])
+                break
+    return fused
+
+
+def rerun_grad_sides(joint: JointGraph, reads: StorageReads, storages: StepStorages, op_of_node: Sequence[int],
+                     walk: BackwardWalk) -> list[tuple[int, int]]:
+    """Per op: the rank of the first backward node reading one of its values, and the gradient-side bytes as that
+    node's kernel starts ((-1, 0): none reads one). The partitioned backward re-runs a value right before its first
+    reader, after the kernels before it: a GELU re-run for the weight gradient of the linear after it is made beside
+    that linear's input gradient, made from the output's gradient and the weight first."""
+    first_read = _first_backward_reads(joint.forward, storages, op_of_node, _backward_readers(joint.backward, storages))
+    return [(reads.rank_of_backward[first_read[o]], walk.entering[first_read[o]]) if o in first_read else (-1, 0)
+            for o in range(max(op_of_node, default=-1) + 1)]
+
+
+def _backward_readers(bw: list[fx.Node], storages: StepStorages) -> dict[int, list[int]]:
+    """Per storage: the backward nodes reading it, in order."""
+    readers: dict[int, list[int]] = defaultdict(list)
+    for k, node in enumerate(bw):
+        for key in dict.fromkeys(key for arg in data_inputs(node) for key in storages.read_keys(node, arg)):
+            readers[key].append(k)
+    return readers
+
+
+def _first_backward_reads(fw: list[fx.Node], storages: StepStorages, op_of_node: Sequence[int],
+                          readers: dict[int, list[int]]) -> dict[int, int]:
+    """Per op: the first backward node reading one of its values."""
+    first: dict[int, int] = {}
+    for i, node in enumerate(fw):
+        for key in storages.keys_of(node):
+            if readers.get(key):
+                first[op_of_node[i]] = min(first.get(op_of_node[i], readers[key][0]), readers[key][0])
+    return first
+
+
+def _pointwise_ops(fw: list[fx.Node], op_of_node: Sequence[int], kinds: InductorKinds) -> set[int]:
+    """The ops of pointwise nodes drawing no random numbers: what a re-run computes in one fused kernel."""
+    ops = set(op_of_node)
+    for i, node in enumerate(fw):
+        if not kinds.fusible(node) or draws_random(node):
+            ops.discard(op_of_node[i])
+    return ops
+
+
+def _made_beyond_in_place(bw: list[fx.Node], group: list[int], storages: StepStorages, side: GradientSide) -> int:
+    """The bytes of the buffers the backward nodes ``group`` make, but for one in place of each backward input of
+    the same size that they read last (inductor writes such a result into the input's buffer)."""
+    inside = set(group)
+    dying = [side.sizes[key] for key in dict.fromkeys(key for k in group for arg in data_inputs(bw[k])
+                                                       for key in storages.keys_of(arg))
+             if side.born.get(key, -1) >= 0 and side.born[key] not in inside and side.last.get(key) in inside
+             and side.buffer(key) and key not in side.outputs]
+    made = 0
+    for key in dict.fromkeys(key for k in group for key in storages.keys_of(bw[k])):
+        if side.born.get(key) in inside and side.buffer(key):
+            if side.sizes[key] in dying:
+                dying.remove(side.sizes[key])
+            else:
+                made += side.sizes[key]
+    return made

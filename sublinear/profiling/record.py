@@ -72,6 +72,11 @@ class StepRecord:
     fused_from: dict[int, int] = field(default_factory=dict)  # storage -> the earlier op whose kernel makes it
     kernel_start: dict[int, int] = field(default_factory=dict)  # storage -> first rank of a fused kernel reading it
     library_made: set[int] | None = None  # storages a library kernel makes (None: unknown)
+    # per op: (rank of its first backward reader, gradient-side bytes as that reader's kernel starts); empty: none
+    rerun_grad_side: Sequence[tuple[int, int]] = ()
+    # storage -> (rank of its last backward reader, an op reading it too, the rank that op's re-run is made for):
+    # the reader runs in that re-run's kernel where the op re-runs for that rank
+    read_in_rerun: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     recompute_shared: bool = False
     # Whether a kept op's view of another op's storage keeps that storage (the eager executor: the view is a tensor
     # autograd or the next op holds). A compiler that re-runs views from their rebuilt base (free, no kernel) does not:
@@ -126,6 +131,7 @@ def assemble(record: StepRecord) -> GraphProfile:
         if record.deadline else np.zeros(0, dtype=np.int64),
         node_op=np.asarray(record.node_op, dtype=np.int64),
         grad_start=np.asarray(record.grad_start, dtype=np.int64),
+        rerun_grad_side=np.asarray(record.rerun_grad_side, dtype=np.int64).reshape(-1, 2),
         grad_peak=np.asarray(record.grad_peak, dtype=np.int64),
         grad_after_release=np.asarray(record.grad_after, dtype=np.int64),
         backward_seconds=np.asarray(record.backward_seconds, dtype=float),
@@ -141,6 +147,8 @@ def assemble(record: StepRecord) -> GraphProfile:
         storage_kernel_start=np.array([record.kernel_start.get(k, -1) for k in tracked], dtype=np.int64)
         if record.kernel_start else np.zeros(0, dtype=np.int64),
         storage_library_made=flags(record.library_made),
+        storage_read_in_rerun=np.array([record.read_in_rerun.get(k, (-1, -1, -1)) for k in tracked], dtype=np.int64)
+        if record.read_in_rerun else np.zeros((0, 3), dtype=np.int64),
         recompute_shared=record.recompute_shared,
     )
 

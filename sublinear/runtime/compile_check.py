@@ -163,8 +163,9 @@ class CompileCheck:
 
     def _alternates(self, over: GraphVariant, untaught: GraphProfile, searched: GraphVariant | None) -> list[Plan]:
         """The plans to try, fastest first: ``searched``'s, the plans within the objective on the profile before
-        any lesson (``untaught``), and that profile's plan of the lowest peak; :data:`ALTERNATES` at most,
-        ``over``'s left out."""
+        any lesson (``untaught``), and that profile's plan of the lowest peak, which is always tried (where the
+        plans of a budget all hold alike more than predicted, it has the most room below the budget);
+        :data:`ALTERNATES` at most, ``over``'s left out."""
         objective = dataclasses.replace(over.objective, memory_budget=over.budget)
         try:
             result = make_plan(untaught, self.config, memory_budget=over.budget)
@@ -174,8 +175,8 @@ class CompileCheck:
             fitting = [c.plan for c in result.candidates if objective.accepts(c)]
             lowest = lowest_plan(untaught, self.config)
         plans = [searched.plan] if searched is not None else []
-        plans += [plan for plan in (*fitting, lowest) if plan != over.plan]
-        return list(dict.fromkeys(plans))[:ALTERNATES]
+        plans = list(dict.fromkeys(plan for plan in (*plans, *fitting) if plan not in (over.plan, lowest)))
+        return plans[:ALTERNATES - (lowest != over.plan)] + ([lowest] if lowest != over.plan else [])
 
     def _teach(self, variant: GraphVariant, memory: CompiledStepMemory, afresh: bool = False) -> None:
         """Teach the variant's profile (and the cached profile of its signature) what its compiled code held;

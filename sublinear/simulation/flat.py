@@ -67,7 +67,7 @@ class FlatModel:
         ops = np.arange(n)
         self.rank_lo = np.searchsorted(node_op, ops, side="left")
         self.rank_hi = np.searchsorted(node_op, ops, side="right") - 1
-        self.grad_start = np.asarray(p.grad_start, dtype=np.int64)
+        self.rerun_grad_side = np.asarray(p.arrays.most_rerun_grad_side, dtype=np.int64)
         self.grad_peak = np.asarray(p.grad_peak, dtype=np.int64)
         self.grad_after = np.asarray(p.grad_after_release, dtype=np.int64)
         self.op_seconds = p.op_seconds
@@ -476,7 +476,7 @@ def _local_peaks(start: _Start, ends: np.ndarray) -> np.ndarray:
     add(grid, row_a, row_b, op_lo - i, weight, np.minimum(op_hi, top) - i)
     alive = np.cumsum(np.cumsum(grid, axis=0)[:rows], axis=1)[:, :ops]
     before = held[np.arange(rows), np.where(framing, trigger - lo + 1, 0)] + \
-        np.where(framing, m.grad_start[np.maximum(trigger, 0)], 0)
+        np.where(framing, m.rerun_grad_side[np.maximum(trigger, 0)], 0)
     values = np.where(start.entry[i:top + 1][None, :] <= ends[:, None],
                       alive + m.rerun_extra[i:top + 1] + before[:, None], _LOW)
     backward = np.maximum(backward, values.max(axis=1, initial=_LOW)) + m.backward_offset + m.end_bytes

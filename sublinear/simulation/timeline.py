@@ -165,7 +165,24 @@ def _forward_extra(profile: GraphProfile, a: PlanAnalysis) -> np.ndarray:
     return np.maximum(0, extra - fused.astype(np.int64))
 
 
-def _slot_terms(profile: GraphProfile, at: _Layout, forward_extra: np.ndarray
+def _rerun_extra(profile: GraphProfile, a: PlanAnalysis, forward_extra: np.ndarray) -> np.ndarray:
+    """Per op, its own bytes while backward re-runs it under the plan: its forward bytes less the buffers only
+    forward needs (those only random library calls read), and, where the profile knows which re-run values are
+    buffers (a compiled step: the partitioned backward computes only the values it reads again), less its
+    retained values and its values that are no buffers when re-run."""
+    extra = np.maximum(0, forward_extra - (profile.forward_extra - profile.rerun_extra))
+    if not len(profile.materialized_when_rebuilt):
+        return extra
+    every = np.ones(len(profile.storage_bytes), dtype=bool)
+    in_forward = profile.materialized_in_forward if len(profile.materialized_in_forward) else every
+    unsaved = profile.saved_buffer & ~a.retained if len(profile.saved_buffer) else ~every
+    not_made = in_forward & ~unsaved & (a.retained | ~profile.materialized_when_rebuilt)
+    unmade = np.bincount(profile.storage_producer[not_made], weights=profile.storage_bytes[not_made],
+                         minlength=profile.num_ops).astype(np.int64)
+    return np.maximum(0, extra - unmade)
+
+
+def _slot_terms(profile: GraphProfile, at: _Layout, forward_extra: np.ndarray, rerun_extra: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per slot: bytes beside the storages (an op's own buffers and scratch under the plan, the gradient side), what
     happens, its op and its rank (-1: none)."""
@@ -175,8 +192,7 @@ def _slot_terms(profile: GraphProfile, at: _Layout, forward_extra: np.ndarray
     ops = np.empty(end + 1, dtype=np.int64)
     ranks = np.full(end + 1, -1, dtype=np.int64)
     extra[:n], kinds[:n], ops[:n] = forward_extra + profile.forward_lesson, _FORWARD, np.arange(n)
-    rerun_extra = np.maximum(0, forward_extra - (profile.forward_extra - profile.rerun_extra))
-    extra[at.c_slot] = rerun_extra[at.c_ops] + profile.grad_start[at.c_ranks]
+    extra[at.c_slot] = rerun_extra[at.c_ops] + profile.arrays.rerun_grad_side(at.c_ops, at.c_ranks)
     kinds[at.c_slot], ops[at.c_slot], ranks[at.c_slot] = _RECOMPUTE, at.c_ops, at.c_ranks
     every_rank = np.arange(len(node_op))
     for slot, kind, side in ((at.backward_slot, _BACKWARD, profile.grad_peak),
@@ -258,7 +274,7 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads,
     saved, ranks = profile.arrays.saved_pairs
     savers = profile.node_op[ranks]
     own = a.dropped[saved] & profile.reaches_output[savers]
-    extend(a.block_of[savers[own]], saved[own], at.backward_slot[ranks[own]])
+    extend(a.block_of[savers[own]], saved[own], _saved_read_slots(profile, at, saved, ranks)[own])
     through, through_ranks = profile.arrays.rebuilt_read_pairs
     if len(through) and len(profile.storage_deadline):
         held = _rerun_deadlines(profile, a, copy_storage)[through] > through_ranks
@@ -337,7 +353,8 @@ def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _
         lost = ~profile.reaches_output[savers]
         np.maximum.at(stop, saved[lost], forward_release(profile, end)[savers[lost]])
         held_by_autograd = ~lost & retained[saved]
-        np.maximum.at(stop, saved[held_by_autograd], at.backward_slot[ranks[held_by_autograd]])
+        read_at = _saved_read_slots(profile, at, saved, ranks)
+        np.maximum.at(stop, saved[held_by_autograd], read_at[held_by_autograd])
     read, readers = profile.arrays.read_pairs
     if len(read) and not shared:  # a forward frame holds what a recomputable op reads until its group ends
         framed = a.recomputed[readers] & retained[read]
@@ -346,6 +363,23 @@ def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _
     held_until = until[reads.pair] if shared else at.frame_stop[at.c_blocks[reads.pair]]
     np.maximum.at(stop, reads.storage[outside], held_until[outside])
     return _taken_in_place(profile, at, np.arange(len(stop)), stop)
+
+
+def _saved_read_slots(profile: GraphProfile, at: _Layout, saved: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Per saved pair (storage, rank): the slot at which backward reads it: the rank's backward, or where the plan
+    re-runs the op that ``storage_read_in_rerun`` names for the rank it names, that re-run (its kernel computes the
+    reader of every rank below)."""
+    slots = at.backward_slot[ranks]
+    if not len(profile.storage_read_in_rerun) or not len(saved) or not len(at.c_ops):
+        return slots
+    op, made_for = profile.storage_read_in_rerun[saved, 1], profile.storage_read_in_rerun[saved, 2]
+    span = len(profile.node_op)
+    keys = at.c_ops * span + at.c_ranks
+    by_key = np.argsort(keys)
+    pos, found = _find(keys[by_key], op * span + made_for)
+    moved = found & (op >= 0) & (ranks < made_for)
+    slots[moved] = at.c_slot[by_key[pos[moved]]]
+    return slots
 
 
 def _taken_in_place(profile: GraphProfile, at: _Layout, storages: np.ndarray, stops: np.ndarray) -> np.ndarray:
@@ -364,7 +398,7 @@ def _taken_in_place(profile: GraphProfile, at: _Layout, storages: np.ndarray, st
 def _snapshots(profile: GraphProfile, a: PlanAnalysis, at: _Layout, held: np.ndarray) -> None:
     """Add to ``held`` the snapshots a recomputable op takes (the state it writes, its RNG state): taken before the
     op runs, so held from its own slot until its block's frame ends (or its group ends in forward)."""
-    snapshot_ops, snapshot_bytes = profile.snapshots
+    snapshot_ops, snapshot_bytes = profile.arrays.snapshots
     snapshotted = a.recomputed[snapshot_ops]
     if snapshotted.any():
         o, nbytes = snapshot_ops[snapshotted], snapshot_bytes[snapshotted]
@@ -387,7 +421,8 @@ def own_slots(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None
 
 def _own(profile: GraphProfile, a: PlanAnalysis):
     at = _layout(profile, a)
-    extra, kinds, ops, ranks = _slot_terms(profile, at, _forward_extra(profile, a))
+    forward_extra = _forward_extra(profile, a)
+    extra, kinds, ops, ranks = _slot_terms(profile, at, forward_extra, _rerun_extra(profile, a, forward_extra))
     reads = _rerun_reads(profile, a, at)
     # Which re-run ops are fused depends on their copies alone; their readers' spans then extend what they read.
     copies = _copies(profile, a, at, reads)

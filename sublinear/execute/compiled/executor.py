@@ -55,6 +55,7 @@ from sublinear.core.plan import Plan
 from sublinear.capture.shapes import Binding, describe_binding, guards_hold
 from sublinear.capture.joint import JointGraph, is_view, labelled_copy, normalise
 from sublinear.profiling.compiled import CompiledProfile
+from sublinear.profiling.compiled_costs import SMALL_RESULTS_MADE_EARLY
 from sublinear.profiling.compiled_nodes import InductorKinds, is_constant
 from sublinear.execute.compiled.products import product_passes
 from sublinear.execute.compiled.step_memory import CompiledStepMemory, compiled_step_memory
@@ -385,8 +386,8 @@ class NearFusionChoices(InductorChoices):
     # Bytes of results a horizontal fusion across a library kernel may make early. A BatchNorm backward's
     # per-channel sums are made before the kernel that reads the gradient they reduce; refused, the kernels that
     # read those sums could not fuse either, and the gradient (a whole activation) was held through a convolution's
-    # backward.
-    SMALL_RESULTS = 4096
+    # backward. The profile follows the same rule.
+    SMALL_RESULTS = SMALL_RESULTS_MADE_EARLY
 
     def __init__(self) -> None:
         super().__init__()
