@@ -30,7 +30,6 @@ import compiled_memory  # noqa: E402
 LAYOUTS = {"on": True, "off": False, "auto": None}  # --layout: sublinear's channels_last
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="timm_resnet", choices=compiled_memory.MODELS)

@@ -143,7 +143,7 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
                                  library_made={k for k in tracked if kinds.extern(fw[storages.produced_by[k]])},
                                  read_in_rerun=reads_fused_into_reruns(joint, reads, storages, side,
                                                                        grouping.op_of_node),
-                                 rerun_grad_side=rerun_grad_sides(joint, reads, storages, grouping.op_of_node,
+                                 rerun_grad_side=rerun_grad_sides(joint, reads, storages, side, grouping.op_of_node,
                                                                   backward))
     profile = assemble(record)
     from sublinear.simulation.timeline import simulate  # noqa: PLC0415 - the unplanned step's peak, for reports

@@ -317,10 +317,9 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     def readable(key: int) -> bool:
         return key in storages.produced_by or side.buffer(key)
 
-    segments = kernel_segments(bw, side.kinds)
-    entering: list[int] = []  # per segment: the gradient-side bytes as it starts
-    for segment in segments:
-        entering.append(live)
+    entering: list[int] = []  # per backward node: the gradient-side bytes as its kernel starts
+    for segment in kernel_segments(bw, side.kinds):
+        entering += [live] * len(segment)
         for k in segment:
             if start[ranks[k]] is None:
                 start[ranks[k]] = before[ranks[k]] = after[ranks[k]] = live
@@ -365,8 +364,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                           and key in side.sizes)
     kernel_end = {key: r for key, r in kernel_end.items() if key not in in_place.forward_taken}
     return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken,
-                        kernel_end, _kernel_starts(bw, ranks, storages, side.kinds),
-                        [live for segment, live in zip(segments, entering) for _ in segment])
+                        kernel_end, _kernel_starts(bw, ranks, storages, side.kinds), entering)
 
 
 def _kernel_starts(bw: list[fx.Node], ranks: Sequence[int], storages: StepStorages, kinds: InductorKinds
@@ -493,7 +491,7 @@ def reads_fused_into_reruns(joint: JointGraph, reads: StorageReads, storages: St
     segments = kernel_segments(bw, kinds)
     segment_of = {k: i for i, segment in enumerate(segments) for k in segment}
     readers = _backward_readers(bw, storages)
-    first_read = _first_backward_reads(fw, storages, op_of_node, readers)
+    first_read = _first_backward_reads(fw, storages, op_of_node, side)
     forward_readers: dict[int, list[int]] = defaultdict(list)  # forward value -> the ops reading it
     for i, node in enumerate(fw):
         for key in dict.fromkeys(key for arg in data_inputs(node) for key in storages.read_keys(node, arg)):
@@ -518,13 +516,13 @@ def reads_fused_into_reruns(joint: JointGraph, reads: StorageReads, storages: St
     return fused
 
 
-def rerun_grad_sides(joint: JointGraph, reads: StorageReads, storages: StepStorages, op_of_node: Sequence[int],
-                     walk: BackwardWalk) -> list[tuple[int, int]]:
+def rerun_grad_sides(joint: JointGraph, reads: StorageReads, storages: StepStorages, side: GradientSide,
+                     op_of_node: Sequence[int], walk: BackwardWalk) -> list[tuple[int, int]]:
     """Per op: the rank of the first backward node reading one of its values, and the gradient-side bytes as that
     node's kernel starts ((-1, 0): none reads one). The partitioned backward re-runs a value right before its first
     reader, after the kernels before it: a GELU re-run for the weight gradient of the linear after it is made beside
     that linear's input gradient, made from the output's gradient and the weight first."""
-    first_read = _first_backward_reads(joint.forward, storages, op_of_node, _backward_readers(joint.backward, storages))
+    first_read = _first_backward_reads(joint.forward, storages, op_of_node, side)
     return [(reads.rank_of_backward[first_read[o]], walk.entering[first_read[o]]) if o in first_read else (-1, 0)
             for o in range(max(op_of_node, default=-1) + 1)]
 
@@ -539,13 +537,13 @@ def _backward_readers(bw: list[fx.Node], storages: StepStorages) -> dict[int, li
 
 
 def _first_backward_reads(fw: list[fx.Node], storages: StepStorages, op_of_node: Sequence[int],
-                          readers: dict[int, list[int]]) -> dict[int, int]:
-    """Per op: the first backward node reading one of its values."""
+                          side: GradientSide) -> dict[int, int]:
+    """Per op: the first backward node reading one of its values (``side.first``)."""
     first: dict[int, int] = {}
     for i, node in enumerate(fw):
         for key in storages.keys_of(node):
-            if readers.get(key):
-                first[op_of_node[i]] = min(first.get(op_of_node[i], readers[key][0]), readers[key][0])
+            if key in side.first:
+                first[op_of_node[i]] = min(first.get(op_of_node[i], side.first[key]), side.first[key])
     return first
 
 

@@ -126,6 +126,7 @@ class _Layout:
     c_slot: np.ndarray
     frame_stop: np.ndarray  # per block: the slot after which its group's frame is released (-1: none)
     rank_start: np.ndarray  # per rank: the first slot of its recomputes (its backward's where it has none)
+    saved_read_at: np.ndarray  # per saved pair (``profile.arrays.saved_pairs``): the slot backward reads it at
 
 
 def _layout(profile: GraphProfile, a: PlanAnalysis) -> _Layout:
@@ -143,7 +144,7 @@ def _layout(profile: GraphProfile, a: PlanAnalysis) -> _Layout:
     frame_stop = np.full(len(a.frame_end), -1, dtype=np.int64)
     frame_stop[a.frame_end >= 0] = backward_slot[a.frame_end[a.frame_end >= 0]]
     return _Layout(n, n + int(width.sum()), backward_slot, c_blocks, c_ops, c_ranks, c_slot, frame_stop,
-                   group_start)
+                   group_start, _saved_read_slots(profile, backward_slot, c_ops, c_ranks, c_slot))
 
 
 def _forward_extra(profile: GraphProfile, a: PlanAnalysis) -> np.ndarray:
@@ -173,9 +174,9 @@ def _rerun_extra(profile: GraphProfile, a: PlanAnalysis, forward_extra: np.ndarr
     extra = np.maximum(0, forward_extra - (profile.forward_extra - profile.rerun_extra))
     if not len(profile.materialized_when_rebuilt):
         return extra
-    every = np.ones(len(profile.storage_bytes), dtype=bool)
-    in_forward = profile.materialized_in_forward if len(profile.materialized_in_forward) else every
-    unsaved = profile.saved_buffer & ~a.retained if len(profile.saved_buffer) else ~every
+    n = len(profile.storage_bytes)
+    in_forward = profile.materialized_in_forward if len(profile.materialized_in_forward) else np.ones(n, dtype=bool)
+    unsaved = profile.saved_buffer & ~a.retained if len(profile.saved_buffer) else np.zeros(n, dtype=bool)
     not_made = in_forward & ~unsaved & (a.retained | ~profile.materialized_when_rebuilt)
     unmade = np.bincount(profile.storage_producer[not_made], weights=profile.storage_bytes[not_made],
                          minlength=profile.num_ops).astype(np.int64)
@@ -274,7 +275,7 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads,
     saved, ranks = profile.arrays.saved_pairs
     savers = profile.node_op[ranks]
     own = a.dropped[saved] & profile.reaches_output[savers]
-    extend(a.block_of[savers[own]], saved[own], _saved_read_slots(profile, at, saved, ranks)[own])
+    extend(a.block_of[savers[own]], saved[own], at.saved_read_at[own])
     through, through_ranks = profile.arrays.rebuilt_read_pairs
     if len(through) and len(profile.storage_deadline):
         held = _rerun_deadlines(profile, a, copy_storage)[through] > through_ranks
@@ -353,8 +354,7 @@ def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _
         lost = ~profile.reaches_output[savers]
         np.maximum.at(stop, saved[lost], forward_release(profile, end)[savers[lost]])
         held_by_autograd = ~lost & retained[saved]
-        read_at = _saved_read_slots(profile, at, saved, ranks)
-        np.maximum.at(stop, saved[held_by_autograd], read_at[held_by_autograd])
+        np.maximum.at(stop, saved[held_by_autograd], at.saved_read_at[held_by_autograd])
     read, readers = profile.arrays.read_pairs
     if len(read) and not shared:  # a forward frame holds what a recomputable op reads until its group ends
         framed = a.recomputed[readers] & retained[read]
@@ -365,20 +365,22 @@ def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _
     return _taken_in_place(profile, at, np.arange(len(stop)), stop)
 
 
-def _saved_read_slots(profile: GraphProfile, at: _Layout, saved: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+def _saved_read_slots(profile: GraphProfile, backward_slot: np.ndarray, c_ops: np.ndarray, c_ranks: np.ndarray,
+                      c_slot: np.ndarray) -> np.ndarray:
     """Per saved pair (storage, rank): the slot at which backward reads it: the rank's backward, or where the plan
     re-runs the op that ``storage_read_in_rerun`` names for the rank it names, that re-run (its kernel computes the
     reader of every rank below)."""
-    slots = at.backward_slot[ranks]
-    if not len(profile.storage_read_in_rerun) or not len(saved) or not len(at.c_ops):
+    saved, ranks = profile.arrays.saved_pairs
+    slots = backward_slot[ranks]
+    if not len(profile.storage_read_in_rerun) or not len(saved) or not len(c_ops):
         return slots
     op, made_for = profile.storage_read_in_rerun[saved, 1], profile.storage_read_in_rerun[saved, 2]
     span = len(profile.node_op)
-    keys = at.c_ops * span + at.c_ranks
+    keys = c_ops * span + c_ranks
     by_key = np.argsort(keys)
     pos, found = _find(keys[by_key], op * span + made_for)
     moved = found & (op >= 0) & (ranks < made_for)
-    slots[moved] = at.c_slot[by_key[pos[moved]]]
+    slots[moved] = c_slot[by_key[pos[moved]]]
     return slots
 
 
