@@ -1393,8 +1393,26 @@ class _DepthwiseNet(nn.Module):
         return self.fc(F.gelu(self.dw(h)).mean((2, 3)))
 
 
+class _PatchEmbeddingNet(nn.Module):
+    """A vision transformer's shape without attention: a patchify convolution, then residual MLP blocks over the
+    patches. Only the convolution's copies differ between the layouts."""
+
+    def __init__(self, width: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, width, 4, stride=4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                                                  nn.Linear(4 * width, width)) for _ in range(depth))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        h = self.embed(x).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h.mean(1))
+
+
 LAYOUT_CASES = {"basic-block": (_BasicBlockNet, (8, 64, 8, 8)), "convolution": (_ConvNet, (8, 3, 32, 32)),
-                "depthwise": (_DepthwiseNet, (8, 3, 128, 128))}
+                "depthwise": (_DepthwiseNet, (8, 3, 128, 128)), "patches": (_PatchEmbeddingNet, (8, 3, 32, 32))}
 
 
 @pytest.mark.parametrize("case,traced_lower", [("basic-block", True), ("convolution", False)])
@@ -1434,12 +1452,7 @@ def test_a_budget_is_planned_in_inductors_layout_where_a_plan_meets_it_else_in_t
     build, shape = LAYOUT_CASES["basic-block"]
     torch.manual_seed(0)
     x = torch.randn(*shape)
-    lowest = {}
-    for channels_last in (True, False):
-        config = dataclasses.replace(INDUCTOR, channels_last=channels_last, memory_budget=None,
-                                     min_memory_per_time=0)
-        lowest[channels_last] = sublinear.compile(build().train(), (x,), config=config) \
-            .sublinear_plan.graphs[0].predicted_peak_bytes
+    lowest = {layout: peaks[0] for layout, peaks in _peaks_by_layout(build, x).items()}
     assert lowest[False] < lowest[True], lowest
     budget = lowest[True] + (1 << 20) if above_channels_last else (lowest[False] + lowest[True]) // 2
     from_cache = []
@@ -1453,6 +1466,52 @@ def test_a_budget_is_planned_in_inductors_layout_where_a_plan_meets_it_else_in_t
         from_cache.append(variant.summary.from_cache)
         assert _compiled_step_peak(compiled, model, x) <= budget
     assert from_cache == [False, True]
+
+
+def _peaks_by_layout(build, x: torch.Tensor) -> dict[bool, tuple[int, int]]:
+    """The predicted peaks of the lowest plan and of the unplanned step, with convolutions channels-last (True) and
+    as traced (False)."""
+    peaks = {}
+    for channels_last in (True, False):
+        config = dataclasses.replace(INDUCTOR, channels_last=channels_last, memory_budget=None,
+                                     min_memory_per_time=0)
+        plan = sublinear.compile(build().train(), (x,), config=config).sublinear_plan
+        peaks[channels_last] = plan.predicted_peak_bytes, plan.baseline_peak_bytes
+    return peaks
+
+
+@pytest.mark.slow
+def test_a_channels_last_step_compiled_above_its_budget_is_compiled_as_traced_where_that_fits(monkeypatch):
+    """Every channels-last step's code is read 2 MiB above what it holds through backward, the layouts as traced
+    as they are, under a budget below the unplanned step as traced: the channels-last plan compiled first is above
+    the budget, so is every channels-last alternate, and the compile check compiles a plan as traced, which meets
+    the budget. (The same plan as traced was taken for the code already compiled, having the same partition, and
+    the alternates tried were channels-last only: the budget was refused.)"""
+    build, shape = LAYOUT_CASES["patches"]
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    peaks = _peaks_by_layout(build, x)
+    budget = (peaks[True][0] + peaks[False][1]) // 2  # below the unplanned step as traced
+    memory_for, without_kernels, layouts_read = CompiledGraph.memory_for, CompiledGraph.memory_without_kernels, []
+
+    def read_over(graph, memory):
+        layouts_read.append(graph.channels_last)
+        if memory is None or not graph.channels_last:
+            return memory
+        trace = tuple(dataclasses.replace(p, live=p.live + (2 << 20)) if p.phase == "backward" else p
+                      for p in memory.trace)
+        return dataclasses.replace(memory, peak=max(memory.peak, memory.backward_peak + (2 << 20)), trace=trace)
+
+    monkeypatch.setattr(CompiledGraph, "memory_for", lambda self, uses: read_over(self, memory_for(self, uses)))
+    monkeypatch.setattr(CompiledGraph, "memory_without_kernels", lambda self, values, uses: (
+        self.memory_for(uses) if self._walk is not None else read_over(self, without_kernels(self, values, uses))))
+    torch._dynamo.reset()
+    model = build().train()
+    compiled = sublinear.compile(model, (x,), config=dataclasses.replace(INDUCTOR, memory_budget=budget))
+    measured = _compiled_step_peak(compiled, model, x)
+    (variant,) = compiled.sublinear_backend.latest.values()
+    assert layouts_read[0] and not variant.lesson.profiled.channels_last
+    assert variant.peak_bytes <= budget and measured <= budget
 
 
 @pytest.mark.slow

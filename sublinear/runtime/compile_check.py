@@ -86,12 +86,12 @@ class Lesson:
 class CompileCheck:
     """Compiles new variants and teaches their profiles what the compiled code held; above the budget, finds and
     compiles a plan whose compiled code fits (see the module docstring). ``replan(runtime, values, key, dry_run,
-    bound, plan)`` plans a signature again on the taught profile, or, given ``plan``, runs that plan (chosen on the
-    profile before any lesson)."""
+    bound, fixed)`` plans a signature again on the taught profile, or, given ``fixed`` (a plan and the profile of its
+    layout), runs that plan (chosen on that profile before any lesson)."""
 
     def __init__(self, plans: PlanCache, config: SublinearMemoryConfig,
-                 replan: Callable[[GraphRuntime, Sequence[Any], tuple, bool, Binding, Plan | None], GraphVariant]
-                 ) -> None:
+                 replan: Callable[[GraphRuntime, Sequence[Any], tuple, bool, Binding, tuple[Plan, Profiled] | None],
+                                  GraphVariant]) -> None:
         self.plans = plans
         self.config = config
         self.replan = replan
@@ -128,22 +128,21 @@ class CompileCheck:
         """The first alternate (:meth:`_alternates`) whose wrapper code, then whose compiled code, fits the
         budget, compiled; none fitting, BudgetError with the lowest peak read back."""
         budget, lowest = over.budget, Candidate(over.plan, over.simulation)
-        searched = self._searched(runtime, over, values, key)
-        untaught = over.lesson.profiled.untaught_as(over.profile)
+        searched, now = self._searched(runtime, over, values, key)
         walked = {_partition(over.rewritten): over.rewritten.memory_for(over.uses)}  # plans of one partition: one code
-        for plan in self._alternates(over, untaught, searched):
-            if searched is not None and plan == searched.plan:
+        for profiled, plan in self._alternates(over, now, searched):
+            if searched is not None and profiled is searched.lesson.profiled and plan == searched.plan:
                 variant, profile, graph = searched, searched.profile, searched.rewritten
             else:
-                variant, profile = None, untaught
-                graph = CompiledGraph(runtime.graph, analyse(untaught, plan), over.lesson.profiled.node_names,
-                                      over.bound, channels_last=over.lesson.profiled.channels_last)
+                variant, profile = None, profiled.untaught_as(over.profile)
+                graph = CompiledGraph(runtime.graph, analyse(profile, plan), profiled.node_names, over.bound,
+                                      channels_last=profiled.channels_last)
             if _partition(graph) not in walked:
                 walked[_partition(graph)] = graph.memory_without_kernels(values, over.uses)
             candidate = _read_back(runtime.index, walked[_partition(graph)], profile, plan)
             peak = candidate.simulation.peak_bytes
             if peak <= budget or may_fit_without_guessed_outputs(runtime, peak, profile, budget):
-                variant = variant or self.replan(runtime, values, key, False, over.bound, plan)
+                variant = variant or self.replan(runtime, values, key, False, over.bound, (plan, profiled))
                 log.info("sublinear: graph %d: compiling that plan", runtime.index)
                 if not self._compile(variant, values, afresh=variant is not searched) or _within(runtime, variant):
                     return variant
@@ -153,19 +152,40 @@ class CompileCheck:
         raise BudgetError(objective, lowest, None, floor=step_floor(over.profile), compiled=True)
 
     def _searched(self, runtime: GraphRuntime, over: GraphVariant, values: Sequence[Any],
-                  key: tuple) -> GraphVariant | None:
-        """The variant of the plan searched on the taught profile; None where no plan there fits the budget."""
+                  key: tuple) -> tuple[GraphVariant | None, Profiled]:
+        """The variant planned again on the taught profile, None where no plan there fits the budget or it is
+        ``over``'s plan in ``over``'s layout; and the profile the pipeline now plans in: the fallback layout's where
+        no plan in ``over``'s fits (a plan kept in the other layout compiles to other code)."""
+        profiled = over.lesson.profiled
         try:
             variant = self.replan(runtime, values, key, False, over.bound, None)
         except BudgetError:
-            return None
-        return variant if variant.plan != over.plan and isinstance(variant.rewritten, CompiledGraph) else None
+            return None, profiled.fallback or profiled
+        now = variant.lesson.profiled
+        new = variant.plan != over.plan or now.channels_last != profiled.channels_last
+        return (variant if new and isinstance(variant.rewritten, CompiledGraph) else None), now
 
-    def _alternates(self, over: GraphVariant, untaught: GraphProfile, searched: GraphVariant | None) -> list[Plan]:
-        """The plans to try, fastest first: ``searched``'s, the plans within the objective on the profile before
-        any lesson (``untaught``), and that profile's plan of the lowest peak, which is always tried (where the
-        plans of a budget all hold alike more than predicted, it has the most room below the budget);
-        :data:`ALTERNATES` at most, ``over``'s left out."""
+    def _alternates(self, over: GraphVariant, now: Profiled,
+                    searched: GraphVariant | None) -> list[tuple[Profiled, Plan]]:
+        """The plans to try with their layouts' profiles: those of the layout the pipeline now plans in (``now``),
+        then, where ``over``'s layout has a fallback the pipeline has not turned to, the fallback's (the lesson of a
+        channels-last plan may leave other channels-last plans under-counted, and a budget below every one of
+        them is met as traced)."""
+        first = over.lesson.profiled
+        layouts = [now] + ([first.fallback] if first.fallback is not None and first.fallback is not now else [])
+        return [(profiled, plan) for profiled in layouts
+                for plan in self._layout_alternates(over, profiled.untaught_as(over.profile),
+                                                    searched.plan if searched is not None and
+                                                    searched.lesson.profiled is profiled else None,
+                                                    over.plan if profiled.channels_last == first.channels_last
+                                                    else None)]
+
+    def _layout_alternates(self, over: GraphVariant, untaught: GraphProfile, searched: Plan | None,
+                           ran: Plan | None) -> list[Plan]:
+        """The plans to try in one layout, fastest first: ``searched``, the plans within the objective on the
+        layout's profile before any lesson (``untaught``), and that profile's plan of the lowest peak, which is
+        always tried (where the plans of a budget all hold alike more than predicted, it has the most room below
+        the budget); :data:`ALTERNATES` at most, ``ran`` (the plan compiled in this layout, if any) left out."""
         objective = dataclasses.replace(over.objective, memory_budget=over.budget)
         try:
             result = make_plan(untaught, self.config, memory_budget=over.budget)
@@ -174,9 +194,9 @@ class CompileCheck:
         else:
             fitting = [c.plan for c in result.candidates if objective.accepts(c)]
             lowest = lowest_plan(untaught, self.config)
-        plans = [searched.plan] if searched is not None else []
-        plans = list(dict.fromkeys(plan for plan in (*plans, *fitting) if plan not in (over.plan, lowest)))
-        return plans[:ALTERNATES - (lowest != over.plan)] + ([lowest] if lowest != over.plan else [])
+        plans = list(dict.fromkeys(plan for plan in ([searched] if searched else []) + fitting
+                                   if plan not in (ran, lowest)))
+        return plans[:ALTERNATES - (lowest != ran)] + ([lowest] if lowest != ran else [])
 
     def _teach(self, variant: GraphVariant, memory: CompiledStepMemory, afresh: bool = False) -> None:
         """Teach the variant's profile (and the cached profile of its signature) what its compiled code held;
@@ -201,9 +221,10 @@ class CompileCheck:
                                                                       step_context=variant.profile.step_context))
 
 
-def _partition(graph: CompiledGraph) -> tuple[int, str]:
-    """What decides a planned graph's compiled code: the captured graph and the plan's partition of it."""
-    return id(graph.graph), graph.partitioner.uuid()
+def _partition(graph: CompiledGraph) -> tuple[int, str, bool]:
+    """What decides a planned graph's compiled code: the captured graph, the plan's partition of it and the
+    convolutions' layout."""
+    return id(graph.graph), graph.partitioner.uuid(), graph.channels_last
 
 
 def _read_back(index: int, memory: CompiledStepMemory | None, profile: GraphProfile, plan: Plan) -> Candidate:

@@ -67,11 +67,12 @@ class PlanPipeline:
     # -- planning -----------------------------------------------------------------------------------------------
 
     def plan(self, runtime: GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool,
-             bound: Binding, fixed: Plan | None = None) -> GraphVariant:
+             bound: Binding, fixed: tuple[Plan, Profiled] | None = None) -> GraphVariant:
         """Profile and plan ``runtime``'s graph for a call with ``values`` (real or fake). Planning draws random
         numbers (measuring op costs) under a forked RNG, so the training's random stream is as in eager, and runs
         outside the caller's dispatch modes (a memory tracker around the step sees the step, not the planning).
-        ``fixed``: run that plan, which the compile check chose on the profile as it was before it taught it."""
+        ``fixed``: run that plan in that profile's layout, which the compile check chose on the profile as it was
+        before it taught it."""
         from sublinear.runtime.session import collecting_new_objects_only  # noqa: PLC0415
 
         self.progress.begin()
@@ -88,7 +89,7 @@ class PlanPipeline:
                 return self._plan(runtime, values, key, dry_run, bound, fixed)
 
     def _plan(self, runtime: GraphRuntime, values: Sequence[Any], key: tuple, dry_run: bool,
-              bound: Binding, fixed: Plan | None = None) -> GraphVariant:
+              bound: Binding, fixed: tuple[Plan, Profiled] | None = None) -> GraphVariant:
         started = time.perf_counter()
         graph, config = runtime.graph, self.config
         context, settled = upcoming_context(runtime.session.calls, runtime, values)
@@ -102,17 +103,21 @@ class PlanPipeline:
         budget = self.budget_for(runtime, values, dry_run)
         profiled, entry = self.profiles.lookup(graph, values, key, bound, uses, compiler, profile_key, disk_key, entry,
                                                budget is not None)
+        chosen = fixed[0] if fixed is not None else None
+        if fixed is not None:  # the layout the compile check chose the plan in is the one planned in from now on
+            profiled = fixed[1]
+            self.profiles.profiled.put(profile_key, profiled)
         # not keyed by the profile's lessons: a plan remembered before a compile check taught the profile is reused
         # only while it meets the objective on the taught profile (a graph captured again keeps its compiled code)
         store_key = (*profile_key, context, repr(sorted(config.planning_key().items())))
         # a plan the compile check chose is predicted and (by the compile check) taught on the profile before any
         # lesson, as it was chosen
-        profile_ = dataclasses.replace(profiled.untaught if fixed is not None else profiled.profile,
+        profile_ = dataclasses.replace(profiled.untaught if chosen is not None else profiled.profile,
                                        sharding=key[-1], step_context=context)
         objective = objective_for(config, budget)
-        if fixed is not None:  # stored, so that a later process reuses it (its compile check teaches its costs)
-            self.plans.store(disk_key, _entry(profile_, fixed, [], profiled.channels_last))
-            choice = _Choice(fixed, None, "the compile check: the fastest plan tried whose compiled code is within "
+        if chosen is not None:  # stored, so that a later process reuses it (its compile check teaches its costs)
+            self.plans.store(disk_key, _entry(profile_, chosen, [], profiled.channels_last))
+            choice = _Choice(chosen, None, "the compile check: the fastest plan tried whose compiled code is within "
                              "the budget", False, searched=True)
         else:
             try:
@@ -127,7 +132,7 @@ class PlanPipeline:
                 return self._plan(runtime, values, key, dry_run, bound)
         if not choice.settling:
             self.plans.remember(store_key, (profiled, choice.plan, choice.result))
-        chunks = None if fixed is not None or choice.settling else \
+        chunks = None if chosen is not None or choice.settling else \
             self._head_chunks(graph, values, key, bound, profiled, profile_, choice, budget)
         return self._variant(runtime, values, (key, disk_key), bound, profiled, profile_, objective, budget, choice,
                              context, time.perf_counter() - started, executor, chunks)
@@ -243,7 +248,8 @@ class _Profiles:
 
 class _Executors:
     """What runs each plan: inductor's code for a graph profiled from its joint graph, compiled once per graph,
-    signature, bound and partition (variants with the same partition share it); else sublinear's eager executor."""
+    signature, bound, partition and convolution layout (variants with the same partition and layout share it); else
+    sublinear's eager executor."""
 
     def __init__(self) -> None:
         self.compiled: dict[tuple, CompiledGraph] = {}  # by graph, signature, bound and partition
@@ -260,7 +266,7 @@ class _Executors:
         compiled = CompiledGraph(graph, analyse(profile_, plan), profiled.node_names, bound,
                                  channels_last=profiled.channels_last)
         compiled_key = (graph.code, key, tuple(sorted(bound.items())), compiled.partitioner.uuid(),
-                        tuple(head.rows for head in graph.lm_heads))
+                        tuple(head.rows for head in graph.lm_heads), profiled.channels_last)
         return self.compiled.setdefault(compiled_key, compiled)
 
 
