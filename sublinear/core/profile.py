@@ -191,9 +191,8 @@ class GraphProfile:
     sharding: ShardedParameters | None = None  # FSDP2's per-rank layout; None: full parameters and gradients
     step_context: StepContext | None = None  # the other graphs of the call; None: this graph is the whole step
     output_uses: tuple[str, ...] = ()  # per tensor output: "gradient", "held" (to the step's end) or "dropped"
-    # Per storage, for a compiled step (empty: every storage is memory whenever it is live): whether it takes memory
-    # while only forward readers hold it (a compiler that fuses its producer into its readers makes no buffer), and
-    # whether a copy a recompute rebuilds takes memory (or is fused into the backward kernels that read it).
+    # Per storage, for a compiled step (empty: memory whenever live): whether it takes memory while only forward
+    # readers hold it (none where its producer is fused into them), and whether a recompute's copy of it does.
     materialized_in_forward: np.ndarray = field(default_factory=lambda: _empty(bool))
     materialized_when_rebuilt: np.ndarray = field(default_factory=lambda: _empty(bool))
     # Per storage, for a compiled step: a buffer in forward only because forward saves it for backward (a fused
@@ -202,9 +201,11 @@ class GraphProfile:
     # no buffer for it.
     saved_buffer: np.ndarray = field(default_factory=lambda: _empty(bool))
     storage_fused_from: np.ndarray = field(default_factory=_empty)
-    # Per storage, for a compiled step: the rank whose backward kernel writes its output into the storage's buffer,
-    # the kernel being its last reader (-1: none; empty: none anywhere). While the storage is a buffer there, it ends
-    # as that backward starts, its bytes counted on the gradient side from then on.
+    # Per storage, for a compiled step (empty or -1: none): the last op of the forward kernel reading it, past its
+    # last reader's op (inductor's C++ backend frees what a function of fused nodes reads after that function)
+    storage_forward_kernel_end: np.ndarray = field(default_factory=_empty)
+    # Per storage, for a compiled step (-1 or empty: none): the rank whose backward kernel, its last reader, writes
+    # its output into its buffer; a buffer there, the storage ends as that backward starts (the output counts on).
     storage_taken_at: np.ndarray = field(default_factory=_empty)
     # Per storage, for a compiled step (empty: none known): the ranks whose backward kernels compute a fused value
     # from its re-run copy, the storages the nodes computing it read, and the highest rank by whose backward a node

@@ -9,6 +9,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import fx
 
 from sublinear.capture.dynamo import INPUT, PARAMETER
@@ -335,10 +336,11 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                 if above is not None and ranks[k] > above:
                     kernel_end[key] = above
         for r in {ranks[k] for k in segment if ranks[k] >= runs_at}:
+            still_forward = in_place.held_forward(taken, r)
             if r in released:
-                after[r] = max(after[r], inside)
+                after[r] = max(after[r], inside - still_forward)
             else:
-                before[r], after[r] = max(before[r], inside), live
+                before[r], after[r] = max(before[r], inside - still_forward), live - still_forward
         freed = {key for k in segment for key in ending.get(k, ())}
         freed |= {key for key in made if key not in side.last}
         live -= sum(side.sizes[key] for key in freed if side.buffer(key) and key not in side.outputs
@@ -447,6 +449,13 @@ class _InPlace:
                         stack.append(j)
         return found
 
+    def held_forward(self, taken: dict[int, int], rank: int) -> int:
+        """Bytes of the outputs of ``taken`` (one kernel's) written into forward values whose reader's rank is
+        below ``rank``: where the kernel counts at ``rank`` too (its first nodes are views of the library call's
+        result before it, at that call's rank), the value is still held on the forward side, in that memory."""
+        return sum(self.side.sizes[out] for out, key in taken.items()
+                   if key in self.forward_taken and self.forward_taken[key] < rank)
+
     def take(self, segment: list[int], made: list[int]) -> dict[int, int]:
         """Per output of ``segment`` (one fused kernel, consecutive backward nodes) written in place: the input whose
         buffer it takes."""
@@ -456,6 +465,8 @@ class _InPlace:
         first = segment[0]
         taken: dict[int, int] = {}
         for out in made:
+            if side.bw[side.born[out]].target is torch.ops.aten.cat.default:
+                continue  # a concatenation's buffer is allocated for its parts to be written into
             computation = self._computation(side.born[out])
             inputs = [key for key in dict.fromkeys(k2 for k in sorted(computation)
                                                    for arg in data_inputs(side.bw[k])
