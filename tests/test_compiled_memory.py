@@ -413,25 +413,11 @@ def _dropout_of_a_fused_value() -> nn.Module:
                          nn.Linear(64, 10))
 
 
-class _SoftmaxOfALinear(nn.Module):
-    """A wide linear, then a softmax, its square and their sum: one fused kernel on the CPU, whose probabilities
-    are written while the linear's output it reads is still held (freed after the kernel, not after its last
-    reader's op); backward writes the linear's gradient into the saved probabilities."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pre, self.wide = nn.Linear(32, 32), nn.Linear(32, 512)
-
-    def forward(self, x):
-        return self.wide(torch.tanh(self.pre(x))).softmax(-1).square().sum()
-
-
 CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "dropout": (_dropout_chain, (256, 256)),
          "fused-dropout": (_dropout_of_a_fused_value, (4096, 32)),
          "recurrence": (_Recurrence, (8, 16, 64)),
          "attention": (_Attention, (4, 128, 64)), "pointwise": (_pointwise_chain, (256, 128)),
          "geglu": (_geglu_blocks, (2, 256, 64)), "gated-mlp": (_GatedMLPs, (4, 128, 128)),
-         "softmax": (_SoftmaxOfALinear, (64, 32)),
          "head": (_LanguageModelHead, (4, 64, 64)), "unchunked-head": (_LanguageModelHead, (4, 64, 64)),
          "tied-head": (_TiedHead, (4, 64, 64)), "dropout-attention": (_DropoutAttention, (4, 128, 64))}
 
@@ -501,24 +487,6 @@ def test_an_output_written_into_a_saved_value_is_counted_once_at_the_ranks_its_k
     over when the output was counted there too; peft's LoRA on Llama 3.0-3.4 % over at --size large). The "geglu"
     case of the test above holds the other half: a concatenation takes no input's buffer."""
     _predicted_before_compiling_and_measured("gated-mlp", Plan.no_split)
-
-
-@pytest.mark.slow
-def test_a_value_a_fused_forward_kernel_reads_is_held_to_that_kernels_end():
-    """The softmax's kernel writes its probabilities while the linear's output is held (16 % under when it was let
-    go at its last reader's op, hidden before by counting the linear's gradient twice in backward)."""
-    _predicted_before_compiling_and_measured("softmax", Plan.no_split)
-
-
-def test_a_forward_kernel_holds_what_it_reads_to_its_last_op():
-    torch.manual_seed(0)
-    graph = sublinear.capture.dynamo.capture(_SoftmaxOfALinear().train(), (torch.randn(64, 32),)).graph
-    p = profile_joint(trace_joint(graph, graph.example_values), graph, None, measure_scratch=False).profile
-    wide = next(o for o, op in enumerate(p.ops) if op.name.startswith("wide"))
-    (logits,) = p.op_storages[wide]
-    last = next(o for o, op in enumerate(p.ops) if op.name.startswith("sum"))  # the kernel's last op
-    assert p.storage_last_use[logits] < last == p.storage_forward_kernel_end[logits]
-    assert p.storage_forward_kernel_end[p.op_storages[0][0]] == -1  # read by a library call: freed after it
 
 
 def test_a_gradient_written_into_a_saved_value_is_not_counted_above_that_values_last_reader():

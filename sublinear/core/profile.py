@@ -201,9 +201,6 @@ class GraphProfile:
     # no buffer for it.
     saved_buffer: np.ndarray = field(default_factory=lambda: _empty(bool))
     storage_fused_from: np.ndarray = field(default_factory=_empty)
-    # Per storage, for a compiled step (empty or -1: none): the last op of the forward kernel reading it, past its
-    # last reader's op (inductor's C++ backend frees what a function of fused nodes reads after that function)
-    storage_forward_kernel_end: np.ndarray = field(default_factory=_empty)
     # Per storage, for a compiled step (-1 or empty: none): the rank whose backward kernel, its last reader, writes
     # its output into its buffer; a buffer there, the storage ends as that backward starts (the output counts on).
     storage_taken_at: np.ndarray = field(default_factory=_empty)

@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 from sublinear.capture.dynamo import BUFFER, INPUT, PARAMETER, CapturedGraph, module_path
-from sublinear.capture.joint import JointGraph, data_inputs, is_view
+from sublinear.capture.joint import JointGraph
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
 from sublinear.core.units import format_bytes
@@ -54,7 +54,6 @@ from sublinear.profiling.compiled_nodes import (
     InductorKinds, channels_last_convolutions, draws_random, is_constant, library_scratch, tensor_leaves,
     writes_input,
 )
-from sublinear.profiling.compiled_realize import kernel_segments
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates, device_rates
 from sublinear.profiling.kernels import blas_workspace_bytes, kernel_memory, runs_cublaslt
 from sublinear.profiling.record import StepRecord, assemble
@@ -138,10 +137,8 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     side = GradientSide(joint, storages, kinds, granule, graph.kinds)
     backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates,
                              {k for k in storages.produced_by if not materialized(k, rebuilt=True)})
-    record = _record(joint, graph, grouping, storages, reads, tracked, materialized, costs, backward, rates,
-                     _constants(storages, fw, kinds), through, dataflow)
-    record = dataclasses.replace(record, forward_kernel_end=_forward_kernel_ends(record.last_use, fw,
-                                                                                 grouping.op_of_node, storages, kinds),
+    record = dataclasses.replace(_record(joint, graph, grouping, storages, reads, tracked, materialized, costs,
+                                         backward, rates, _constants(storages, fw, kinds), through, dataflow),
                                  workspace_bytes=blas_workspace_bytes(device, runs_cublaslt(n.target for n in fw + bw)),
                                  library_made={k for k in tracked if kinds.extern(fw[storages.produced_by[k]])},
                                  read_in_rerun=reads_fused_into_reruns(joint, reads, storages, side,
@@ -206,24 +203,6 @@ def _tracked(grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
             or key in through
 
     return sorted((k for k in storages.produced_by if outlives(k)), key=lambda k: (storages.produced_by[k], k))
-
-
-def _forward_kernel_ends(last_use: dict[int, int], fw: list[fx.Node], op_of_node: Sequence[int],
-                         storages: StepStorages, kinds: InductorKinds) -> dict[int, int]:
-    """Per storage a fused forward node reads, the last op of that node's kernel, where it is after ``last_use``:
-    inductor's C++ backend runs every node between two library calls as one function, which frees what it reads
-    after it (a softmax over a linear's output writes its probabilities while the output is still held)."""
-    ends: dict[int, int] = {}
-    for segment in kernel_segments(fw, kinds):
-        end = max((op_of_node[i] for i in segment if not is_view(fw[i])), default=-1)  # a view computes nothing
-        for i in segment:
-            if kinds.extern(fw[i]):
-                continue
-            for arg in data_inputs(fw[i]):
-                for key in storages.keys_of(arg):
-                    if key in last_use and last_use[key] < end:
-                        ends[key] = max(ends.get(key, -1), end)
-    return ends
 
 
 def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, storages: StepStorages, reads: StorageReads,

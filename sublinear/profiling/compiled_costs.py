@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from sublinear.capture.dynamo import INPUT, PARAMETER
-from sublinear.capture.joint import JointGraph, data_inputs
+from sublinear.capture.joint import JointGraph, data_inputs, is_view
 from sublinear.profiling.compiled_dataflow import OpGrouping, StorageReads, StepStorages
 from sublinear.profiling.compiled_nodes import (
     InductorKinds, draws_random, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
@@ -336,7 +336,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                 if above is not None and ranks[k] > above:
                     kernel_end[key] = above
         for r in {ranks[k] for k in segment if ranks[k] >= runs_at}:
-            still_forward = in_place.held_forward(taken, r)
+            still_forward = in_place.held_forward(taken, r, segment)
             if r in released:
                 after[r] = max(after[r], inside - still_forward)
             else:
@@ -449,11 +449,15 @@ class _InPlace:
                         stack.append(j)
         return found
 
-    def held_forward(self, taken: dict[int, int], rank: int) -> int:
-        """Bytes of the outputs of ``taken`` (one kernel's) written into forward values whose reader's rank is
-        below ``rank``: where the kernel counts at ``rank`` too (its first nodes are views of the library call's
-        result before it, at that call's rank), the value is still held on the forward side, in that memory."""
-        return sum(self.side.sizes[out] for out, key in taken.items()
+    def held_forward(self, taken: dict[int, int], rank: int, segment: list[int]) -> int:
+        """Bytes of the outputs of ``taken`` (``segment``'s kernel's) written into forward values whose reader's
+        rank is below ``rank``, where the kernel's nodes at ``rank`` are only views (of the library call's result
+        before it, at that call's rank): the kernel counts there too, and the value is still held on the forward
+        side, in that memory."""
+        side = self.side
+        if not all(is_view(side.bw[k]) for k in segment if self.reads.rank_of_backward[k] == rank):
+            return 0
+        return sum(side.sizes[out] for out, key in taken.items()
                    if key in self.forward_taken and self.forward_taken[key] < rank)
 
     def take(self, segment: list[int], made: list[int]) -> dict[int, int]:

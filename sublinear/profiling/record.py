@@ -65,7 +65,6 @@ class StepRecord:
     materialized_in_forward: set[int] | None = None  # None: every storage takes memory whenever it is live
     materialized_when_rebuilt: set[int] | None = None
     taken_at: dict[int, int] = field(default_factory=dict)  # storage -> rank writing its output into it
-    forward_kernel_end: dict[int, int] = field(default_factory=dict)  # storage -> last op of the kernel reading it
     rebuilt_read_at: dict[int, set[int]] = field(default_factory=dict)  # storage -> ranks reading its re-run copy
     made_from: dict[int, set[int]] = field(default_factory=dict)  # storage -> the storages computing it reads
     deadline: dict[int, int] = field(default_factory=dict)  # storage -> rank by which backward must have read it
@@ -145,8 +144,6 @@ def assemble(record: StepRecord) -> GraphProfile:
         if record.fused_from else np.zeros(0, dtype=np.int64),
         storage_taken_at=np.array([record.taken_at.get(k, -1) for k in tracked], dtype=np.int64)
         if record.taken_at else np.zeros(0, dtype=np.int64),
-        storage_forward_kernel_end=np.array([record.forward_kernel_end.get(k, -1) for k in tracked], dtype=np.int64)
-        if record.forward_kernel_end else np.zeros(0, dtype=np.int64),
         storage_kernel_start=np.array([record.kernel_start.get(k, -1) for k in tracked], dtype=np.int64)
         if record.kernel_start else np.zeros(0, dtype=np.int64),
         storage_library_made=flags(record.library_made),

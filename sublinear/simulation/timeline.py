@@ -336,16 +336,14 @@ def _rerun_until(profile: GraphProfile, at: _Layout, reads: _Reads, copies: _Cop
 def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads,
                    until: np.ndarray) -> np.ndarray:
     """Per storage the slot after which it is released. A storage lives from its producer until the last of: its
-    last forward reader (the end of the step for outputs) or the end of the fused kernel reading it, autocast's
-    cache (the end of forward), autograd (a node that never reaches the outputs dies in forward and keeps what it
-    saved until then; a reaching node keeps a retained storage until its backward), the forward frame of a block
-    whose recomputable op reads it, and whatever holds it for a re-run op: its block's frame, or, where recomputes
-    are shared (no frames), backward until the re-run (:func:`_rerun_until`)."""
+    last forward reader (the end of the step for outputs), autocast's cache (the end of forward), autograd (a node
+    that never reaches the outputs dies in forward and keeps what it saved until then; a reaching node keeps a
+    retained storage until its backward), the forward frame of a block whose recomputable op reads it, and
+    whatever holds it for a re-run op: its block's frame, or, where recomputes are shared (no frames), backward
+    until the re-run (:func:`_rerun_until`)."""
     n, end, node_op = at.n, at.end, profile.node_op
     retained, producer, shared = a.retained, profile.storage_producer, profile.recompute_shared
     stop = np.where(profile.storage_last_use >= n, end, profile.storage_last_use).astype(np.int64)
-    if len(profile.storage_forward_kernel_end):  # read by a fused kernel: held until that kernel's last op
-        stop = np.maximum(stop, profile.storage_forward_kernel_end)
     if len(profile.materialized_in_forward):  # fused into its forward readers: no memory until something else holds it
         stop[~profile.materialized_in_forward] = producer[~profile.materialized_in_forward]
     if len(profile.held_through_forward):
