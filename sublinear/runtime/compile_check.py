@@ -173,12 +173,13 @@ class CompileCheck:
         them is met as traced)."""
         first = over.lesson.profiled
         layouts = [now] + ([first.fallback] if first.fallback is not None and first.fallback is not now else [])
-        return [(profiled, plan) for profiled in layouts
-                for plan in self._layout_alternates(over, profiled.untaught_as(over.profile),
-                                                    searched.plan if searched is not None and
-                                                    searched.lesson.profiled is profiled else None,
-                                                    over.plan if profiled.channels_last == first.channels_last
-                                                    else None)]
+        pairs: list[tuple[Profiled, Plan]] = []
+        for profiled in layouts:
+            own = searched.plan if searched is not None and searched.lesson.profiled is profiled else None
+            ran = over.plan if profiled.channels_last == first.channels_last else None
+            untaught = profiled.untaught_as(over.profile)
+            pairs += [(profiled, plan) for plan in self._layout_alternates(over, untaught, own, ran)]
+        return pairs
 
     def _layout_alternates(self, over: GraphVariant, untaught: GraphProfile, searched: Plan | None,
                            ran: Plan | None) -> list[Plan]:
