@@ -252,7 +252,7 @@ class _Executors:
     sublinear's eager executor."""
 
     def __init__(self) -> None:
-        self.compiled: dict[tuple, CompiledGraph] = {}  # by graph, signature, bound and partition
+        self.compiled: dict[tuple, CompiledGraph] = {}  # by graph, signature, bound, partition, heads and layout
 
     def for_plan(self, graph: CapturedGraph, key: tuple, bound: Binding, profiled: Profiled, profile_: GraphProfile,
                  plan: Plan, prior: Prior | None = None) -> RewrittenGraph | CompiledGraph:
