@@ -125,7 +125,39 @@ class PlanPartitioner(CustomPartitionerFn):
         forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         if self.applied:
             drop_unread_saved_values(forward, backward, kwargs["num_fwd_outputs"])
+        realized_in_place(backward)
         return forward, backward
+
+
+def realized_in_place(backward: fx.GraphModule) -> None:
+    """Inductor computes a pointwise value that only library calls read (through views) when it lowers the first
+    of them, unless something stores it before: where another library call runs between the value and that reader
+    (a convolution re-run for it, in a backward that recomputes), the value and what it is made from wait across
+    that call. Such a value is stored where the graph computes it (``inductor_realize_to_strides``), as the plan's
+    memory model has it: a group norm's input gradient, summed with the residual's gradient for the convolution's
+    backward below, was computed after the re-run of that convolution's input, and held the norm's input and the
+    gradients it is made from through the re-run."""
+    kinds = InductorKinds()
+    nodes = [n for n in backward.graph.nodes if n.op == "call_function"]
+    libraries = [k for k, node in enumerate(nodes) if kinds.extern(node)]
+    position = {node: k for k, node in enumerate(nodes)}
+    for k, node in enumerate(nodes):
+        if not kinds.fusible(node) or is_view(node) or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        readers = _readers_through_views(node)
+        if not readers or not all(kinds.extern(r) for r in readers):
+            continue
+        first = min(position.get(r, k) for r in readers)
+        if bisect.bisect_left(libraries, first) > bisect.bisect_right(libraries, k):
+            node.meta["inductor_realize_to_strides"] = True
+
+
+def _readers_through_views(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``node``'s value, through views of it."""
+    readers = []
+    for user in node.users:
+        readers += _readers_through_views(user) if is_view(user) else [user]
+    return readers
 
 
 def drop_unread_saved_values(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int) -> None:
