@@ -877,6 +877,23 @@ def test_buffers_a_backward_value_without_a_buffer_is_made_from_are_held_until_i
     assert checked
 
 
+def test_a_group_norms_output_re_run_is_computed_inside_its_readers_from_its_stored_scale_and_shift():
+    """Inductor's group norm takes its per-channel scale and shift through ``as_strided``, which stores what it views:
+    the output is ``x * scale + shift``, three loads, inlined into both its readers when re-run (the SiLU's re-run
+    and its backward). Counted with the five loads of the unscaled expression, it was a buffer at every re-run
+    (a 2.36 MB copy held at the decoder's first up-block in diffusers' AutoencoderKL)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+                          nn.Conv2d(16, 16, 3, padding=1)).train()
+    graph = sublinear.capture.dynamo.capture(model, (torch.randn(2, 8, 16, 16),)).graph
+    p = profile_joint(trace_joint(graph, graph.example_values), graph, None, measure_scratch=False).profile
+    norm = [o for o, op in enumerate(p.ops) if op.name.startswith("1 ")]
+    sizes = {int(p.storage_bytes[s]): s for o in norm for s in p.op_storages[o]}
+    output = sizes[2 * 16 * 16 * 16 * 4]
+    assert p.materialized_in_forward[output] and not p.materialized_when_rebuilt[output]
+    assert 2 * 16 * 4 in sizes and p.materialized_when_rebuilt[sizes[2 * 16 * 4]]  # the scale's and the shift's
+
+
 def test_a_max_pools_indices_are_computed_inside_its_backwards_scatter_not_stored():
     """Inductor saves a max-pool's window offsets (int8) and, in backward, turns them into indices inside the
     scatter that adds the gradient up (a pointwise computation it inlines): the int64 indices get no buffer."""

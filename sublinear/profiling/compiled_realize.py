@@ -46,6 +46,7 @@ _COSTLY = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh", 
 
 
 _INLINE_LIMIT = 100  # operations beyond which inductor's lowering stores any pointwise value
+_AS_STRIDED = frozenset({torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default})
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[
     for node in nodes:
         if not kinds.fusible(node):
             continue
+        if node.target in _AS_STRIDED:
+            _store_viewed(node.args[0], expressions, realized)
         view = is_view(node)
         loads: set = set()
         operations: set = set() if view else {node}
@@ -150,6 +153,22 @@ def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[
         else:
             expressions[node] = _Expression(frozenset(loads), frozenset(operations), costly)
     return realized
+
+
+def _store_viewed(value: fx.Node, expressions: dict[fx.Node, _Expression], realized: set[fx.Node]) -> None:
+    """``as_strided`` reads a buffer: inductor stores the value it views (through other views), and the views in
+    between then load that buffer."""
+    chain = []
+    while is_view(value) and value in expressions:
+        chain.append(value)
+        value = value.args[0]
+    if value not in expressions:
+        return
+    realized.add(value)
+    del expressions[value]
+    through = _layout(chain[-1]) if chain else None
+    for view in chain:
+        expressions[view] = _Expression(frozenset({(value, through)}), frozenset(), False)
 
 
 def _loop(reduction: fx.Node) -> tuple:
