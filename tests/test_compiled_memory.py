@@ -852,6 +852,26 @@ def test_a_stored_value_summed_in_two_loops_of_its_kernel_stays_in_memory(dims, 
     assert {n.name for n in stored} == ({"mul"} if kept else set())
 
 
+def test_each_slice_of_a_computed_value_loads_its_own_part_of_the_buffer_it_is_computed_from():
+    """A generic associative scan (transformers' Mamba under TorchDynamo) combines the odd and even slices of the
+    values of the level below, themselves products of slices: inductor indexes the buffer anew for each slice of
+    a slice, so the third level loads eight parts of the input and, read by two sums over different dimensions, is
+    stored (counted as loading the first level's two, it was fused, and HF Mamba's scan backward held more than
+    predicted)."""
+    def f(x):
+        level = x
+        for _ in range(3):
+            level = level[0::2] * level[1::2]
+        return (level * 2).sum(0), (level * 3).sum(1)
+
+    graph = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(torch.randn(16, 8, 4))
+    nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
+    kinds = InductorKinds()
+    stored = stored_by_lowering(nodes, kinds, lambda n: len(n.users),
+                                lambda n: not kinds.fusible(n) or any(u.op == "output" for u in n.users))
+    assert {n.name for n in stored} == {"mul_2"}
+
+
 @pytest.mark.slow
 def test_buffers_a_backward_value_without_a_buffer_is_made_from_are_held_until_its_last_reader():
     """Inductor computes a pointwise backward value with few loads inside every kernel that reads it (a residual

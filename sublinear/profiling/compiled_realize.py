@@ -21,7 +21,7 @@ and values with buffers of their own read, in the kernel that makes it, is remov
 kernel-local buffers): fused with its readers, it never leaves the kernel. Inlined into values that sums over
 different dimensions read, the kernel runs a loop for each and loads the value from its buffer, which stays. Every
 load through a different view of a different shape, strides or offset counts as a read of its own (inductor indexes
-the buffer anew).
+the buffer anew), and a view of a computed value re-indexes every load of its expression.
 """
 
 from __future__ import annotations
@@ -134,8 +134,7 @@ def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[
             if inlined is None:  # a buffer: a library call's or a reduction's result, a graph input, a realized value
                 loads.add((arg, _layout(node) if view else None))
                 continue
-            loads |= {(buffer, _layout(node) if view and through is None else through)
-                      for buffer, through in inlined.loads}
+            loads |= {(buffer, _through(node, arg, through)) for buffer, through in inlined.loads}
             operations |= inlined.operations
             costly = costly or inlined.costly
         if view:
@@ -193,6 +192,19 @@ def _same_elements(reader: fx.Node, node: fx.Node) -> bool:
             or str(value.numel()) != str(read.numel()):  # sizes may be symbols
         return False
     return not is_view(reader) or (value.is_contiguous() and read.is_contiguous())
+
+
+def _through(node: fx.Node, arg: fx.Node, through: Any) -> Any:
+    """How ``node`` indexes a buffer that ``arg``'s expression loads ``through`` a view (None: as it is). A view of a
+    view of that buffer indexes it as its own layout says; a view of a computed value re-indexes each of its loads
+    (two slices of a product of two slices load four different parts of the buffer), and a view of that view
+    replaces the outer layout only."""
+    if not is_view(node):
+        return through
+    if not is_view(arg):
+        return ("of", through, _layout(node))
+    composed = isinstance(through, tuple) and len(through) == 3 and through[0] == "of"
+    return ("of", through[1], _layout(node)) if composed else _layout(node)
 
 
 def _layout(view: fx.Node) -> tuple:
