@@ -5,8 +5,9 @@ Inductor lowers a pointwise node to an expression its readers inline (no buffer)
 its config (``torch._inductor.config``), which the rules below apply to the node's expression with every inlined
 pointwise value it is made from:
 
-- the node has several readers and its expression computes a costly function on the CPU (exp, log, sigmoid, tanh
-  and the functions made of them), has more than ``realize_opcount_threshold`` operations (50 on the CPU, 30 else),
+- the node has several readers (or one of its views has: inductor marks the value reused for them too) and its
+  expression computes a costly function on the CPU (exp, log, sigmoid, tanh and the functions made of them), has
+  more than ``realize_opcount_threshold`` operations (50 on the CPU, 30 else),
   or loads more than ``realize_reads_threshold`` (4) values;
 - the expression loads more than ``realize_acc_reads_threshold`` values (12 on the CPU, 8 else) or has more
   operations than the opcount threshold, and more than one of its loads reads memory;
@@ -145,9 +146,9 @@ def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[
         reads_limit = _threshold(config, "realize_acc_reads_threshold", cpu)
         count = len(operations) + len(loads)
         many = count > opcount_limit
-        if kinds.stored(node) or \
-                readers(node) > 1 and ((cpu and costly) or many or len(loads) > config.realize_reads_threshold) or \
-                (len(loads) > 1 and (len(loads) > reads_limit or many)) or count > _INLINE_LIMIT:
+        reused = _reused(node, readers) and ((cpu and costly) or many or len(loads) > config.realize_reads_threshold)
+        if kinds.stored(node) or reused or (len(loads) > 1 and (len(loads) > reads_limit or many)) or \
+                count > _INLINE_LIMIT:
             realized.add(node)
         else:
             expressions[node] = _Expression(frozenset(loads), frozenset(operations), costly)
@@ -192,6 +193,12 @@ def _same_elements(reader: fx.Node, node: fx.Node) -> bool:
             or str(value.numel()) != str(read.numel()):  # sizes may be symbols
         return False
     return not is_view(reader) or (value.is_contiguous() and read.is_contiguous())
+
+
+def _reused(node: fx.Node, readers: Callable[[fx.Node], int]) -> bool:
+    """Whether several nodes read ``node``, or read a view of it: inductor marks a value reused for the readers of
+    each of its views too (a softplus's output read only through an unsqueeze, which every step of a scan reads)."""
+    return readers(node) > 1 or any(is_view(user) and _reused(user, readers) for user in node.users)
 
 
 def _through(node: fx.Node, arg: fx.Node, through: Any) -> Any:
