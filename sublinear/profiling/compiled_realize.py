@@ -166,9 +166,8 @@ def _store_viewed(value: fx.Node, expressions: dict[fx.Node, _Expression], reali
         return
     realized.add(value)
     del expressions[value]
-    through = _layout(chain[-1]) if chain else None
-    for view in chain:
-        expressions[view] = _Expression(frozenset({(value, through)}), frozenset(), False)
+    for view in chain:  # each a view of the buffer: it loads the buffer as its own layout says
+        expressions[view] = _Expression(frozenset({(value, _layout(view))}), frozenset(), False)
 
 
 def _loop(reduction: fx.Node) -> tuple:
