@@ -146,7 +146,7 @@ def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[
         reads_limit = _threshold(config, "realize_acc_reads_threshold", cpu)
         count = len(operations) + len(loads)
         many = count > opcount_limit
-        reused = _reused(node, readers) and ((cpu and costly) or many or len(loads) > config.realize_reads_threshold)
+        reused = ((cpu and costly) or many or len(loads) > config.realize_reads_threshold) and _reused(node, readers)
         if kinds.stored(node) or reused or (len(loads) > 1 and (len(loads) > reads_limit or many)) or \
                 count > _INLINE_LIMIT:
             realized.add(node)
@@ -200,6 +200,15 @@ def _reused(node: fx.Node, readers: Callable[[fx.Node], int]) -> bool:
     return readers(node) > 1 or any(is_view(user) and _reused(user, readers) for user in node.users)
 
 
+@dataclass(frozen=True)
+class _Reindexed:
+    """A load of a computed value's expression seen through a view of that value (``layout``): the view re-indexes
+    the load, which reached the buffer ``inner`` (a layout, another re-indexing, or None: as it is)."""
+
+    inner: Any
+    layout: tuple
+
+
 def _through(node: fx.Node, arg: fx.Node, through: Any) -> Any:
     """How ``node`` indexes a buffer that ``arg``'s expression loads ``through`` a view (None: as it is). A view of a
     view of that buffer indexes it as its own layout says; a view of a computed value re-indexes each of its loads
@@ -208,9 +217,10 @@ def _through(node: fx.Node, arg: fx.Node, through: Any) -> Any:
     if not is_view(node):
         return through
     if not is_view(arg):
-        return ("of", through, _layout(node))
-    composed = isinstance(through, tuple) and len(through) == 3 and through[0] == "of"
-    return ("of", through[1], _layout(node)) if composed else _layout(node)
+        return _Reindexed(through, _layout(node))
+    if isinstance(through, _Reindexed):
+        return _Reindexed(through.inner, _layout(node))
+    return _layout(node)
 
 
 def _layout(view: fx.Node) -> tuple:
