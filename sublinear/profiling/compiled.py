@@ -127,15 +127,15 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     storages = step_storages(joint, graph, fw, granule, channels_last)
     reads = storage_reads(joint, graph, grouping, storages, kinds, uses)
     measured = measure_scratch and device.type in ("cpu", "cuda")
-    scratch = library_scratch(fw + bw, kinds, channels_last, kernel_memory(str(device)) if measured else None,
-                              set(fw))
+    side = GradientSide(joint, storages, kinds, granule, graph.kinds)
+    calls = library_scratch(fw + bw, kinds, channels_last, kernel_memory(str(device)) if measured else None,
+                            set(fw), _released_by_copy(bw, storages, reads, side))
     materialized = materialized_predicate(storages, reads, kinds, fw)
     through = _read_through_rebuilt(fw, storages, reads, materialized)
     tracked = _tracked(grouping, storages, reads, through)
     dataflow = (made_from(fw, storages, tracked), backward_deadlines(bw, storages, reads, kinds))
-    costs = forward_costs(fw, grouping, storages, reads, set(tracked), materialized, scratch, kinds, rates)
-    side = GradientSide(joint, storages, kinds, granule, graph.kinds)
-    backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, scratch, rates,
+    costs = forward_costs(fw, grouping, storages, reads, set(tracked), materialized, calls.scratch, kinds, rates)
+    backward = walk_backward(joint, reads, len(grouping.nodes), storages, side, calls, rates,
                              {k for k in storages.produced_by if not materialized(k, rebuilt=True)})
     record = dataclasses.replace(_record(joint, graph, grouping, storages, reads, tracked, materialized, costs,
                                          backward, rates, _constants(storages, fw, kinds), through, dataflow),
@@ -154,6 +154,20 @@ def profile_joint(joint: JointGraph, graph: CapturedGraph, uses: Sequence[str] |
     return CompiledProfile(profile, tuple(node.name for node in fw),
                            {node.name: reads.rank_of_backward[k] for k, node in enumerate(bw) if node in flows},
                            channels_last)
+
+
+def _released_by_copy(bw: list[fx.Node], storages: StepStorages, reads: StorageReads, side: GradientSide):
+    """Whether a backward library call's argument is freed by the kernel that copies it into the layout the call
+    takes (the copy takes its place): the call reads it last, and neither the caller nor the graph's outputs hold
+    it."""
+    index = {node: k for k, node in enumerate(bw)}
+
+    def released(node: fx.Node, arg: fx.Node) -> bool:
+        keys = storages.read_keys(node, arg)
+        return node in index and bool(keys) and all(
+            side.last.get(key) == index[node] and key not in reads.output_use and key not in side.outputs
+            and key not in storages.state for key in keys)
+    return released
 
 
 def _constants(storages: StepStorages, fw: list[fx.Node], kinds: InductorKinds) -> set[int]:

@@ -16,7 +16,7 @@ from sublinear.capture.dynamo import INPUT, PARAMETER
 from sublinear.capture.joint import JointGraph, data_inputs, is_view
 from sublinear.profiling.compiled_dataflow import OpGrouping, StorageReads, StepStorages
 from sublinear.profiling.compiled_nodes import (
-    InductorKinds, draws_random, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
+    InductorKinds, LibraryCalls, draws_random, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
 )
 from sublinear.profiling.compiled_realize import kernel_segments, stored_by_lowering
 from sublinear.profiling.costs import DeviceRates
@@ -289,11 +289,11 @@ class GradientSide:
 
 
 def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: StepStorages, side: GradientSide,
-                  scratch: dict[fx.Node, int], rates: DeviceRates, fused_when_rebuilt: set[int]) -> BackwardWalk:
+                  calls: LibraryCalls, rates: DeviceRates, fused_when_rebuilt: set[int]) -> BackwardWalk:
     """Walk backward kernel by kernel: inductor fuses the nodes between two library kernels into one kernel, which
-    allocates what they make before it runs (unless it writes it into a buffer it reads, see :class:`_InPlace`) and
-    frees what they read last after it. ``fused_when_rebuilt``: the forward values that are no buffers where a plan
-    re-runs them."""
+    allocates what they make (the next library call's layout copies too) before it runs, unless it writes it into a
+    buffer it reads (:class:`_InPlace`), and frees what they read last after it. ``fused_when_rebuilt``: the forward
+    values that are no buffers where a plan re-runs them."""
     bw, ranks = joint.backward, reads.rank_of_backward
     live = side.tangent_bytes()
     start: list[int | None] = [None] * n_ops
@@ -304,7 +304,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     released: set[int] = set()
     total_flops = 0
     all_sizes = {**storages.size_of, **side.sizes}
-    in_place = _InPlace(storages, side, reads, fused_when_rebuilt)
+    in_place = _InPlace(storages, side, reads, fused_when_rebuilt, calls, joint.forward)
     ending: dict[int, list[int]] = defaultdict(list)  # backward node -> the storages backward reads last there
     for key, k in side.last.items():
         ending[k].append(key)
@@ -319,7 +319,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
         return key in storages.produced_by or side.buffer(key)
 
     entering: list[int] = []  # per backward node: the gradient-side bytes as its kernel starts
-    for segment in kernel_segments(bw, side.kinds):
+    for at, segment in enumerate(segments := kernel_segments(bw, side.kinds)):
         entering += [live] * len(segment)
         for k in segment:
             if start[ranks[k]] is None:
@@ -328,7 +328,8 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                 if side.born.get(key) == k and side.buffer(key)]
         taken = in_place.take(segment, made)
         live += sum(side.sizes[key] for key in made if key not in taken or taken[key] in storages.produced_by)
-        inside = live + max((scratch.get(bw[k], 0) for k in segment), default=0)
+        inside = live + max((calls.scratch.get(bw[k], 0) for k in segment), default=0) + (0 if at + 1 == len(
+            segments) or side.kinds.extern(bw[segment[0]]) else calls.copied.get(bw[segments[at + 1][0]], 0))
         runs_at = min((ranks[side.born[key]] for key in made), default=ranks[segment[0]])
         above = min((ranks[k] for k in segment if ranks[k] > runs_at), default=None)
         for k in segment:
@@ -423,9 +424,9 @@ class _InPlace:
     simulator ends it there, and the output counts on the gradient side."""
 
     def __init__(self, storages: StepStorages, side: GradientSide, reads: StorageReads,
-                 fused_when_rebuilt: set[int]) -> None:
+                 fused_when_rebuilt: set[int], calls: LibraryCalls, fw: list[fx.Node]) -> None:
         self.storages, self.side, self.reads = storages, side, reads
-        self.fused_when_rebuilt = fused_when_rebuilt
+        self.fused_when_rebuilt, self.calls, self.fw = fused_when_rebuilt, calls, fw
         self.given: set[int] = set()  # gradient-side buffers an output took
         self.forward_taken: dict[int, int] = {}
 
@@ -436,6 +437,11 @@ class _InPlace:
         if born is None or born < 0 or key in self.given or not self.side.buffer(key) or key in self.side.outputs:
             return None
         return self.side.sizes[key]
+
+    def _fits(self, out: int, key: int) -> bool:
+        produced = self.storages.produced_by
+        into = self.fw[produced[key]] if key in produced else self.side.bw[self.side.born[key]]
+        return self.calls.fits(self.side.bw[self.side.born[out]], into)
 
     def _computation(self, k: int) -> set[int]:
         """Backward node ``k`` and the fused backward values without a buffer that its kernel computes with it."""
@@ -478,7 +484,7 @@ class _InPlace:
                       if first <= side.first[key] and side.last[key] in computation and self._size(key) is not None]
             inputs.sort(key=lambda key: key in self.fused_when_rebuilt)  # which a plan may make no buffer
             match = next((key for key in inputs if key not in taken.values() and key != out
-                          and self._size(key) == self.side.sizes[out]), None)
+                          and self._size(key) == self.side.sizes[out] and self._fits(out, key)), None)
             if match is None:
                 continue
             taken[out] = match

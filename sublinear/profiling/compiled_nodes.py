@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -183,25 +184,51 @@ def estimate_node_seconds(node: fx.Node, node_flops: int, keys_of, materialized,
     return estimate_seconds(node_flops, read + wrote, kernels, rates, half)
 
 
+@dataclasses.dataclass
+class LibraryCalls:
+    """What library calls take beside their arguments and results. ``scratch``: per call, the bytes its kernel
+    allocates inside the call beyond its results, and the copies of its arguments into the layouts it takes that
+    stay beside the arguments. ``copied``: per call, the bytes of all those copies, which the fused kernel before
+    the call makes beside what it reads. ``layouts``: per argument that a fused kernel makes for a convolution
+    lowered as traced, the stride the convolution has it made in."""
+
+    scratch: dict[fx.Node, int]
+    copied: dict[fx.Node, int]
+    layouts: dict[fx.Node, tuple[int, ...]]
+
+    def fits(self, made: fx.Node, into: fx.Node) -> bool:
+        """Whether a kernel can write ``made`` into the buffer of ``into`` (of its size): inductor writes a result in
+        place only where it is indexed as the input it replaces, so a value a call has made in its own layout only
+        into one of that layout, as traced."""
+        stride = self.layouts.get(made)
+        value = into.meta.get("val")
+        return stride is None or isinstance(value, torch.Tensor) and tuple(hint(s) for s in value.stride()) == stride
+
+
 def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_last: bool,
-                    kernels: KernelMemory | None, forward: set[fx.Node]) -> dict[fx.Node, int]:
-    """Per library node: the bytes its kernel allocates inside the call beyond its results, measured on the
-    device, with convolutions' tensors in the layouts inductor gives them, and the copies inductor makes into those
-    layouts before the call. Where nothing is measured (``kernels`` None: planning on meta), an operator whose
-    allocations are its Python code's (sublinear's chunked LM head) is still counted, by running its code on meta;
-    the library kernels it calls may hold more on a device."""
+                    kernels: KernelMemory | None, forward: set[fx.Node],
+                    released: Callable[[fx.Node, fx.Node], bool]) -> LibraryCalls:
+    """The library nodes' :class:`LibraryCalls`, measured on the device, with convolutions' tensors in the layouts
+    inductor gives them. An argument ``released(node, arg)`` is freed by the kernel copying it (the copy takes its
+    place), so its copy adds no scratch. Where nothing is measured (``kernels`` None: planning on meta), an
+    operator whose allocations are its Python code's (sublinear's chunked LM head) is still counted, by running its
+    code on meta; the library kernels it calls may hold more on a device."""
     if kernels is None:
-        return {node: _counted_inside(node) for node in nodes if node.target in COUNTED_INSIDE}
+        return LibraryCalls({node: _counted_inside(node) for node in nodes if node.target in COUNTED_INSIDE}, {}, {})
     runs = {node: run for node in nodes
             if kinds.extern(node) and (run := _library_run(node, channels_last, _laid_out(node, kinds, forward)))}
-    kernels.measure([run for run, _ in runs.values()])
-    scratch = {}
-    for node, (run, copied) in runs.items():
-        measured = kernels.get(run.key)
+    kernels.measure([run.kernel for run in runs.values()])
+    calls = LibraryCalls({}, {}, {})
+    for node, run in runs.items():
+        measured = kernels.get(run.kernel.key)
         if measured is not None:
             results = sum(hint(t.untyped_storage().nbytes()) for t in tensor_leaves(node.meta.get("val")))
-            scratch[node] = max(0, measured.inside_peak - results) + copied
-    return scratch
+            kept = sum(nbytes for arg, nbytes in run.copies if not released(node, arg))
+            calls.scratch[node] = max(0, measured.inside_peak - results) + kept
+        if run.copies:
+            calls.copied[node] = sum(nbytes for _arg, nbytes in run.copies)
+        calls.layouts.update(run.layouts)
+    return calls
 
 
 def _laid_out(node: fx.Node, kinds: InductorKinds, forward: set[fx.Node]):
@@ -225,23 +252,24 @@ def _counted_inside(node: fx.Node) -> int:
 _TENSOR = "<tensor>"
 
 
-def _lowered_convolution_layouts(target, args: tuple, inputs: dict[str, TensorLayout], fixed: set[str]) -> int:
+def _lowered_convolution_layouts(target, args: tuple, inputs: dict[str, TensorLayout], fixed: set[str]
+                                 ) -> dict[str, int]:
     """The layouts inductor's lowering gives a convolution's tensors outside channels-last graphs: forward, the
     input and the weight in the stride order of the output as aten lays it out; backward, for the weight's gradient
     the output's gradient and the input in that gradient's order, then for the input's gradient the output's
     gradient and the weight in its order. (A depthwise weight's gradient has two strides of 1, so its order puts the
     input's channels between its rows and columns, and aten takes no channels-last scratch.) Returns the bytes of
-    the copies: a tensor in ``fixed`` (its layout fixed before) is copied into each other layout asked for; a fused
-    kernel's result is made in the layout its reader asks for."""
+    the copies per tensor: a tensor in ``fixed`` (its layout fixed before) is copied into each other layout asked
+    for; a fused kernel's result is made in the first layout asked for, and copied into another asked for after
+    (a depthwise convolution's output gradient)."""
     from torch._inductor.ir import FlexibleLayout, get_stride_order  # noqa: PLC0415
 
     def meta(name: str) -> torch.Tensor:
         return inputs[name].make(torch.device("meta"))
 
-    copied = 0
+    copied: dict[str, int] = defaultdict(int)
 
     def require(names: Sequence[str], made: torch.Tensor) -> None:
-        nonlocal copied
         order = get_stride_order(made.stride())
         for name in names:
             layout = inputs[name]
@@ -249,7 +277,8 @@ def _lowered_convolution_layouts(target, args: tuple, inputs: dict[str, TensorLa
                 inputs[name] = dataclasses.replace(layout, stride=tuple(FlexibleLayout.stride_ordered(layout.shape,
                                                                                                       order)))
                 if name in fixed:
-                    copied += math.prod(layout.shape) * getattr(torch, layout.dtype).itemsize
+                    copied[name] += math.prod(layout.shape) * getattr(torch, layout.dtype).itemsize
+            fixed.add(name)  # made in the first layout asked for, then copied into another
 
     if target is torch.ops.aten.convolution.default:
         source, weight = args[0][1], args[1][1]
@@ -277,14 +306,22 @@ def _in_order(shape: Sequence[int], stride: Sequence[int], order: Sequence[int])
     return all(a <= b for a, b in zip(by_order, by_order[1:]))
 
 
-def _library_run(node: fx.Node, channels_last: bool, fixed) -> tuple[KernelRun, int] | None:
-    """``node`` run alone on tensors of its arguments' layouts, with the bytes inductor copies them into those
-    layouts before the call (None when an argument's value is unknown). ``fixed``: whether an argument's layout is
-    fixed before the call (:func:`_laid_out`)."""
+@dataclasses.dataclass
+class _LibraryRun:
+    kernel: KernelRun
+    copies: list[tuple[fx.Node, int]]  # the arguments copied into the layouts the call takes, and the bytes of each
+    layouts: dict[fx.Node, tuple[int, ...]]  # the arguments a fused kernel makes in the layout the call takes
+
+
+def _library_run(node: fx.Node, channels_last: bool, fixed) -> _LibraryRun | None:
+    """``node`` run alone on tensors of its arguments' layouts, with the arguments inductor copies into those
+    layouts before the call, or makes in them (None when an argument's value is unknown). ``fixed``: whether an
+    argument's layout is fixed before the call (:func:`_laid_out`)."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return None
     inputs: dict[str, TensorLayout] = {}
-    laid_out: set[str] = set()
+    laid_out: dict[str, fx.Node] = {}
+    made: dict[str, fx.Node] = {}
 
     def described(arg: fx.Node) -> Any:
         value = arg.meta.get("val")
@@ -298,17 +335,19 @@ def _library_run(node: fx.Node, channels_last: bool, fixed) -> tuple[KernelRun, 
             stride = torch.empty(shape, device="meta").to(memory_format=torch.channels_last).stride()
         name = f"t{len(inputs)}"
         inputs[name] = TensorLayout(shape, tuple(stride), str(value.dtype).removeprefix("torch."))
-        if fixed(arg):
-            laid_out.add(name)
+        (laid_out if fixed(arg) else made)[name] = arg
         return (_TENSOR, name)
 
     try:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), described)
     except LookupError:
         return None
-    copied = 0
+    copied: list[tuple[fx.Node, int]] = []
+    layouts: dict[fx.Node, tuple[int, ...]] = {}
     if node.target in CONVOLUTION_OPS and not (channels_last and len(inputs["t0"].shape) == 4):
-        copied = _lowered_convolution_layouts(node.target, args, inputs, laid_out)
+        copies = _lowered_convolution_layouts(node.target, args, inputs, set(laid_out))
+        copied = [(laid_out.get(name) or made[name], nbytes) for name, nbytes in copies.items()]
+        layouts = {arg: inputs[name].stride for name, arg in made.items()}
     target = node.target
     key = f"{target}{args}{kwargs}{sorted((n, tuple(layout.__dict__.values())) for n, layout in inputs.items())}"
 
@@ -319,4 +358,4 @@ def _library_run(node: fx.Node, channels_last: bool, fixed) -> tuple[KernelRun, 
         from torch.utils._pytree import tree_map  # noqa: PLC0415
         return target(*tree_map(real, args, is_leaf=is_tensor), **tree_map(real, kwargs, is_leaf=is_tensor))
 
-    return KernelRun(key, inputs, run), copied
+    return _LibraryRun(KernelRun(key, inputs, run), copied, layouts)
