@@ -62,9 +62,10 @@ def run(model_name: str, mode: str, max_time_ratio: float) -> None:
         from sublinear.runtime import pipeline
 
         _timed(pipeline, "trace_joint", "joint graph traced to profile", spent)
-        _timed(pipeline, "profile_joint", "profile", spent)
+        _timed(pipeline, "profile_compiled_step", "profile", spent)
         _timed(pipeline, "make_plan", "plan search", spent)
         _timed(CompiledGraph, "_compile", "compile (AOTAutograd's trace and inductor)", spent)
+        _timed(CompiledGraph, "memory_for", "compile check (the compiled code walked)", spent)
         _timed(compile_fx, "compile_fx_inner", "inductor's code generation alone", spent)
         config = sublinear.SublinearMemoryConfig(compiler="inductor", cache_dir="", max_time_ratio=max_time_ratio)
         runnable = sublinear.apply(model, config)

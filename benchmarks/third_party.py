@@ -844,7 +844,7 @@ def _report(results: dict, names: list[str], modes: list[str], jobs: int, total:
     import transformers
 
     command = "python benchmarks/third_party.py " + " ".join(sys.argv[1:])
-    timed = [m for m in ("eager", "sublinear-eager", "sublinear-inductor") if m in modes]
+    timed = [m for m in ("eager", "sublinear-eager", "torch.compile", "sublinear-inductor") if m in modes]
     lines = [
         "# Third-party models", "",
         "Random-initialised models from Hugging Face transformers, peft, diffusers and timm, plus one custom module, "
