@@ -26,11 +26,11 @@ from sublinear.core.plan import Plan, PlanError
 __all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 17  # 17: a convolution's layout copies are made by the kernel before it; 16: a value is reused where
-# its views are; 15: a view of a computed value loads its buffers
-# anew; 14: as_strided stores what it views, and backward values only library calls read are stored in place; 13:
-# outputs written into saved values count from their readers; 12: re-runs fused with backward readers; 11: only
-# library kernels' results keep re-run copies at their readers' ranks; 10: lessons differ
+_FORMAT = 18  # 18: a value re-run after its rank's library call takes memory from there; 17: a convolution's layout
+# copies are made by the kernel before it; 16: a value is reused where its views are; 15: a view of a computed value
+# loads its buffers anew; 14: as_strided stores what it views, and backward values only library calls read are stored in
+# place; 13: outputs written into saved values count from their readers; 12: re-runs fused with backward readers; 11:
+# only library kernels' results keep re-run copies at their readers' ranks; 10: lessons differ
 
 
 def cache_dir(configured: str | os.PathLike | None) -> Path | None:

@@ -96,21 +96,20 @@ class PlanAnalysis:
         blocks, ops = self.recompute_pairs
         if not self.profile.recompute_shared or not len(ops):
             return self.trigger[blocks]
-        p = self.profile
-        need = np.full(p.num_ops, -1, dtype=np.int64)
-        saved, ranks = p.arrays.saved_pairs
-        rebuilt = self.dropped[saved] & p.reaches_output[p.node_op[ranks]]
-        np.maximum.at(need, p.storage_producer[saved[rebuilt]], ranks[rebuilt])
-        fused = self.kernel_start >= 0
-        np.maximum.at(need, p.storage_producer[fused], self.kernel_start[fused])
-        rerun = np.zeros(p.num_ops, dtype=bool)
-        rerun[ops] = True
-        read_rerun = self.read_rerun
-        for c in sorted(set(ops.tolist()), reverse=True):  # consumers come after their producers
-            for producer, storage in p.arrays.inputs_by_reader[c]:
-                if rerun[producer] and read_rerun[storage]:
-                    need[producer] = max(need[producer], need[c])
-        return need[ops]
+        return self.recompute_moments // 2
+
+    @cached_property
+    def recompute_moments(self) -> np.ndarray:
+        """Per pair, where recomputes are shared: the :func:`_moment` its op is re-run at."""
+        return _recompute_moments(self)
+
+    @cached_property
+    def recompute_late(self) -> np.ndarray:
+        """Per pair of :attr:`recompute_pairs`: it is re-run after its rank's backward let go of what it read last
+        (in a fused kernel after that rank's library call, :attr:`kernel_late`), not before that backward."""
+        if not self.profile.recompute_shared or not len(self.recompute_pairs[1]):
+            return np.zeros(len(self.recompute_pairs[1]), dtype=bool)
+        return _late(self.recompute_moments)
 
     @cached_property
     def read_rerun(self) -> np.ndarray:
@@ -126,24 +125,18 @@ class PlanAnalysis:
         storage made from it. A compiled backward makes each re-run value just before the first kernel that needs
         it, so the values of one op are made at their own ranks, each no earlier than its readers need it (the op
         making the mask every attention layer reads makes its other values at its own layer)."""
-        p = self.profile
-        need = np.full(len(p.storage_bytes), -1, dtype=np.int64)
-        if not p.recompute_shared or not len(need):
-            return need
-        saved, ranks = p.arrays.saved_pairs
-        rebuilt = self.dropped[saved] & p.reaches_output[p.node_op[ranks]]
-        np.maximum.at(need, saved[rebuilt], ranks[rebuilt])
-        through, through_ranks = p.arrays.rebuilt_read_pairs
-        if len(through):
-            np.maximum.at(need, through, through_ranks)
-        np.maximum(need, self.kernel_start, out=need)
-        rerun = self.rerun_storages
-        made, source = p.arrays.made_from_pairs
-        chain = rerun[made] & rerun[source]  # made storages descending: every reader is done before its source
-        for m, s in zip(made[chain].tolist(), source[chain].tolist()):
-            if need[m] > need[s]:
-                need[s] = need[m]
-        return need
+        return self.storage_moments // 2
+
+    @cached_property
+    def storage_moments(self) -> np.ndarray:
+        """Per storage: the :func:`_moment` its re-run copy is first needed at (-1: never, or not shared)."""
+        return _storage_moments(self)
+
+    @cached_property
+    def storage_late(self) -> np.ndarray:
+        """Per storage, where recomputes are shared: its re-run copy is first needed after the backward of the rank
+        of :attr:`storage_need` let go of what it read last (:attr:`kernel_late`)."""
+        return _late(self.storage_moments)
 
     @cached_property
     def rerun_storages(self) -> np.ndarray:
@@ -159,6 +152,17 @@ class PlanAnalysis:
         such a value keeps the ranks that read it."""
         return _kernel_start(self.profile, self.rerun_storages)
 
+    @cached_property
+    def kernel_late(self) -> np.ndarray:
+        """Per storage with a :attr:`kernel_start`: the kernel re-running it runs after that rank's backward let go
+        of what it read last (``storage_kernel_late``: a library call reading its input last runs before it)."""
+        late = self.profile.storage_kernel_late
+        return (self.kernel_start >= 0) & late if len(late) else np.zeros(len(self.kernel_start), dtype=bool)
+
+    @cached_property
+    def _kernel_moment(self) -> np.ndarray:
+        return np.where(self.kernel_start >= 0, _moment(self.kernel_start, self.kernel_late), -1)
+
     @property
     def num_blocks(self) -> int:
         return len(self.plan.split_points)
@@ -173,6 +177,59 @@ class PlanAnalysis:
 
     def recompute_flops(self, profile: GraphProfile) -> int:
         return int(profile.op_flops[self.recompute_pairs[1]].sum())
+
+
+def _recompute_moments(a: PlanAnalysis) -> np.ndarray:
+    """:attr:`PlanAnalysis.recompute_moments`."""
+    p, ops = a.profile, a.recompute_pairs[1]
+    need = np.full(p.num_ops, -1, dtype=np.int64)
+    saved, ranks = p.arrays.saved_pairs
+    rebuilt = a.dropped[saved] & p.reaches_output[p.node_op[ranks]]
+    np.maximum.at(need, p.storage_producer[saved[rebuilt]], _moment(ranks[rebuilt]))
+    fused = a.kernel_start >= 0
+    np.maximum.at(need, p.storage_producer[fused], a._kernel_moment[fused])
+    rerun = np.zeros(p.num_ops, dtype=bool)
+    rerun[ops] = True
+    read_rerun = a.read_rerun
+    for c in sorted(set(ops.tolist()), reverse=True):  # consumers come after their producers
+        for producer, storage in p.arrays.inputs_by_reader[c]:
+            if rerun[producer] and read_rerun[storage]:
+                need[producer] = max(need[producer], need[c])
+    return need[ops]
+
+
+def _storage_moments(a: PlanAnalysis) -> np.ndarray:
+    """:attr:`PlanAnalysis.storage_moments`."""
+    p = a.profile
+    need = np.full(len(p.storage_bytes), -1, dtype=np.int64)
+    if not p.recompute_shared or not len(need):
+        return need
+    saved, ranks = p.arrays.saved_pairs
+    rebuilt = a.dropped[saved] & p.reaches_output[p.node_op[ranks]]
+    np.maximum.at(need, saved[rebuilt], _moment(ranks[rebuilt]))
+    through, through_ranks = p.arrays.rebuilt_read_pairs
+    if len(through):
+        np.maximum.at(need, through, _moment(through_ranks))
+    np.maximum(need, a._kernel_moment, out=need)
+    rerun = a.rerun_storages
+    made, source = p.arrays.made_from_pairs
+    chain = rerun[made] & rerun[source]  # made storages descending: every reader is done before its source
+    for m, s in zip(made[chain].tolist(), source[chain].tolist()):
+        if need[m] > need[s]:
+            need[s] = need[m]
+    return need
+
+
+def _moment(ranks: np.ndarray, late: np.ndarray | bool = False) -> np.ndarray:
+    """A point of backward as one number that grows with how early it comes: a rank's backward, or (``late``) the
+    part of it after it let go of what it read last. Backward runs the ranks from the highest, so the highest moment
+    that needs a value is the first."""
+    return 2 * ranks + 1 - np.asarray(late, dtype=np.int64)
+
+
+def _late(moments: np.ndarray) -> np.ndarray:
+    """Per :func:`_moment`: it is the late part of its rank."""
+    return (moments >= 0) & (moments % 2 == 0)
 
 
 def _kernel_start(p: GraphProfile, rerun: np.ndarray) -> np.ndarray:

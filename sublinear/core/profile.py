@@ -213,7 +213,9 @@ class GraphProfile:
     # Per storage, for a compiled step (empty: none known): the first (highest) rank of a fused backward kernel
     # that reads it below that rank, or that runs just before a library kernel reading it (-1: none), and whether a
     # library kernel makes it. The kernel allocates all its buffers before it runs, a value it re-runs among them.
+    # ``storage_kernel_late``: that kernel runs after that rank's backward let go of what it read last (empty: none).
     storage_kernel_start: np.ndarray = field(default_factory=_empty)
+    storage_kernel_late: np.ndarray = field(default_factory=lambda: _empty(bool))
     storage_library_made: np.ndarray = field(default_factory=lambda: _empty(bool))
     # Per storage (empty: none anywhere; -1: none): its last backward reader's rank, a pointwise op reading it, and
     # the rank that op's re-run is made for; where the plan re-runs it so, the reader runs in that re-run's kernel.

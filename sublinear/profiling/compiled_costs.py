@@ -18,7 +18,7 @@ from sublinear.profiling.compiled_dataflow import OpGrouping, StorageReads, Step
 from sublinear.profiling.compiled_nodes import (
     InductorKinds, LibraryCalls, draws_random, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
 )
-from sublinear.profiling.compiled_realize import kernel_segments, stored_by_lowering
+from sublinear.profiling.compiled_realize import kernel_segments, kernel_starts, stored_by_lowering
 from sublinear.profiling.costs import DeviceRates
 from sublinear.tensors import size_hint as hint
 
@@ -214,9 +214,9 @@ class BackwardWalk:
     # Held to the kernel's last rank but one: what that rank re-runs, the compiled code re-runs after the kernel
     # (right before its reader), the simulation before the rank's backward
     kernel_end: dict[int, int]
-    # forward value -> the highest rank of the fused kernel that re-runs it below that rank, for itself or for the
-    # library call after it: the kernel allocates its buffers, the re-run copy among them, before that rank's backward
-    kernel_start: dict[int, int]
+    # forward value -> the (first rank, starts before that rank's release) of the fused kernel that re-runs it below
+    # that rank, for itself or for the library call after it: the kernel allocates its buffers, the copy among them
+    kernel_start: dict[int, tuple[int, bool]]
     entering: list[int]  # per backward node: the gradient-side bytes as its kernel starts
 
 
@@ -298,9 +298,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     live = side.tangent_bytes()
     start: list[int | None] = [None] * n_ops
     before, after, left, seconds = [0] * n_ops, [0] * n_ops, [0] * n_ops, [0.0] * n_ops
-    last_release: dict[int, int] = {}  # rank -> its last node that reads a forward value for the last time
-    for k in reads.last_backward_read.values():
-        last_release[ranks[k]] = max(last_release.get(ranks[k], -1), k)
+    last_release = reads.release_nodes()
     released: set[int] = set()
     total_flops = 0
     all_sizes = {**storages.size_of, **side.sizes}
@@ -319,7 +317,8 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
         return key in storages.produced_by or side.buffer(key)
 
     entering: list[int] = []  # per backward node: the gradient-side bytes as its kernel starts
-    for at, segment in enumerate(segments := kernel_segments(bw, side.kinds)):
+    copies = calls.copies_made(segments := kernel_segments(bw, side.kinds), bw, side.kinds)
+    for at, segment in enumerate(segments):
         entering += [live] * len(segment)
         for k in segment:
             if start[ranks[k]] is None:
@@ -328,8 +327,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                 if side.born.get(key) == k and side.buffer(key)]
         taken = in_place.take(segment, made)
         live += sum(side.sizes[key] for key in made if key not in taken or taken[key] in storages.produced_by)
-        inside = live + max((calls.scratch.get(bw[k], 0) for k in segment), default=0) + (0 if at + 1 == len(
-            segments) or side.kinds.extern(bw[segment[0]]) else calls.copied.get(bw[segments[at + 1][0]], 0))
+        inside = live + max((calls.scratch.get(bw[k], 0) for k in segment), default=0) + copies[at]
         runs_at = min((ranks[side.born[key]] for key in made), default=ranks[segment[0]])
         above = min((ranks[k] for k in segment if ranks[k] > runs_at), default=None)
         for k in segment:
@@ -367,30 +365,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                           and key in side.sizes)
     kernel_end = {key: r for key, r in kernel_end.items() if key not in in_place.forward_taken}
     return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken,
-                        kernel_end, _kernel_starts(bw, ranks, storages, side.kinds), entering)
-
-
-def _kernel_starts(bw: list[fx.Node], ranks: Sequence[int], storages: StepStorages, kinds: InductorKinds
-                   ) -> dict[int, int]:
-    """Per forward value that a fused backward kernel reads at a rank below its first: that first (highest) rank.
-    The kernel allocates all its buffers before it runs, so a value it re-runs inside it takes memory from there on.
-    A value a library kernel reads is re-run just before that call, in the fused kernel of the nodes between it and
-    the library call before (inductor's C++ backend runs every fused node between two library calls as one
-    function): where that kernel starts at a higher rank, the value is given that rank too."""
-    starts: dict[int, int] = {}
-    previous_top = -1  # the first rank of the fused kernel just before, -1 after a library call
-    for segment in kernel_segments(bw, kinds):
-        top = max(ranks[k] for k in segment)
-        library = kinds.extern(bw[segment[0]])
-        start = previous_top if library else top
-        for k in segment:
-            if ranks[k] >= start:
-                continue
-            for key in (key for arg in data_inputs(bw[k]) for key in storages.keys_of(arg)):
-                if key in storages.produced_by:
-                    starts[key] = max(starts.get(key, -1), start)
-        previous_top = -1 if library else top
-    return starts
+                        kernel_end, kernel_starts(bw, reads, storages, side.kinds), entering)
 
 
 def _held_past_saves(reads: StorageReads, side: GradientSide, storages: StepStorages

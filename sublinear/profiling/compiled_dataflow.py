@@ -211,6 +211,14 @@ class StorageReads:
     # where backward re-runs the op making it
     rerun_needs_buffer: set[int]
 
+    def release_nodes(self) -> dict[int, int]:
+        """Per rank: its last backward node that reads a forward value for the last time; after it, the rank's
+        backward holds none of what it read last."""
+        last: dict[int, int] = {}
+        for k in self.last_backward_read.values():
+            last[self.rank_of_backward[k]] = max(last.get(self.rank_of_backward[k], -1), k)
+        return last
+
 
 def storage_reads(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, storages: StepStorages,
                   kinds: InductorKinds, uses: Sequence[str] | None) -> StorageReads:

@@ -204,6 +204,13 @@ class LibraryCalls:
         value = into.meta.get("val")
         return stride is None or isinstance(value, torch.Tensor) and tuple(hint(s) for s in value.stride()) == stride
 
+    def copies_made(self, segments: Sequence[Sequence[int]], nodes: Sequence[fx.Node], kinds: InductorKinds
+                    ) -> list[int]:
+        """Per kernel segment of ``nodes``: the bytes of layout copies it makes, which a fused kernel makes for the
+        library call after it."""
+        return [0 if kinds.extern(nodes[segment[0]]) or at + 1 == len(segments)
+                else self.copied.get(nodes[segments[at + 1][0]], 0) for at, segment in enumerate(segments)]
+
 
 def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_last: bool,
                     kernels: KernelMemory | None, forward: set[fx.Node],

@@ -23,6 +23,9 @@ kernel-local buffers): fused with its readers, it never leaves the kernel. Inlin
 different dimensions read, the kernel runs a loop for each and loads the value from its buffer, which stays. Every
 load through a different view of a different shape, strides or offset counts as a read of its own (inductor indexes
 the buffer anew), and a view of a computed value re-indexes every load of its expression.
+
+Also here: how inductor's C++ backend cuts a backward into kernels (every fused node between two library calls is one
+function) and from where a value such a kernel re-runs takes memory.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from sublinear.capture.joint import is_view
+from sublinear.capture.joint import data_inputs, is_view
+from sublinear.profiling.compiled_dataflow import StepStorages, StorageReads
 from sublinear.profiling.compiled_nodes import InductorKinds
 
-__all__ = ["kernel_segments", "stored_by_lowering"]
+__all__ = ["kernel_segments", "kernel_starts", "stored_by_lowering"]
 
 # aten ops whose lowering computes exp, log, log10, log1p, log2, sigmoid or tanh (inductor's costly functions on
 # the CPU) once decomposed
@@ -114,6 +118,32 @@ def kernel_segments(nodes: Sequence[fx.Node], kinds: InductorKinds) -> list[list
             segments.append([])
         segments[-1].append(k)
     return segments
+
+
+def kernel_starts(bw: list[fx.Node], reads: StorageReads, storages: StepStorages, kinds: InductorKinds
+                  ) -> dict[int, tuple[int, bool]]:
+    """Per forward value that a fused backward kernel reads at a rank below its first (highest), or that the library
+    call after the kernel reads: that kernel's start, the earliest where several read it. The kernel allocates all
+    its buffers before it runs, so a value it re-runs inside it takes memory from there on; inductor's C++ backend
+    runs every fused node between two library calls as one function, so a value a call reads is re-run in the kernel
+    before it. A start is (rank, early): the kernel's first rank, and whether it starts before that rank's backward
+    let go of what it read last (not, for the kernel after a convolution's backward call, which reads its input
+    last)."""
+    ranks, release = reads.rank_of_backward, reads.release_nodes()
+    starts: dict[int, tuple[int, bool]] = {}
+    previous = (-1, True)  # the fused kernel just before
+    for segment in kernel_segments(bw, kinds):
+        top = max(ranks[k] for k in segment)
+        library = kinds.extern(bw[segment[0]])
+        start = previous if library else (top, release.get(top, len(bw)) >= segment[0])
+        for k in segment:
+            if ranks[k] >= start[0]:
+                continue
+            for key in (key for arg in data_inputs(bw[k]) for key in storages.keys_of(arg)):
+                if key in storages.produced_by:
+                    starts[key] = max(starts.get(key, start), start)
+        previous = (-1, True) if library else start
+    return starts
 
 
 def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[[fx.Node], int]) -> set[fx.Node]:

@@ -70,7 +70,8 @@ class StepRecord:
     deadline: dict[int, int] = field(default_factory=dict)  # storage -> rank by which backward must have read it
     saved_buffer: set[int] | None = None  # a buffer in forward only because forward saves it
     fused_from: dict[int, int] = field(default_factory=dict)  # storage -> the earlier op whose kernel makes it
-    kernel_start: dict[int, int] = field(default_factory=dict)  # storage -> first rank of a fused kernel reading it
+    # storage -> the (first rank, starts before that rank's release) of the fused kernel that re-runs it
+    kernel_start: dict[int, tuple[int, bool]] = field(default_factory=dict)
     library_made: set[int] | None = None  # storages a library kernel makes (None: unknown)
     # per op: (rank of its first backward reader, gradient-side bytes as that reader's kernel starts); empty: none
     rerun_grad_side: Sequence[tuple[int, int]] = ()
@@ -144,8 +145,10 @@ def assemble(record: StepRecord) -> GraphProfile:
         if record.fused_from else np.zeros(0, dtype=np.int64),
         storage_taken_at=np.array([record.taken_at.get(k, -1) for k in tracked], dtype=np.int64)
         if record.taken_at else np.zeros(0, dtype=np.int64),
-        storage_kernel_start=np.array([record.kernel_start.get(k, -1) for k in tracked], dtype=np.int64)
+        storage_kernel_start=np.array([record.kernel_start.get(k, (-1,))[0] for k in tracked], dtype=np.int64)
         if record.kernel_start else np.zeros(0, dtype=np.int64),
+        storage_kernel_late=np.array([not record.kernel_start.get(k, (-1, True))[1] for k in tracked], dtype=bool)
+        if record.kernel_start else np.zeros(0, dtype=bool),
         storage_library_made=flags(record.library_made),
         storage_read_in_rerun=np.array([record.read_in_rerun.get(k, (-1, -1, -1)) for k in tracked], dtype=np.int64)
         if record.read_in_rerun else np.zeros((0, 3), dtype=np.int64),

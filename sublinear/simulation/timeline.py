@@ -114,12 +114,14 @@ def _find(sorted_keys: np.ndarray, queries: np.ndarray) -> tuple[np.ndarray, np.
 class _Layout:
     """Where each slot of a step is: forward slots ``0..n-1``, then backward rank by rank from the last (two slots
     each, before and after it frees what it saved), each re-run op just before the backward of the rank that
-    first needs it (its block's trigger, or where recomputes are shared its own), in op order; the end at ``end``.
-    Per pair of :attr:`PlanAnalysis.recompute_pairs` its block, op, rank and slot."""
+    first needs it (its block's trigger, or where recomputes are shared its own), or between its two slots where
+    only its part after the release needs it (:attr:`PlanAnalysis.recompute_late`), in op order; the end at
+    ``end``. Per pair of :attr:`PlanAnalysis.recompute_pairs` its block, op, rank and slot."""
 
     n: int
     end: int
     backward_slot: np.ndarray  # per rank
+    released_slot: np.ndarray  # per rank: its slot after it frees what it saved
     c_blocks: np.ndarray
     c_ops: np.ndarray
     c_ranks: np.ndarray
@@ -132,19 +134,19 @@ class _Layout:
 def _layout(profile: GraphProfile, a: PlanAnalysis) -> _Layout:
     n, ranks = profile.num_ops, len(profile.node_op)
     c_blocks, c_ops = a.recompute_pairs
-    c_ranks = a.recompute_ranks
+    c_ranks, late = a.recompute_ranks, a.recompute_late
     recomputes = np.bincount(c_ranks, minlength=ranks).astype(np.int64)
     width = recomputes + 2
     group_start = n + np.cumsum(width[::-1])[::-1] - width  # the ranks after r run before it
-    backward_slot = group_start + recomputes
-    order = np.lexsort((c_ops, c_blocks, -c_ranks))  # slot order: by rank, highest first; then block and op
+    backward_slot = group_start + recomputes - np.bincount(c_ranks[late], minlength=ranks)
+    order = np.lexsort((c_ops, c_blocks, late, -c_ranks))  # slot order: by rank, highest first; early; block; op
     first_of_rank = np.cumsum(recomputes[::-1])[::-1] - recomputes  # pairs of higher ranks come first
     c_slot = np.empty(len(c_ops), dtype=np.int64)
-    c_slot[order] = group_start[c_ranks[order]] + np.arange(len(c_ops)) - first_of_rank[c_ranks[order]]
+    c_slot[order] = group_start[c_ranks[order]] + np.arange(len(c_ops)) - first_of_rank[c_ranks[order]] + late[order]
     frame_stop = np.full(len(a.frame_end), -1, dtype=np.int64)
     frame_stop[a.frame_end >= 0] = backward_slot[a.frame_end[a.frame_end >= 0]]
-    return _Layout(n, n + int(width.sum()), backward_slot, c_blocks, c_ops, c_ranks, c_slot, frame_stop,
-                   group_start, _saved_read_slots(profile, backward_slot, c_ops, c_ranks, c_slot))
+    return _Layout(n, n + int(width.sum()), backward_slot, group_start + width - 1, c_blocks, c_ops, c_ranks, c_slot,
+                   frame_stop, group_start, _saved_read_slots(profile, backward_slot, c_ops, c_ranks, c_slot))
 
 
 def _forward_extra(profile: GraphProfile, a: PlanAnalysis) -> np.ndarray:
@@ -197,7 +199,7 @@ def _slot_terms(profile: GraphProfile, at: _Layout, forward_extra: np.ndarray, r
     kinds[at.c_slot], ops[at.c_slot], ranks[at.c_slot] = _RECOMPUTE, at.c_ops, at.c_ranks
     every_rank = np.arange(len(node_op))
     for slot, kind, side in ((at.backward_slot, _BACKWARD, profile.grad_peak),
-                             (at.backward_slot + 1, _RELEASED, profile.grad_after_release)):
+                             (at.released_slot, _RELEASED, profile.grad_after_release)):
         extra[slot], kinds[slot], ops[slot], ranks[slot] = side, kind, node_op, every_rank
     extra[end], kinds[end], ops[end] = profile.gradient_bytes, _END, -1
     return extra, kinds, ops, ranks
@@ -253,9 +255,10 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads,
     copy_storage = order[produced_at]
     copy_start = at.c_slot[copy_at]
     if shared:  # a value needed below its op's rank (another value of the op is needed above) is made there
-        need = a.storage_need[copy_storage]
-        later = (need >= 0) & (need < at.c_ranks[copy_at])
-        copy_start[later] = at.rank_start[need[later]] - 1  # counted from the rank's first slot on
+        need, late = a.storage_need[copy_storage], a.storage_late[copy_storage]
+        later = (need >= 0) & ((need < at.c_ranks[copy_at]) | late & ~a.recompute_late[copy_at])
+        # counted from the rank's first slot on, or from its backward's on where only its part after that needs it
+        copy_start[later] = np.where(late[later], at.backward_slot[need[later]], at.rank_start[need[later]] - 1)
     copy_stop = copy_start.copy()
     copy_keys = copy_storage if shared else at.c_blocks[copy_at] * len(producer) + copy_storage
     by_key = np.argsort(copy_keys)
@@ -393,7 +396,7 @@ def _taken_in_place(profile: GraphProfile, at: _Layout, storages: np.ndarray, st
     rank = profile.storage_taken_at[storages]
     taken = rank >= 0
     slot = np.where(taken, at.backward_slot[np.maximum(rank, 0)], -1)
-    ends_there = taken & (stops >= slot) & (stops <= slot + 1)
+    ends_there = taken & (stops >= slot) & (stops <= at.released_slot[np.maximum(rank, 0)])
     return np.where(ends_there, slot - 1, stops)
 
 
