@@ -1693,16 +1693,7 @@ def test_a_depthwise_convolution_as_traced_takes_the_layouts_inductor_lowers_it_
     into the GELU's channels-last values it reads last (another layout), and after it the copies take the place of
     what they copy. Counted at the call instead, with the gradient written in place, the copies made the profile
     2 MiB over with every other op recomputed, and hid a 2 MiB under-count at the kernel with none recomputed."""
-    build, shape = LAYOUT_CASES["depthwise"]
-    torch.manual_seed(0)
-    model = build().train()
-    x = torch.randn(*shape)
-    compiled = sublinear.compile(model, (x,), config=dataclasses.replace(INDUCTOR, channels_last=False))
-    n = compiled.sublinear_profile.num_ops
-    plan = Plan.of(range(1, n, every), n) if every else Plan.no_split(n)
-    before = simulate(compiled.sublinear_profile, plan).peak_bytes
-    compiled.use(plan)
-    measured = _compiled_step_peak(compiled, model, x)
+    _, before, measured = _planned_as_traced("depthwise", every)
     assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
 
 
@@ -1712,16 +1703,22 @@ def test_a_value_re_run_after_a_ranks_convolution_call_takes_memory_from_that_ca
     call, which runs after the convolution call of the rank above: that call, reading its input last, has let go of
     it, and the re-run values take memory only from there. Counted from the start of the rank above (before its
     call and the scratch it takes), this plan, splitting every third op, was predicted 8.7 % over."""
-    build, shape = LAYOUT_CASES["group-norm"]
+    analysis, before, measured = _planned_as_traced("group-norm", 3)
+    assert analysis.recompute_late.any()
+    assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
+
+
+def _planned_as_traced(case: str, every: int):
+    """A net of :data:`LAYOUT_CASES` compiled with its convolutions as traced, under the plan splitting every
+    ``every`` ops (0: none): the plan's analysis, its predicted peak before compiling and its measured peak."""
+    build, shape = LAYOUT_CASES[case]
     torch.manual_seed(0)
     model = build().train()
     x = torch.randn(*shape)
     compiled = sublinear.compile(model, (x,), config=dataclasses.replace(INDUCTOR, channels_last=False))
     n = compiled.sublinear_profile.num_ops
-    plan = Plan.of(range(1, n, 3), n)
+    plan = Plan.of(range(1, n, every), n) if every else Plan.no_split(n)
     analysis = analyse(compiled.sublinear_profile, plan)
-    assert analysis.recompute_late.any()
     before = simulate(compiled.sublinear_profile, plan).peak_bytes
     compiled.use(plan)
-    measured = _compiled_step_peak(compiled, model, x)
-    assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
+    return analysis, before, _compiled_step_peak(compiled, model, x)
