@@ -492,15 +492,34 @@ def test_a_value_only_library_calls_read_is_stored_where_computed_when_a_library
 
     x, w, grad = torch.randn(2, 4, 8, 8), torch.randn(4, 4, 3, 3), torch.randn(2, 4, 8, 8)
     backward = make_fx(_gradient_then_a_rerun)(x, w, grad)
-    compiled_executor.realized_in_place(backward)
+    compiled_executor.realized_in_place(backward, channels_last=False)
     tagged = {n.name for n in backward.graph.nodes if n.meta.get("inductor_realize_to_strides")}
     assert tagged == {"mul"}
 
     backward = make_fx(lambda x, w, grad: torch.ops.aten.convolution_backward.default(
         torch.ops.aten.mul.Tensor(grad, 2.0), x, w, [0], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
         [True, True, False]))(x, w, grad)
-    compiled_executor.realized_in_place(backward)
+    compiled_executor.realized_in_place(backward, channels_last=True)
     assert not any(n.meta.get("inductor_realize_to_strides") for n in backward.graph.nodes)
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_a_value_a_channels_last_convolution_reads_reshaped_is_stored_where_computed(channels_last):
+    """A group norm's input gradient is computed per group and reshaped for the convolution's backward. Stored when
+    the convolution's lowering asks for it, it is laid out contiguous and copied into channels-last; tagged, it is
+    stored where it is computed, following its channels-last inputs. Convolutions as traced copy nothing."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def per_group_then_convolution(x, w, grad):
+        per_group = torch.ops.aten.mul.Tensor(grad.reshape(2, 2, 2, 64), 2.0)
+        return torch.ops.aten.convolution_backward.default(
+            per_group.reshape(2, 4, 8, 8), x, w, [0], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False])
+
+    backward = make_fx(per_group_then_convolution)(torch.randn(2, 4, 8, 8), torch.randn(4, 4, 3, 3),
+                                                   torch.randn(2, 4, 8, 8))
+    compiled_executor.realized_in_place(backward, channels_last=channels_last)
+    tagged = {n.name for n in backward.graph.nodes if n.meta.get("inductor_realize_to_strides")}
+    assert tagged == ({"mul"} if channels_last else set())
 
 
 class _NormedBlocks(nn.Module):

@@ -20,9 +20,11 @@ A long unrolled recurrence (a state-space scan's steps) or a chain of sums of gr
 kernel then writes several such buffers, all of them allocated before it runs. A stored value that only reductions
 and values with buffers of their own read, in the kernel that makes it, is removed again (its scheduler's
 kernel-local buffers): fused with its readers, it never leaves the kernel. Inlined into values that sums over
-different dimensions read, the kernel runs a loop for each and loads the value from its buffer, which stays. Every
-load through a different view of a different shape, strides or offset counts as a read of its own (inductor indexes
-the buffer anew), and a view of a computed value re-indexes every load of its expression.
+different dimensions read, the kernel runs a loop for each and loads the value from its buffer, which stays; so it
+does where a value with a buffer of its own is made from such a sum through a sum over another loop (a group norm's
+input gradient), which the kernel computes in a loop after them. Every load through a different view of a different
+shape, strides or offset counts as a read of its own (inductor indexes the buffer anew), and a view of a computed
+value re-indexes every load of its expression.
 
 Also here: how inductor's C++ backend cuts a backward into kernels (every fused node between two library calls is one
 function) and from where a value such a kernel re-runs takes memory.
@@ -72,38 +74,41 @@ def stored_by_lowering(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: 
     returns or saves it)."""
     kernel = {nodes[k]: i for i, segment in enumerate(kernel_segments(nodes, kinds)) for k in segment}
 
-    loops: dict[tuple[fx.Node, bool], frozenset | None] = {}
+    found_readers: dict[tuple[fx.Node, bool], frozenset | None] = {}
 
-    def reading_loops(node: fx.Node, inlined: bool) -> frozenset | None:
-        """The loops of its kernel that read ``node`` through values inlined into them (``inlined``: ``node``
-        itself is one; a reduction's loop: the dimensions it sums over), or None when a reader is in another kernel.
-        Readers with buffers of their own read it where they store theirs, and readers without one that read all of
-        it, element for element, inline it into their own readers; a reader of a part of it (a strided slice) loops
-        over other indices."""
-        if (node, inlined) not in loops:
+    def readers_in_kernel(node: fx.Node, inlined: bool) -> frozenset | None:
+        """The readers in its kernel that load ``node`` through values inlined into them (``inlined``: ``node``
+        itself is one), each as (reader, inlined), or None when a reader is in another kernel: reductions, and
+        values with buffers of their own, which read it where they store theirs. Readers without a buffer that read
+        all of it, element for element, inline it into their own readers; a reader of a part of it (a strided
+        slice) loops over other indices."""
+        if (node, inlined) not in found_readers:
             found: set | None = set()
             for user in node.users:
                 if kernel.get(user, -1) != kernel[node] or kinds.extern(user):
                     found = None
                     break
-                if not kinds.fusible(user):
-                    if inlined:
-                        found.add(_loop(user))
+                if not kinds.fusible(user) or buffered(user):
+                    found.add((user, inlined))
                     continue
-                if buffered(user):
-                    continue
-                inner = reading_loops(user, True) if _same_elements(user, node) else None
+                inner = readers_in_kernel(user, True) if _same_elements(user, node) else None
                 if inner is None:
                     found = None
                     break
                 found |= inner
-            loops[node, inlined] = None if found is None else frozenset(found)
-        return loops[node, inlined]
+            found_readers[node, inlined] = None if found is None else frozenset(found)
+        return found_readers[node, inlined]
 
     def kernel_local(node: fx.Node) -> bool:
-        """Read only in its kernel, and where inlined, in one loop of it: fused with its readers."""
-        read = reading_loops(node, False)
-        return read is not None and len(read) <= 1
+        """Read only in its kernel, where inlined in one loop of it, and by no stored value that waits for a sum of
+        another loop made from it: fused with its readers."""
+        read = readers_in_kernel(node, False)
+        if read is None:
+            return False
+        sums = {user for user, _ in read if not kinds.fusible(user)}
+        loops = {_loop(user) for user, inlined in read if inlined and user in sums}
+        return len(loops) <= 1 and not any(_waits_for_another_loop(user, sums, kernel, kinds) for user, _ in read
+                                           if user not in sums)
 
     return {node for node in _realized(nodes, kinds, readers) if not kernel_local(node)}
 
@@ -144,6 +149,26 @@ def kernel_starts(bw: list[fx.Node], reads: StorageReads, storages: StepStorages
                     starts[key] = max(starts.get(key, start), start)
         previous = (-1, True) if library else start
     return starts
+
+
+def _waits_for_another_loop(stored: fx.Node, sums: set[fx.Node], kernel: dict[fx.Node, int], kinds: InductorKinds
+                            ) -> bool:
+    """Whether the stored value ``stored`` is made, in its kernel, from one of ``sums`` through a sum over another
+    loop (a group norm's input gradient, from per-channel sums summed again per group): it runs in a loop after
+    those sums, so what they and it both read is kept in a buffer between the loops. A value made from the sums
+    alone (a layer norm's input gradient) is not counted: inductor keeps the stored value then too, but writes
+    that value into it, as much memory as the profile's buffer of that value alone."""
+    loops = {_loop(s) for s in sums}
+    seen, stack, from_sums, other_loop = {stored}, [stored], False, False
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg in seen or kernel.get(arg, -1) != kernel[stored]:
+                continue
+            seen.add(arg)
+            from_sums = from_sums or arg in sums
+            other_loop = other_loop or (not kinds.fusible(arg) and _loop(arg) not in loops)
+            stack.append(arg)
+    return from_sums and other_loop
 
 
 def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[[fx.Node], int]) -> set[fx.Node]:

@@ -56,7 +56,7 @@ from sublinear.capture.shapes import Binding, describe_binding, guards_hold
 from sublinear.capture.joint import JointGraph, is_view, labelled_copy, normalise
 from sublinear.profiling.compiled import CompiledProfile
 from sublinear.profiling.compiled_costs import SMALL_RESULTS_MADE_EARLY
-from sublinear.profiling.compiled_nodes import InductorKinds, is_constant
+from sublinear.profiling.compiled_nodes import CONVOLUTION_OPS, InductorKinds, is_constant
 from sublinear.execute.compiled.products import product_passes
 from sublinear.execute.compiled.step_memory import CompiledStepMemory, compiled_step_memory
 from sublinear.profiling.kernels import kernel_memory
@@ -92,10 +92,10 @@ def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[st
 class PlanPartitioner(CustomPartitionerFn):
     """Inductor's min-cut partitioner on a joint graph whose forward nodes carry a plan's recompute tags."""
 
-    def __init__(self, tags: dict[str, bool | None]) -> None:
-        self.tags = tags
+    def __init__(self, tags: dict[str, bool | None], channels_last: bool) -> None:
+        self.tags, self.channels_last = tags, channels_last
         self.applied: bool | None = None  # whether the joint graph matched the planned one
-        self._uuid = hashlib.sha256(repr(sorted(tags.items())).encode()).hexdigest()
+        self._uuid = hashlib.sha256(repr((sorted(tags.items()), channels_last)).encode()).hexdigest()
 
     def uuid(self) -> str:
         return self._uuid
@@ -125,18 +125,21 @@ class PlanPartitioner(CustomPartitionerFn):
         forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         if self.applied:
             drop_unread_saved_values(forward, backward, kwargs["num_fwd_outputs"])
-        realized_in_place(backward)
+        realized_in_place(backward, self.channels_last)
         return forward, backward
 
 
-def realized_in_place(backward: fx.GraphModule) -> None:
+def realized_in_place(backward: fx.GraphModule, channels_last: bool) -> None:
     """Inductor computes a pointwise value that only library calls read (through views) when it lowers the first
     of them, unless something stores it before: where another library call runs between the value and that reader
     (a convolution re-run for it, in a backward that recomputes), the value and what it is made from wait across
     that call. Such a value is stored where the graph computes it (``inductor_realize_to_strides``), as the plan's
     memory model has it: a group norm's input gradient, summed with the residual's gradient for the convolution's
     backward below, was computed after the re-run of that convolution's input, and held the norm's input and the
-    gradients it is made from through the re-run."""
+    gradients it is made from through the re-run. So is a value a channels-last convolution reads as a reshape of
+    it (a group norm's input gradient, computed per group), whatever else reads it: stored when the convolution's
+    lowering asks for it, it would be laid out contiguous and copied into channels-last; stored where it is
+    computed, it follows its channels-last inputs, and the reshape is channels-last as it is."""
     kinds = InductorKinds()
     nodes = [n for n in backward.graph.nodes if n.op == "call_function"]
     libraries = [k for k, node in enumerate(nodes) if kinds.extern(node)]
@@ -145,11 +148,21 @@ def realized_in_place(backward: fx.GraphModule) -> None:
         if not kinds.fusible(node) or is_view(node) or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         readers = _readers_through_views(node)
+        if channels_last and _reshaped_for_convolution(node):
+            node.meta["inductor_realize_to_strides"] = True
         if not readers or not all(kinds.extern(r) for r in readers):
             continue
         first = min(position.get(r, k) for r in readers)
         if bisect.bisect_left(libraries, first) > bisect.bisect_right(libraries, k):
             node.meta["inductor_realize_to_strides"] = True
+
+
+def _reshaped_for_convolution(node: fx.Node) -> bool:
+    """Whether a convolution reads ``node`` through a view of another shape."""
+    shape = str(tuple(node.meta["val"].shape))  # sizes may be symbols
+    return any(is_view(user) and isinstance(view := user.meta.get("val"), torch.Tensor)
+               and str(tuple(view.shape)) != shape
+               and any(r.target in CONVOLUTION_OPS for r in _readers_through_views(user)) for user in node.users)
 
 
 def _readers_through_views(node: fx.Node) -> list[fx.Node]:
@@ -203,7 +216,7 @@ class CompiledGraph:
         self.graph = graph
         self.analysis = analysis
         self.node_names = tuple(node_names)  # the joint graph's forward nodes, as the profile numbers them
-        self.partitioner = PlanPartitioner(recompute_tags(analysis, node_names))
+        self.partitioner = PlanPartitioner(recompute_tags(analysis, node_names), channels_last)
         self.scheduling = ResultsTakenAtOnce()
         self.bound = dict(bound or {})
         self.channels_last = channels_last  # convolutions laid out channels-last, as the plan's profile has them
