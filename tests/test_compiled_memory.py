@@ -834,6 +834,17 @@ def test_a_kept_normalisations_statistics_let_backward_recompute_its_values_with
     assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
 
 
+def _stored_by_lowering(f, *inputs: torch.Tensor) -> set[str]:
+    """The names of the nodes of ``f``'s graph, traced on fake ``inputs``, that inductor's lowering stores and
+    keeps by :func:`stored_by_lowering`, where what the graph returns has a buffer."""
+    graph = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(*inputs)
+    nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
+    kinds = InductorKinds()
+    stored = stored_by_lowering(nodes, kinds, lambda n: len(n.users),
+                                lambda n: not kinds.fusible(n) or any(u.op == "output" for u in n.users))
+    return {n.name for n in stored}
+
+
 @pytest.mark.parametrize("dims, kept", [((1, 2), True), ((1, 1), False)])
 def test_a_stored_value_summed_in_two_loops_of_its_kernel_stays_in_memory(dims, kept):
     """``exp(x) * x`` has two readers and a costly function, so inductor's lowering stores it. Read through
@@ -844,12 +855,7 @@ def test_a_stored_value_summed_in_two_loops_of_its_kernel_stays_in_memory(dims, 
         a = torch.exp(x) * x
         return (a * 2).sum(dims[0]), (a * 3).sum(dims[1])
 
-    graph = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(4, 8, 16))
-    nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
-    kinds = InductorKinds()
-    stored = stored_by_lowering(nodes, kinds, lambda n: len(n.users),
-                                lambda n: not kinds.fusible(n) or any(u.op == "output" for u in n.users))
-    assert {n.name for n in stored} == ({"mul"} if kept else set())
+    assert _stored_by_lowering(f, torch.randn(4, 8, 16)) == ({"mul"} if kept else set())
 
 
 @pytest.mark.parametrize("grouped", [True, False])
@@ -869,12 +875,7 @@ def test_a_stored_value_a_sum_reads_stays_for_a_stored_value_made_from_that_sum(
             return (h.reshape(4, 2, 4, 16) * per_group[:, :, None, None]).reshape(4, 8, 16)
         return h * per_channel.unsqueeze(-1)
 
-    graph = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(4, 8, 16))
-    nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
-    kinds = InductorKinds()
-    stored = stored_by_lowering(nodes, kinds, lambda n: len(n.users),
-                                lambda n: not kinds.fusible(n) or any(u.op == "output" for u in n.users))
-    assert {n.name for n in stored} == ({"sigmoid"} if grouped else set())
+    assert _stored_by_lowering(f, torch.randn(4, 8, 16)) == ({"sigmoid"} if grouped else set())
 
 
 def test_a_costly_value_read_only_through_a_view_by_several_nodes_is_stored():
@@ -886,13 +887,7 @@ def test_a_costly_value_read_only_through_a_view_by_several_nodes_is_stored():
         step = F.softplus(x).unsqueeze(-1)
         return (step * b).sum(-1), (step + b).sum(1)
 
-    graph = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(torch.randn(4, 8, 16),
-                                                                               torch.randn(4, 8, 16, 16))
-    nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
-    kinds = InductorKinds()
-    stored = stored_by_lowering(nodes, kinds, lambda n: len(n.users),
-                                lambda n: not kinds.fusible(n) or any(u.op == "output" for u in n.users))
-    assert {n.name for n in stored} == {"softplus"}
+    assert _stored_by_lowering(f, torch.randn(4, 8, 16), torch.randn(4, 8, 16, 16)) == {"softplus"}
 
 
 def test_each_slice_of_a_computed_value_loads_its_own_part_of_the_buffer_it_is_computed_from():
@@ -907,12 +902,7 @@ def test_each_slice_of_a_computed_value_loads_its_own_part_of_the_buffer_it_is_c
             level = level[0::2] * level[1::2]
         return (level * 2).sum(0), (level * 3).sum(1)
 
-    graph = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(torch.randn(16, 8, 4))
-    nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
-    kinds = InductorKinds()
-    stored = stored_by_lowering(nodes, kinds, lambda n: len(n.users),
-                                lambda n: not kinds.fusible(n) or any(u.op == "output" for u in n.users))
-    assert {n.name for n in stored} == {"mul_2"}
+    assert _stored_by_lowering(f, torch.randn(16, 8, 4)) == {"mul_2"}
 
 
 @pytest.mark.slow
