@@ -25,7 +25,8 @@ from sublinear.capture.joint import is_view, trace_joint
 from sublinear.profiling.compiled import profile_compiled_step, profile_joint
 from sublinear.profiling.compiled_costs import GradientSide
 from sublinear.profiling.compiled_dataflow import step_storages
-from sublinear.profiling.compiled_nodes import InductorKinds, channels_last_convolutions
+from sublinear.profiling.compiled_nodes import InductorKinds, channels_last_convolutions, library_scratch
+from sublinear.profiling.kernels import kernel_memory
 from sublinear.profiling.compiled_realize import stored_by_lowering
 from sublinear.measurement import measure_cpu_allocator
 from sublinear.models.resnet import Bottleneck, conv1x1
@@ -1557,6 +1558,23 @@ class _GroupNormNet(nn.Module):
 LAYOUT_CASES = {"basic-block": (_BasicBlockNet, (8, 64, 8, 8)), "convolution": (_ConvNet, (8, 3, 32, 32)),
                 "depthwise": (_DepthwiseNet, (8, 3, 128, 128)), "patches": (_PatchEmbeddingNet, (8, 3, 32, 32)),
                 "group-norm": (_GroupNormNet, (4, 3, 32, 32))}
+
+
+def test_the_layout_copies_of_convolutions_as_traced_are_counted_where_nothing_is_measured():
+    """Planning on meta measures no library kernel, but the copies inductor makes into the layouts a convolution
+    takes follow from the layouts alone: counted the same as where the kernels run (a depthwise convolution's
+    backward copies its saved input and its output's gradient), and kept beside the call as its scratch."""
+    build, _ = LAYOUT_CASES["depthwise"]
+    torch.manual_seed(0)
+    graph = sublinear.capture.dynamo.capture(build(width=8).train(), (torch.randn(2, 3, 32, 32),)).graph
+    joint = trace_joint(graph, graph.example_values)
+    nodes, kinds = joint.forward + joint.backward, InductorKinds()
+    kept = lambda node, arg: False  # noqa: E731
+    on_meta = library_scratch(nodes, kinds, False, None, set(joint.forward), kept)
+    measured = library_scratch(nodes, kinds, False, kernel_memory("cpu"), set(joint.forward), kept)
+    assert on_meta.copied and on_meta.copied == measured.copied
+    assert on_meta.layouts == measured.layouts
+    assert all(on_meta.scratch[node] == copied for node, copied in on_meta.copied.items())
 
 
 @pytest.mark.parametrize("case,traced_lower", [("basic-block", True), ("convolution", False)])

@@ -217,21 +217,25 @@ def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_las
                     released: Callable[[fx.Node, fx.Node], bool]) -> LibraryCalls:
     """The library nodes' :class:`LibraryCalls`, measured on the device, with convolutions' tensors in the layouts
     inductor gives them. An argument ``released(node, arg)`` is freed by the kernel copying it (the copy takes its
-    place), so its copy adds no scratch. Where nothing is measured (``kernels`` None: planning on meta), an
-    operator whose allocations are its Python code's (sublinear's chunked LM head) is still counted, by running its
-    code on meta; the library kernels it calls may hold more on a device."""
-    if kernels is None:
-        return LibraryCalls({node: _counted_inside(node) for node in nodes if node.target in COUNTED_INSIDE}, {}, {})
+    place), so its copy adds no scratch. Where nothing is measured (``kernels`` None: planning on meta), the copies
+    are counted all the same (they follow from the layouts alone), and so is an operator whose allocations are its
+    Python code's (sublinear's chunked LM head), by running its code on meta; the library kernels may hold more
+    scratch on a device."""
     runs = {node: run for node in nodes
             if kinds.extern(node) and (run := _library_run(node, channels_last, _laid_out(node, kinds, forward)))}
-    kernels.measure([run.kernel for run in runs.values()])
     calls = LibraryCalls({}, {}, {})
+    if kernels is None:
+        calls.scratch.update({node: _counted_inside(node) for node in nodes if node.target in COUNTED_INSIDE})
+    else:
+        kernels.measure([run.kernel for run in runs.values()])
     for node, run in runs.items():
-        measured = kernels.get(run.kernel.key)
+        measured = kernels.get(run.kernel.key) if kernels is not None else None
+        kept = sum(nbytes for arg, nbytes in run.copies if not released(node, arg))
         if measured is not None:
             results = sum(hint(t.untyped_storage().nbytes()) for t in tensor_leaves(node.meta.get("val")))
-            kept = sum(nbytes for arg, nbytes in run.copies if not released(node, arg))
             calls.scratch[node] = max(0, measured.inside_peak - results) + kept
+        elif kept:
+            calls.scratch[node] = calls.scratch.get(node, 0) + kept
         if run.copies:
             calls.copied[node] = sum(nbytes for _arg, nbytes in run.copies)
         calls.layouts.update(run.layouts)
