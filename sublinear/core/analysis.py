@@ -183,9 +183,8 @@ def _recompute_moments(a: PlanAnalysis) -> np.ndarray:
     """:attr:`PlanAnalysis.recompute_moments`."""
     p, ops = a.profile, a.recompute_pairs[1]
     need = np.full(p.num_ops, -1, dtype=np.int64)
-    saved, ranks = p.arrays.saved_pairs
-    rebuilt = a.dropped[saved] & p.reaches_output[p.node_op[ranks]]
-    np.maximum.at(need, p.storage_producer[saved[rebuilt]], _moment(ranks[rebuilt]))
+    rebuilt, moments = _rebuilt_saves(a)
+    np.maximum.at(need, p.storage_producer[rebuilt], moments)
     fused = a.kernel_start >= 0
     np.maximum.at(need, p.storage_producer[fused], a._kernel_moment[fused])
     rerun = np.zeros(p.num_ops, dtype=bool)
@@ -204,9 +203,7 @@ def _storage_moments(a: PlanAnalysis) -> np.ndarray:
     need = np.full(len(p.storage_bytes), -1, dtype=np.int64)
     if not p.recompute_shared or not len(need):
         return need
-    saved, ranks = p.arrays.saved_pairs
-    rebuilt = a.dropped[saved] & p.reaches_output[p.node_op[ranks]]
-    np.maximum.at(need, saved[rebuilt], _moment(ranks[rebuilt]))
+    np.maximum.at(need, *_rebuilt_saves(a))
     through, through_ranks = p.arrays.rebuilt_read_pairs
     if len(through):
         np.maximum.at(need, through, _moment(through_ranks))
@@ -218,6 +215,15 @@ def _storage_moments(a: PlanAnalysis) -> np.ndarray:
         if need[m] > need[s]:
             need[s] = need[m]
     return need
+
+
+def _rebuilt_saves(a: PlanAnalysis) -> tuple[np.ndarray, np.ndarray]:
+    """The storages a backward rank saves that the plan drops, where that rank's backward runs (its op reaches the
+    output), each with the :func:`_moment` of that rank: where the re-run copy is needed by."""
+    p = a.profile
+    saved, ranks = p.arrays.saved_pairs
+    rebuilt = a.dropped[saved] & p.reaches_output[p.node_op[ranks]]
+    return saved[rebuilt], _moment(ranks[rebuilt])
 
 
 def _moment(ranks: np.ndarray, late: np.ndarray | bool = False) -> np.ndarray:
