@@ -43,8 +43,7 @@ from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, NodeFacts, OpProfile
 from sublinear.core.units import format_bytes
 from sublinear.profiling.compiled_costs import (
-    BackwardWalk, ForwardCosts, GradientSide, forward_costs, materialized_predicate, reads_fused_into_reruns,
-    rerun_grad_sides, walk_backward,
+    BackwardWalk, ForwardCosts, GradientSide, forward_costs, materialized_predicate, walk_backward,
 )
 from sublinear.profiling.compiled_dataflow import (
     OpGrouping, StepStorages, StorageReads, backward_deadlines, group_ops, made_from, sources_of, step_storages,
@@ -54,6 +53,7 @@ from sublinear.profiling.compiled_nodes import (
     InductorKinds, channels_last_convolutions, draws_random, is_constant, library_scratch, tensor_leaves,
     writes_input,
 )
+from sublinear.profiling.compiled_reruns import reads_fused_into_reruns, rerun_grad_sides
 from sublinear.profiling.costs import REFERENCE_GPU, DeviceRates, device_rates
 from sublinear.profiling.kernels import blas_workspace_bytes, kernel_memory, runs_cublaslt
 from sublinear.profiling.record import StepRecord, assemble

@@ -55,7 +55,7 @@ from sublinear.core.plan import Plan
 from sublinear.capture.shapes import Binding, describe_binding, guards_hold
 from sublinear.capture.joint import JointGraph, is_view, labelled_copy, normalise
 from sublinear.profiling.compiled import CompiledProfile
-from sublinear.profiling.compiled_costs import SMALL_RESULTS_MADE_EARLY
+from sublinear.profiling.compiled_reruns import SMALL_RESULTS_MADE_EARLY
 from sublinear.profiling.compiled_nodes import CONVOLUTION_OPS, InductorKinds, is_constant
 from sublinear.execute.compiled.products import product_passes
 from sublinear.execute.compiled.step_memory import CompiledStepMemory, compiled_step_memory
