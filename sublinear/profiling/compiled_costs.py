@@ -18,7 +18,7 @@ from sublinear.profiling.compiled_dataflow import OpGrouping, StorageReads, Step
 from sublinear.profiling.compiled_nodes import (
     InductorKinds, LibraryCalls, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
 )
-from sublinear.profiling.compiled_realize import kernel_segments, kernel_starts, lowered_buffers, stored_by_lowering
+from sublinear.profiling.compiled_realize import kernel_segments, kernel_starts, stored_by_lowering
 from sublinear.profiling.costs import DeviceRates
 from sublinear.tensors import size_hint as hint
 
@@ -255,10 +255,9 @@ class GradientSide:
                     if kinds.extern(node):
                         self.needs_buffer.add(key)
         in_backward = set(bw)
-        stored, local = lowered_buffers(bw, kinds, lambda n: _readers(n, in_backward),
-                                        lambda n: any(self._made_or_read_as_buffer(k) for k in storages.keys_of(n)))
-        self.stored = _keys(storages, stored)
-        self.kernel_local = _keys(storages, local)  # stored, and removed again as fused with their readers
+        self.stored = _keys(storages, stored_by_lowering(
+            bw, kinds, lambda n: _readers(n, in_backward),
+            lambda n: any(self._made_or_read_as_buffer(k) for k in storages.keys_of(n))))
         self._read_through_fused_values(storages)
 
     def _read_through_fused_values(self, storages: StepStorages) -> None:

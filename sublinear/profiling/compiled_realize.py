@@ -43,7 +43,7 @@ from sublinear.capture.joint import data_inputs, is_view
 from sublinear.profiling.compiled_dataflow import StepStorages, StorageReads
 from sublinear.profiling.compiled_nodes import InductorKinds
 
-__all__ = ["kernel_segments", "kernel_starts", "lowered_buffers", "stored_by_lowering"]
+__all__ = ["kernel_segments", "kernel_starts", "stored_by_lowering"]
 
 # aten ops whose lowering computes exp, log, log10, log1p, log2, sigmoid or tanh (inductor's costly functions on
 # the CPU) once decomposed
@@ -72,14 +72,6 @@ def stored_by_lowering(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: 
     keeps (see above); ``readers(node)``: how many nodes of that graph read ``node`` (its output counting as one);
     ``buffered(node)``: whether a fusible node's value is a buffer anyway (a library kernel reads it, the graph
     returns or saves it)."""
-    return lowered_buffers(nodes, kinds, readers, buffered)[0]
-
-
-def lowered_buffers(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[[fx.Node], int],
-                    buffered: Callable[[fx.Node], bool]) -> tuple[set[fx.Node], set[fx.Node]]:
-    """:func:`stored_by_lowering`'s nodes, and the nodes inductor stores and then removes again, fused with their
-    readers in their kernel: a library call that a plan re-runs between them and a reader cuts that kernel, and the
-    buffer stays across the call."""
     kernel = {nodes[k]: i for i, segment in enumerate(kernel_segments(nodes, kinds)) for k in segment}
 
     found_readers: dict[tuple[fx.Node, bool], frozenset | None] = {}
@@ -118,9 +110,7 @@ def lowered_buffers(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Cal
         return len(loops) <= 1 and not any(_waits_for_another_loop(user, sums, kernel, kinds) for user, _ in read
                                            if user not in sums)
 
-    realized = _realized(nodes, kinds, readers)
-    local = {node for node in realized if kernel_local(node)}
-    return realized - local, local
+    return {node for node in _realized(nodes, kinds, readers) if not kernel_local(node)}
 
 
 def kernel_segments(nodes: Sequence[fx.Node], kinds: InductorKinds) -> list[list[int]]:

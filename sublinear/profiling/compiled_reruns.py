@@ -61,36 +61,10 @@ def rerun_grad_sides(joint: JointGraph, reads: StorageReads, storages: StepStora
     """Per op: the rank of the first backward node reading one of its values, and the gradient-side bytes as that
     node's kernel starts ((-1, 0): none reads one). The partitioned backward re-runs a value right before its first
     reader, after the kernels before it: a GELU re-run for the weight gradient of the linear after it is made beside
-    that linear's input gradient, made from the output's gradient and the weight first. A library call re-run
-    inside a kernel cuts it (:func:`_held_across_cut`)."""
-    fw, bw = joint.forward, joint.backward
-    first_read = _first_backward_reads(fw, storages, op_of_node, side)
-    calls = {op_of_node[i] for i, node in enumerate(fw) if side.kinds.extern(node)}
-    start = {k: segment[0] for segment in kernel_segments(bw, side.kinds) for k in segment}
-    sides = []
-    for o in range(max(op_of_node, default=-1) + 1):
-        k = first_read.get(o)
-        if k is None:
-            sides.append((-1, 0))
-            continue
-        cut = _held_across_cut(k, start[k], reads, storages, side) if o in calls and start[k] < k else 0
-        sides.append((reads.rank_of_backward[k], walk.entering[k] + cut))
-    return sides
-
-
-def _held_across_cut(k: int, start: int, reads: StorageReads, storages: StepStorages, side: GradientSide) -> int:
-    """The bytes held across a library call re-run before backward node ``k`` of the kernel starting at ``start``,
-    beyond the gradient side as that kernel starts: inductor then runs the nodes before ``k`` in one kernel and
-    the rest in another, and what the first makes and the second reads stays in memory across the call (values
-    stored and otherwise fused with their readers too), and so do the forward values that values computed again
-    after the call are made from, which the simulation lets go at an earlier rank. A SiLU's backward cut from its
-    group norm's by the convolution re-run for the norm holds the sigmoid and the norm's output."""
-    ranks, cut = reads.rank_of_backward, range(start, k)
-    made = {key for j in cut for key in storages.keys_of(side.bw[j]) if side.born.get(key) == j
-            and (side.buffer(key) or key in side.kernel_local) and side.last.get(key, -1) >= k}
-    held = {key for key, j in reads.last_backward_read.items() if start <= j < k and ranks[j] > ranks[k]
-            and side.last.get(key, j) >= k and key not in reads.output_use}
-    return sum(side.sizes[key] for key in made) + sum(storages.size_of[key] for key in held)
+    that linear's input gradient, made from the output's gradient and the weight first."""
+    first_read = _first_backward_reads(joint.forward, storages, op_of_node, side)
+    return [(reads.rank_of_backward[first_read[o]], walk.entering[first_read[o]]) if o in first_read else (-1, 0)
+            for o in range(max(op_of_node, default=-1) + 1)]
 
 
 def _backward_readers(bw: list[fx.Node], storages: StepStorages) -> dict[int, list[int]]:
