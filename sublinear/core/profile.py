@@ -307,33 +307,6 @@ def profile_summary(profile: GraphProfile, top: int = 5) -> str:
     return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class FusedValues:
-    """Storages of values a compiled step fuses into their readers. ``kernel_only``: tracked only because backward
-    kernels read its re-run copy through fused values (no later op reads it, no backward node saves it, the graph
-    does not return it). ``made_again``: no buffer in forward and saved by no backward node: a re-run that reads one
-    computes it again from ``sources`` (what it is made from, through others it marks; empty for the rest) and holds
-    those instead (a shared additive attention mask, from its boolean mask)."""
-
-    kernel_only: np.ndarray
-    made_again: np.ndarray
-    sources: list[tuple[int, ...]]
-
-    @classmethod
-    def of(cls, p: GraphProfile) -> FusedValues:
-        n = len(p.storage_bytes)
-        unsaved = np.array([not ranks for ranks in p.storage_saved_at], dtype=bool)
-        through = np.array([bool(ranks) for ranks in p.storage_rebuilt_read_at], dtype=bool)
-        kernel_only = through & unsaved & (p.storage_last_use == p.storage_producer) if len(through) else \
-            np.zeros(n, dtype=bool)
-        made_again = ~p.materialized_in_forward & unsaved if len(p.materialized_in_forward) else np.zeros(n, dtype=bool)
-        sources: list[tuple[int, ...]] = [()] * n
-        for s in np.flatnonzero(made_again).tolist() if p.storage_made_from else ():  # sources come first
-            sources[s] = tuple(dict.fromkeys(x for m in p.storage_made_from[s]
-                                             for x in (sources[m] if made_again[m] else (m,))))
-        return cls(kernel_only, made_again, sources)
-
-
 class ProfileArrays:
     """A profile's per-storage and per-op lists as flat index arrays, and the ops' release slots; built once per
     profile (:attr:`GraphProfile.arrays`) for the simulator and the plan analysis."""
@@ -376,9 +349,15 @@ class ProfileArrays:
         return _columns([(s, r) for s, ranks in enumerate(self.profile.storage_rebuilt_read_at) for r in ranks])
 
     @functools.cached_property
-    def fused_values(self) -> FusedValues:
-        """:class:`FusedValues` for this profile."""
-        return FusedValues.of(self.profile)
+    def read_through_only(self) -> np.ndarray:
+        """Per storage: tracked only because backward kernels read its re-run copy through fused values (no later
+        op reads it, no backward node saves it, the graph does not return it)."""
+        p = self.profile
+        through = np.array([bool(ranks) for ranks in p.storage_rebuilt_read_at], dtype=bool)
+        if not len(through):
+            return np.zeros(len(p.storage_bytes), dtype=bool)
+        unsaved = np.array([not ranks for ranks in p.storage_saved_at], dtype=bool)
+        return through & unsaved & (p.storage_last_use == p.storage_producer)
 
     @functools.cached_property
     def made_from_pairs(self) -> tuple[np.ndarray, np.ndarray]:

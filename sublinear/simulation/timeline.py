@@ -364,15 +364,7 @@ def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _
         np.maximum.at(stop, read[framed], a.group_end[a.block_of[readers[framed]]])
     outside = ~reads.inside
     held_until = until[reads.pair] if shared else at.frame_stop[at.c_blocks[reads.pair]]
-    read, held_until = reads.storage[outside], held_until[outside]
-    fused = profile.arrays.fused_values
-    again = fused.made_again[read]
-    np.maximum.at(stop, read[~again], held_until[~again])
-    if again.any():  # made again where re-run, from what it is made from
-        rows = [(m, h) for s, h in zip(read[again].tolist(), held_until[again].tolist())
-                for m in fused.sources[s]]
-        if rows:
-            np.maximum.at(stop, *np.asarray(rows, dtype=np.int64).T)
+    np.maximum.at(stop, reads.storage[outside], held_until[outside])
     return _taken_in_place(profile, at, np.arange(len(stop)), stop)
 
 

@@ -69,22 +69,18 @@ log = logging.getLogger("sublinear.execute.compiled")
 
 def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[str, bool | None]:
     """Per forward node of the joint graph (by name): True when backward must recompute it, False when forward must
-    save it if anything in backward reads it, None when it is recomputed where a recomputed reader needs it: a value
-    only its own recomputed op reads (otherwise there is no reason to recompute the multi-output node it is taken
-    from: a variance beside the mean a plan keeps), or a value with no buffer in forward that no backward node saves,
-    which a re-run reading it computes again from what it is made from, as the profile has it (saved, a shared
-    additive attention mask would be a buffer from forward on, four times its boolean mask)."""
+    save it if anything in backward reads it, None when it is a value only its own recomputed op reads: recomputed
+    where a recomputed reader needs it, and otherwise no reason to recompute the multi-output node it is taken from
+    (a variance beside the mean a plan keeps)."""
     profile = analysis.profile
     retained = analysis.state == StorageState.RETAINED
-    fused = profile.arrays.fused_values
-    inside, made_again = fused.kernel_only, fused.made_again
+    inside = profile.arrays.read_through_only  # values its op's kernels compute and keep to themselves
     tags: dict[str, bool | None] = {}
     for i, name in enumerate(node_names):
         op = profile.op_of_node[i]
         every = profile.node_storages.get(i, ())
         storages = [s for s in every if s >= 0 and not inside[s]]
-        if every and not storages and analysis.recomputed[op] or \
-                storages and all(made_again[s] for s in storages) and not profile.ops[op].random:
+        if every and not storages and analysis.recomputed[op]:
             tags[name] = None
             continue
         held = bool(storages) and all(retained[s] for s in storages)
