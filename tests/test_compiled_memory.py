@@ -18,7 +18,6 @@ import sublinear
 from sublinear.core import Plan
 from sublinear.core.analysis import StorageState, analyse
 from sublinear.execute.compiled import CompiledGraph
-from sublinear.execute.compiled.executor import PlanPartitioner
 from sublinear.execute.compiled.step_memory import compiled_step_memory
 from sublinear.execute.compiled.wrapper import StepWalk, parse_wrapper
 from sublinear.capture.joint import is_view, trace_joint
@@ -34,7 +33,7 @@ from sublinear.simulation.calibration import recompute_ranks, slot_peaks, taught
 from sublinear.simulation.timeline import simulate
 from sublinear.training import default_loss
 
-from conftest import PLAIN, ResidualNet, chain
+from conftest import PLAIN, ResidualNet, chain, partitions
 
 INDUCTOR = dataclasses.replace(PLAIN, compiler="inductor")
 
@@ -820,16 +819,9 @@ def test_a_kept_normalisations_statistics_let_backward_recompute_its_values_with
     assert all(analysis.state[s] == StorageState.RETAINED for s in profile.op_storages[statistics.index])
     before = simulate(profile, plan).peak_bytes
     compiled.use(plan)
-    backward_targets = []
-    call = PlanPartitioner.__call__
-
-    def partition(self, gm, joint_inputs, **kwargs):
-        fw, bw = call(self, gm, joint_inputs, **kwargs)
-        backward_targets.extend(str(node.target) for node in bw.graph.nodes)
-        return fw, bw
-
-    monkeypatch.setattr(PlanPartitioner, "__call__", partition)
+    made = partitions(monkeypatch)
     measured = _compiled_step_peak(compiled, model, x)
+    backward_targets = [str(node.target) for _, backward, _ in made for node in backward.graph.nodes]
     assert "aten.relu.default" in backward_targets  # the plan's recompute ran in backward
     assert not any("var_mean" in target for target in backward_targets), backward_targets
     assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
@@ -1054,26 +1046,21 @@ def test_forward_saves_no_value_backward_does_not_read(monkeypatch):
     torch.manual_seed(0)
     model = _EmbeddingDropout().train()
     ids = torch.randint(0, 512, (16, 32))
-    unread: list[str] = []
-    call = PlanPartitioner.__call__
-
-    def partition(self, gm, joint_inputs, **kwargs):
-        fw, bw = call(self, gm, joint_inputs, **kwargs)
-        saved = {n.name for n in fw.graph.find_nodes(op="output")[0].args[0][kwargs["num_fwd_outputs"]:]}
-        unread.extend(n.name for n in bw.graph.find_nodes(op="placeholder") if n.name in saved and not n.users
-                      and not n.name.startswith("primals"))
-        return fw, bw
-
     with torch._inductor.config.patch(fallback_random=True):
         compiled = sublinear.compile(model, (ids,), config=INDUCTOR)
         profile = compiled.sublinear_profile
         first = next(op.index for op in profile.ops if op.name.startswith("wte"))
         body = next(op.index for op in profile.ops if op.name.startswith("body.0"))
         compiled.use(Plan.of([first, body], profile.num_ops))
-        monkeypatch.setattr(PlanPartitioner, "__call__", partition)
+        made = partitions(monkeypatch)
         _held_output_step(compiled, ids)
     assert compiled.sublinear_plan.graphs[0].compiled_peak_bytes is not None
-    assert not unread
+    assert made
+    for forward, backward, outputs in made:
+        saved = {n.name for n in forward.graph.find_nodes(op="output")[0].args[0][outputs:]}
+        unread = [n.name for n in backward.graph.find_nodes(op="placeholder") if n.name in saved and not n.users
+                  and not n.name.startswith("primals")]
+        assert not unread
 
 
 def test_backward_nodes_made_from_forward_values_alone_place_no_statement_of_the_compiled_code():

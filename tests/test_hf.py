@@ -17,7 +17,7 @@ from sublinear.measurement import measure_cpu_allocator
 from sublinear.training import training_step
 from sublinear.simulation.timeline import simulate
 
-from conftest import PLAIN
+from conftest import PLAIN, partitions
 
 import transformers
 
@@ -248,8 +248,6 @@ def test_a_berts_shared_additive_mask_is_made_again_by_the_layer_a_plan_recomput
     plan recomputing the first layer and keeping the second has backward make the mask again in that layer's re-run,
     as the profile re-runs an op. Saved for the re-run, it was a buffer from forward on, which the prediction left
     out (HF BERT at ``--size large``: a plan 196,608 bytes over its 11.156 MiB budget, and a second compile)."""
-    from sublinear.execute.compiled.executor import PlanPartitioner  # noqa: PLC0415
-
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -266,15 +264,7 @@ def test_a_berts_shared_additive_mask_is_made_again_by_the_layer_a_plan_recomput
         plan = Plan.of([second], profile.num_ops)
         before = simulate(profile, plan).peak_bytes
         compiled.use(plan)
-        saved = []
-        call = PlanPartitioner.__call__
-
-        def partition(self, gm, joint_inputs, **kwargs):
-            fw, bw = call(self, gm, joint_inputs, **kwargs)
-            saved.extend(node.name for node in bw.graph.find_nodes(op="placeholder"))
-            return fw, bw
-
-        monkeypatch.setattr(PlanPartitioner, "__call__", partition)
+        made = partitions(monkeypatch)
 
         def step(m, **batch):
             m(**batch).loss.backward()
@@ -282,6 +272,7 @@ def test_a_berts_shared_additive_mask_is_made_again_by_the_layer_a_plan_recomput
         step(compiled, **inputs)
         model.zero_grad(set_to_none=True)
         measured = measure_cpu_allocator(step, compiled, **inputs).peak_bytes
+    saved = [node.name for _, backward, _ in made for node in backward.graph.find_nodes(op="placeholder")]
     assert saved and "where" not in saved, saved  # the graph's first ``where``: the additive mask
     # saved, the mask took the step 2.4 % above the prediction (21,073,576 bytes against 20,575,316); made again,
     # the step measures 20,025,000, 2.7 % under the prediction
