@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import threading
 import types
 
 import pytest
@@ -561,3 +562,43 @@ def test_a_gradient_a_convolutions_backward_reads_does_not_wait_across_the_re_ru
     stored = measured()
     monkeypatch.setattr(compiled_executor, "realized_in_place", lambda backward, channels_last: None)
     assert measured() >= stored + 0.8 * activation
+
+
+def test_inductors_vector_isa_probe_runs_in_the_background_from_the_first_call_and_the_compile_waits_for_it(
+        monkeypatch):
+    """The probe starts at the first training call, before the graph is captured and compiled, in its own thread;
+    inductor's first call of it in the compile comes after the probe has finished (so it never probes twice)."""
+    from torch._inductor import cpu_vec_isa
+
+    from sublinear.execute.compiled import toolchain
+
+    probed = cpu_vec_isa.valid_vec_isa_list  # the process's cached result: the calls below only record
+    calls: list[tuple[str, str]] = []
+    compiling = threading.Event()
+
+    def recorded() -> list:
+        name = threading.current_thread().name
+        calls.append(("begin", name))
+        if name == "sublinear-inductor-isa-probe":
+            assert compiling.wait(timeout=300), "the compile never started"
+        result = probed()
+        calls.append(("end", name))
+        return result
+
+    compile_ = CompiledGraph._compile
+
+    def compile_started(self, *args, **kwargs):
+        compiling.set()
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", recorded)
+    monkeypatch.setattr(CompiledGraph, "_compile", compile_started)
+    monkeypatch.setattr(toolchain, "_probe", None)
+    torch.manual_seed(0)
+    model = sublinear.apply(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1)).train(), INDUCTOR)
+    training_step(model, torch.randn(8, 32))
+    probe = ("begin", "sublinear-inductor-isa-probe")
+    assert calls and calls[0] == probe, calls
+    compiler_calls = [i for i, (_, name) in enumerate(calls) if name != probe[1]]
+    assert compiler_calls, "inductor never asked for the vector instruction sets"
+    assert calls.index(("end", probe[1])) < compiler_calls[0], calls

@@ -68,6 +68,7 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
         session.calls.explicit = True
         if not session.graphs:  # the first call captures and plans: its progress counts from here
             session.progress.begin()
+            session.prepare_compiler(device_of((args, kwargs)).type)
             if not session.latest and _has_budget(session.config, args, kwargs):
                 # Under a budget the call's graphs are planned together, on a data-less twin, before the first of
                 # them runs: planned one by one as they run, the first ones would not know the later ones.

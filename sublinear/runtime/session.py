@@ -22,7 +22,7 @@ from sublinear.capture.lm_head import device_type, with_lm_heads_chunked
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core.plan import Plan
 from sublinear.core.profile import ShardedParameters
-from sublinear.execute.compiled import resolve_compiler
+from sublinear.execute.compiled import resolve_compiler, start_isa_probe
 from sublinear.profiling.costs import device_rates
 from sublinear.progress import PlanningProgress
 from sublinear.runtime.calls import UNSEEN, CallTracker
@@ -82,11 +82,18 @@ class SublinearBackend:
 
     def add_graph(self, graph: CapturedGraph) -> GraphRuntime:
         """A captured graph this session runs from now on, as :func:`rewritten` for its config."""
+        self.prepare_compiler(device_type(graph))
         runtime = GraphRuntime(rewritten(graph, self.config), self, len(self.graphs))
         self.graphs.append(runtime)
         self.calls.captures += 1
         log.debug("captured graph %d: %s", runtime.index, runtime.graph.describe())
         return runtime
+
+    def prepare_compiler(self, device: str) -> None:
+        """Where inductor will compile this session's graphs on ``device``, start its one-time probe of the toolchain
+        in the background (:mod:`sublinear.execute.compiled.toolchain`)."""
+        if resolve_compiler(self.config.compiler, device)[0] == "inductor":
+            start_isa_probe(device)
 
     def forget_graphs(self) -> None:
         """Drop the captured graphs (the plans stay in the pipeline's store for the graphs captured next)."""

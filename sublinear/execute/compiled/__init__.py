@@ -5,6 +5,7 @@ from sublinear.execute.compiled.executor import (
     CompiledGraph, compile_plan, inductor_unavailable, recompute_tags, resolve_compiler,
 )
 from sublinear.execute.compiled.step_memory import CompiledStepMemory, compiled_step_memory
+from sublinear.execute.compiled.toolchain import start_isa_probe
 
 __all__ = ["CompiledGraph", "CompiledStepMemory", "compile_plan", "compiled_step_memory", "inductor_unavailable",
-           "recompute_tags", "resolve_compiler"]
+           "recompute_tags", "resolve_compiler", "start_isa_probe"]

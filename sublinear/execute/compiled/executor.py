@@ -60,6 +60,7 @@ from sublinear.profiling.compiled_reruns import SMALL_RESULTS_MADE_EARLY
 from sublinear.profiling.compiled_nodes import CONVOLUTION_OPS, InductorKinds, is_constant
 from sublinear.execute.compiled.products import product_passes
 from sublinear.execute.compiled.step_memory import CompiledStepMemory, compiled_step_memory
+from sublinear.execute.compiled.toolchain import wait_for_isa_probe
 from sublinear.profiling.kernels import kernel_memory
 
 __all__ = ["CompiledGraph", "PlanPartitioner", "compile_plan", "inductor_unavailable", "recompute_tags",
@@ -322,6 +323,7 @@ class CompiledGraph:
             return code
 
         inputs, renamed = (self.graph.sizes.symbolic_inputs(values, bound) if bound else (list(values), {}))
+        wait_for_isa_probe()
         # Backward is compiled now, under these settings, rather than at its first run after they are gone.
         # AOTAutograd's cache stays off: a hit returns code without running the partitioner or inductor here, so
         # neither whether the plan was applied nor the compiled graphs' memory would be known (inductor's own
