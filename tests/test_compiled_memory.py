@@ -274,6 +274,31 @@ class _DropoutAttention(nn.Module):
         return x
 
 
+class _ProbabilitiesDropped(nn.Module):
+    """An attention's core as one module (one op): its backward reads the dropped probabilities for the values'
+    gradient first, then makes the probabilities' gradient."""
+
+    def forward(self, q, k, v):
+        probabilities = F.dropout(torch.softmax(q @ k.transpose(-1, -2) / 4.0, -1), 0.1, self.training)
+        return probabilities @ v
+
+
+class _AttentionCores(nn.Module):
+    def __init__(self, width: int = 64, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(layers))
+        self.core = nn.ModuleList(_ProbabilitiesDropped() for _ in range(layers))
+        self.out = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        b, s, w = x.shape
+        for qkv, core, out in zip(self.qkv, self.core, self.out):
+            q, k, v = qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+            x = x + out(core(q, k, v).transpose(1, 2).reshape(b, s, w))
+        return x
+
+
 def _pointwise_chain() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128), nn.LayerNorm(128))
                            for _ in range(3)])
@@ -419,7 +444,8 @@ CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "dropout": (_dropout_chain, 
          "attention": (_Attention, (4, 128, 64)), "pointwise": (_pointwise_chain, (256, 128)),
          "geglu": (_geglu_blocks, (2, 256, 64)), "gated-mlp": (_GatedMLPs, (4, 128, 128)),
          "head": (_LanguageModelHead, (4, 64, 64)), "unchunked-head": (_LanguageModelHead, (4, 64, 64)),
-         "tied-head": (_TiedHead, (4, 64, 64)), "dropout-attention": (_DropoutAttention, (4, 128, 64))}
+         "tied-head": (_TiedHead, (4, 64, 64)), "dropout-attention": (_DropoutAttention, (4, 128, 64)),
+         "attention-cores": (_AttentionCores, (4, 256, 64))}
 
 
 def _held_output_step(m, inputs):
@@ -459,7 +485,8 @@ def test_the_compiled_step_is_predicted_before_compiling_and_measured_as_the_cpu
         _predicted_before_compiling_and_measured(case)
 
 
-def _predicted_before_compiling_and_measured(case: str, plan_for=lambda n: Plan.of(range(1, n, 3), n)) -> None:
+def _predicted_before_compiling_and_measured(case: str, plan_for=lambda n: Plan.of(range(1, n, 3), n),
+                                            tolerance: float = 0.02) -> None:
     build, shape = CASES[case]
     torch.manual_seed(0)
     model = build().train()
@@ -474,10 +501,20 @@ def _predicted_before_compiling_and_measured(case: str, plan_for=lambda n: Plan.
     measured = _compiled_step_peak(compiled, model, x)
     graph = compiled.sublinear_plan.graphs[0]
     assert abs(graph.compiled_peak_bytes - measured) <= max(0.005 * measured, 16 * 1024), (measured, graph)
-    assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
+    assert abs(before - measured) <= max(tolerance * measured, 256 * 1024 * tolerance / 0.02), (before, measured)
     assert graph.predicted_before_compile_bytes == before
     assert graph.compiled_peak_bytes <= graph.predicted_peak_bytes <= max(before, graph.compiled_peak_bytes)
     assert np.all(compiled.sublinear_profile.grad_peak >= profile.grad_peak)  # taught, never lowered
+
+
+@pytest.mark.slow
+def test_a_value_an_ops_backward_reads_last_before_its_release_is_let_go_after_that_kernel():
+    """The attention core's backward reads the dropped probabilities last in the values' gradient product, before
+    the product making the probabilities' gradient: the compiled code frees them there, and the prediction no longer
+    holds them to the op's release (2.1 % over the measured step when it did; HF BERT's two layers, the second kept,
+    2.7 %)."""
+    with torch._inductor.config.patch(fallback_random=True):
+        _predicted_before_compiling_and_measured("attention-cores", Plan.no_split, tolerance=0.002)
 
 
 @pytest.mark.slow

@@ -275,8 +275,8 @@ def test_a_berts_shared_additive_mask_is_made_again_by_the_layer_a_plan_recomput
     saved = [node.name for _, backward, _ in made for node in backward.graph.find_nodes(op="placeholder")]
     assert saved and "where" not in saved, saved  # the graph's first ``where``: the additive mask
     # saved, the mask took the step 2.4 % above the prediction (21,073,576 bytes against 20,575,316); made again,
-    # the step measures 20,025,000, 2.7 % under the prediction
-    assert measured <= before, (before, measured)
+    # with the second layer's dropped probabilities let go inside its attention's backward, as predicted
+    assert measured <= before <= 1.005 * measured, (before, measured)
 
 
 def _full_size(family: str):

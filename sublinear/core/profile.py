@@ -184,6 +184,8 @@ class GraphProfile:
     grad_start: np.ndarray = field(default_factory=_empty)
     grad_peak: np.ndarray = field(default_factory=_empty)
     grad_after_release: np.ndarray = field(default_factory=_empty)
+    grad_peak_freed: np.ndarray = field(default_factory=_empty)  # per rank: its peak's fall where forward values it
+    # reads early are let go early (a compiled step; empty: none), counted where the plan keeps all it reads
     # Per op: its first backward reader's rank and the gradient-side bytes there, where it is re-run (empty: none)
     rerun_grad_side: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
     backward_seconds: np.ndarray = field(default_factory=lambda: _empty(float))  # per rank
@@ -235,8 +237,7 @@ class GraphProfile:
 
     @property
     def held_output_bytes(self) -> int:
-        """Bytes of the storages of the outputs the caller holds to the step's end (``output_uses`` "held"): what a
-        plan's peak can fall by at most where the caller drops them before backward instead."""
+        """Bytes of the outputs the caller holds to the step's end: the most a plan's peak falls by without them."""
         held = {int(s) for s, use in zip(self.output_storages, self.output_uses) if use == "held" and s >= 0}
         return int(sum(int(self.storage_bytes[s]) for s in held))
 
@@ -281,8 +282,7 @@ class GraphProfile:
         return sum(op.flops for op in self.ops)
 
     @property
-    def step_flops(self) -> int:
-        """FLOPs of one eager training step (forward and backward)."""
+    def step_flops(self) -> int:  # one eager training step's, forward and backward
         return self.forward_flops + self.backward_flops
 
     @property

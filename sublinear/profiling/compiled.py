@@ -263,6 +263,7 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         op_inputs=[sorted((p, sorted(keys)) for p, keys in inputs.items()) for inputs in op_inputs],
         tracked=tracked, reaches_output=[True] * n_ops, node_op=list(range(n_ops)),
         grad_start=backward.start, grad_peak=backward.before, grad_after=backward.after,
+        grad_peak_freed=backward.freed_early,
         backward_seconds=backward.seconds,
         parameter_bytes=state_bytes(PARAMETER), buffer_bytes=state_bytes(BUFFER), input_bytes=state_bytes(INPUT),
         gradient_bytes=backward.gradient_bytes, backward_flops=backward.flops,

@@ -218,6 +218,7 @@ class BackwardWalk:
     # that rank, for itself or for the library call after it: the kernel allocates its buffers, the copy among them
     kernel_start: dict[int, tuple[int, bool]]
     entering: list[int]  # per backward node: the gradient-side bytes as its kernel starts
+    freed_early: list[int]  # per rank: what its peak falls by where it holds what it reads (:class:`_FreedInsideRank`)
 
 
 class GradientSide:
@@ -292,8 +293,8 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                   calls: LibraryCalls, rates: DeviceRates, fused_when_rebuilt: set[int]) -> BackwardWalk:
     """Walk backward kernel by kernel: inductor fuses the nodes between two library kernels into one kernel, which
     allocates what they make (the next library call's layout copies too) before it runs, unless it writes it into a
-    buffer it reads (:class:`_InPlace`), and frees what they read last after it. ``fused_when_rebuilt``: the forward
-    values that are no buffers where a plan re-runs them."""
+    buffer it reads (:class:`_InPlace`), and frees what they read last after it (``fused_when_rebuilt``: the forward
+    values that are no buffers where a plan re-runs them)."""
     bw, ranks = joint.backward, reads.rank_of_backward
     live = side.tangent_bytes()
     start: list[int | None] = [None] * n_ops
@@ -303,14 +304,11 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     total_flops = 0
     all_sizes = {**storages.size_of, **side.sizes}
     in_place = _InPlace(storages, side, reads, fused_when_rebuilt, calls, joint.forward)
-    ending: dict[int, list[int]] = defaultdict(list)  # backward node -> the storages backward reads last there
-    for key, k in side.last.items():
-        ending[k].append(key)
+    ending = _by_node(side.last)  # backward node -> the storages backward reads last there
 
     held_from, held_until = _held_past_saves(reads, side, storages)
-    read_last_at: dict[int, list[int]] = defaultdict(list)  # backward node -> forward values it reads last
-    for key, k in reads.last_backward_read.items():
-        read_last_at[k].append(key)
+    early = _FreedInsideRank(reads, side, storages, fused_when_rebuilt, in_place, last_release)
+    read_last_at = _by_node(reads.last_backward_read)  # backward node -> the forward values it reads last
     kernel_end: dict[int, int] = {}
 
     def readable(key: int) -> bool:
@@ -340,11 +338,13 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                 after[r] = max(after[r], inside - still_forward)
             else:
                 before[r], after[r] = max(before[r], inside - still_forward), live - still_forward
+                early.peak[r] = max(early.peak.get(r, 0), inside - still_forward - early.credit[r])
         freed = {key for k in segment for key in ending.get(k, ())}
         freed |= {key for key in made if key not in side.last}
         live -= sum(side.sizes[key] for key in freed if side.buffer(key) and key not in side.outputs
                     and key not in in_place.given)
         live += sum(held_from.get(k, 0) - held_until.get(k, 0) for k in segment)
+        early.kernel_ran(segment, read_last_at, kernel_end)
         for r in {ranks[k] for k in segment if ranks[k] < runs_at}:  # reached once the kernel has run
             before[r], after[r] = max(before[r], live), max(after[r], live)
         for k in segment:
@@ -365,7 +365,15 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                           and key in side.sizes)
     kernel_end = {key: r for key, r in kernel_end.items() if key not in in_place.forward_taken}
     return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken,
-                        kernel_end, kernel_starts(bw, reads, storages, side.kinds), entering)
+                        kernel_end, kernel_starts(bw, reads, storages, side.kinds), entering, early.falls(before))
+
+
+def _by_node(last: dict[int, int]) -> dict[int, list[int]]:
+    """``last`` (storage -> backward node) inverted: per node, the storages."""
+    found: dict[int, list[int]] = defaultdict(list)
+    for key, k in last.items():
+        found[k].append(key)
+    return found
 
 
 def _held_past_saves(reads: StorageReads, side: GradientSide, storages: StepStorages
@@ -385,6 +393,40 @@ def _held_past_saves(reads: StorageReads, side: GradientSide, storages: StepStor
             held_from[k] += storages.size_of[key]
             held_until[last] += storages.size_of[key]
     return held_from, held_until
+
+
+class _FreedInsideRank:
+    """Forward values a rank's backward reads for the last time in a kernel before the kernel of its release node
+    (an attention's backward: the dropped probabilities, read by the values' gradient product, before the scores'
+    gradient is made): the compiled code frees each once its kernel has run, the simulation at the rank's release.
+    ``credit``: per rank, the bytes so freed by the kernels run so far, which the rank's later kernels do not hold;
+    ``peak``: per rank, its peak before the release with them let go. Only values that are buffers there whatever
+    the plan (saved or rebuilt into a buffer, not fused where a plan re-runs them), written into by no kernel, read
+    by no later backward value, not returned; the simulation lowers a rank's peak so only where the plan keeps what
+    the rank's backward reads (re-run, a value is made again inside the rank's kernels)."""
+
+    def __init__(self, reads: StorageReads, side: GradientSide, storages: StepStorages, fused_when_rebuilt: set[int],
+                 in_place: _InPlace, last_release: dict[int, int]) -> None:
+        self.reads, self.side, self.storages = reads, side, storages
+        self.fused_when_rebuilt, self.in_place, self.last_release = fused_when_rebuilt, in_place, last_release
+        self.credit: dict[int, int] = defaultdict(int)
+        self.peak: dict[int, int] = {}
+
+    def falls(self, before: list[int]) -> list[int]:
+        """Per rank: its peak before its release (``before``) less its peak with the values let go early."""
+        return [peak - self.peak.get(r, peak) for r, peak in enumerate(before)]
+
+    def kernel_ran(self, segment: list[int], read_last_at: dict[int, list[int]], kernel_end: dict[int, int]) -> None:
+        ranks = self.reads.rank_of_backward
+        for k in segment:
+            release = self.last_release.get(ranks[k])
+            if release is None or release <= segment[-1]:
+                continue
+            for key in read_last_at.get(k, ()):
+                if (key in self.storages.produced_by and key not in self.fused_when_rebuilt
+                        and key not in self.in_place.forward_taken and key not in kernel_end
+                        and key not in self.reads.output_use and self.side.last.get(key, k) <= k):
+                    self.credit[ranks[k]] += self.storages.size_of[key]
 
 
 class _InPlace:

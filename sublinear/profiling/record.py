@@ -65,6 +65,7 @@ class StepRecord:
     materialized_in_forward: set[int] | None = None  # None: every storage takes memory whenever it is live
     materialized_when_rebuilt: set[int] | None = None
     taken_at: dict[int, int] = field(default_factory=dict)  # storage -> rank writing its output into it
+    grad_peak_freed: Sequence[int] = ()  # per rank: its peak's fall where the plan keeps what it reads
     rebuilt_read_at: dict[int, set[int]] = field(default_factory=dict)  # storage -> ranks reading its re-run copy
     made_from: dict[int, set[int]] = field(default_factory=dict)  # storage -> the storages computing it reads
     deadline: dict[int, int] = field(default_factory=dict)  # storage -> rank by which backward must have read it
@@ -135,6 +136,7 @@ def assemble(record: StepRecord) -> GraphProfile:
         rerun_grad_side=np.asarray(record.rerun_grad_side, dtype=np.int64).reshape(-1, 2),
         grad_peak=np.asarray(record.grad_peak, dtype=np.int64),
         grad_after_release=np.asarray(record.grad_after, dtype=np.int64),
+        grad_peak_freed=np.asarray(record.grad_peak_freed, dtype=np.int64),
         backward_seconds=np.asarray(record.backward_seconds, dtype=float),
         cost_source=record.cost_source,
         output_uses=record.output_uses,

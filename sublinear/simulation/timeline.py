@@ -185,8 +185,21 @@ def _rerun_extra(profile: GraphProfile, a: PlanAnalysis, forward_extra: np.ndarr
     return np.maximum(0, extra - unmade)
 
 
-def _slot_terms(profile: GraphProfile, at: _Layout, forward_extra: np.ndarray, rerun_extra: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _grad_peak(profile: GraphProfile, a: PlanAnalysis) -> np.ndarray:
+    """Per rank, the gradient side at its peak before it releases what it read, less what its earlier kernels let
+    go of (``grad_peak_freed``) where the plan keeps every storage its backward reads: a value the plan re-runs is
+    made inside the rank's kernels, where the compiled code holds it past its own reader."""
+    freed = profile.grad_peak_freed
+    if not len(freed) or not freed.any():
+        return profile.grad_peak
+    saved, ranks = profile.arrays.saved_pairs
+    rebuilt = np.zeros(len(freed), dtype=bool)
+    rebuilt[ranks[~a.retained[saved]]] = True
+    return profile.grad_peak - np.where(rebuilt, 0, freed)
+
+
+def _slot_terms(profile: GraphProfile, at: _Layout, forward_extra: np.ndarray, rerun_extra: np.ndarray,
+                grad_peak: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per slot: bytes beside the storages (an op's own buffers and scratch under the plan, the gradient side), what
     happens, its op and its rank (-1: none)."""
     n, end, node_op = at.n, at.end, profile.node_op
@@ -198,7 +211,7 @@ def _slot_terms(profile: GraphProfile, at: _Layout, forward_extra: np.ndarray, r
     extra[at.c_slot] = rerun_extra[at.c_ops] + profile.arrays.rerun_grad_side(at.c_ops, at.c_ranks)
     kinds[at.c_slot], ops[at.c_slot], ranks[at.c_slot] = _RECOMPUTE, at.c_ops, at.c_ranks
     every_rank = np.arange(len(node_op))
-    for slot, kind, side in ((at.backward_slot, _BACKWARD, profile.grad_peak),
+    for slot, kind, side in ((at.backward_slot, _BACKWARD, grad_peak),
                              (at.released_slot, _RELEASED, profile.grad_after_release)):
         extra[slot], kinds[slot], ops[slot], ranks[slot] = side, kind, node_op, every_rank
     extra[end], kinds[end], ops[end] = profile.gradient_bytes, _END, -1
@@ -427,7 +440,8 @@ def own_slots(profile: GraphProfile, plan: Plan, a: PlanAnalysis | None = None
 def _own(profile: GraphProfile, a: PlanAnalysis):
     at = _layout(profile, a)
     forward_extra = _forward_extra(profile, a)
-    extra, kinds, ops, ranks = _slot_terms(profile, at, forward_extra, _rerun_extra(profile, a, forward_extra))
+    extra, kinds, ops, ranks = _slot_terms(profile, at, forward_extra, _rerun_extra(profile, a, forward_extra),
+                                           _grad_peak(profile, a))
     reads = _rerun_reads(profile, a, at)
     # Which re-run ops are fused depends on their copies alone; their readers' spans then extend what they read.
     copies = _copies(profile, a, at, reads)
