@@ -564,6 +564,7 @@ def test_a_gradient_a_convolutions_backward_reads_does_not_wait_across_the_re_ru
     assert measured() >= stored + 0.8 * activation
 
 
+@pytest.mark.slow
 def test_inductors_vector_isa_probe_runs_in_the_background_from_the_first_call_and_the_compile_waits_for_it(
         monkeypatch):
     """The probe starts at the first training call, before the graph is captured and compiled, in its own thread;
