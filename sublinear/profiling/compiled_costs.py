@@ -337,8 +337,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
             if r in released:
                 after[r] = max(after[r], inside - still_forward)
             else:
-                before[r], after[r] = max(before[r], inside - still_forward), live - still_forward
-                early.peak[r] = max(early.peak.get(r, 0), inside - still_forward - early.credit[r])
+                before[r], after[r] = early.reached(r, before[r], inside - still_forward), live - still_forward
         freed = {key for k in segment for key in ending.get(k, ())}
         freed |= {key for key in made if key not in side.last}
         live -= sum(side.sizes[key] for key in freed if side.buffer(key) and key not in side.outputs
@@ -346,7 +345,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
         live += sum(held_from.get(k, 0) - held_until.get(k, 0) for k in segment)
         early.kernel_ran(segment, read_last_at, kernel_end)
         for r in {ranks[k] for k in segment if ranks[k] < runs_at}:  # reached once the kernel has run
-            before[r], after[r] = max(before[r], live), max(after[r], live)
+            before[r], after[r] = early.reached(r, before[r], live, credited=False), max(after[r], live)
         for k in segment:
             left[ranks[k]] = live
             if last_release.get(ranks[k]) == k:
@@ -365,7 +364,8 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                           and key in side.sizes)
     kernel_end = {key: r for key, r in kernel_end.items() if key not in in_place.forward_taken}
     return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken,
-                        kernel_end, kernel_starts(bw, reads, storages, side.kinds), entering, early.falls(before))
+                        kernel_end, kernel_starts(bw, reads, storages, side.kinds), entering,
+                        early.falls(before, start))
 
 
 def _by_node(last: dict[int, int]) -> dict[int, list[int]]:
@@ -412,9 +412,16 @@ class _FreedInsideRank:
         self.credit: dict[int, int] = defaultdict(int)
         self.peak: dict[int, int] = {}
 
-    def falls(self, before: list[int]) -> list[int]:
-        """Per rank: its peak before its release (``before``) less its peak with the values let go early."""
-        return [peak - self.peak.get(r, peak) for r, peak in enumerate(before)]
+    def reached(self, rank: int, before: int, held: int, credited: bool = True) -> int:
+        """``before`` (the rank's peak so far) raised to ``held``, what one of its kernels holds; the rank's peak
+        with the values let go early raised too (less what they take, ``credited``: the kernel runs after them)."""
+        self.peak[rank] = max(self.peak.get(rank, 0), held - (self.credit[rank] if credited else 0))
+        return max(before, held)
+
+    def falls(self, before: list[int], start: list[int]) -> list[int]:
+        """Per rank: its peak before its release (``before``) less its peak with the values let go early (never
+        below what it holds as it starts, ``start``)."""
+        return [peak - max(self.peak.get(r, peak), start[r]) for r, peak in enumerate(before)]
 
     def kernel_ran(self, segment: list[int], read_last_at: dict[int, list[int]], kernel_end: dict[int, int]) -> None:
         ranks = self.reads.rank_of_backward
