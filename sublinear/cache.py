@@ -26,7 +26,7 @@ from sublinear.core.plan import Plan, PlanError
 __all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 22  # 22: a forward value read last by a kernel before its rank's release is freed there
+_FORMAT = 23  # 23: a pooled gradient a channels-last convolution backward shares is copied beside it
 # 20: on meta, convolutions' layout copies are counted; 19: a value a sum reads stays for a value
 # made from that sum through another loop, and a channels-last convolution reads a reshaped value with no copy; 18: a
 # value re-run after its rank's library call takes memory from there; 17: a convolution's layout

@@ -223,6 +223,10 @@ def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_las
     scratch on a device."""
     runs = {node: run for node in nodes
             if kinds.extern(node) and (run := _library_run(node, channels_last, _laid_out(node, kinds, forward)))}
+    if channels_last:
+        for node, copies in _shared_gradient_copies(nodes, kinds, forward).items():
+            if node in runs:
+                runs[node].copies.extend(copies)
     calls = LibraryCalls({}, {}, {})
     if kernels is None:
         calls.scratch.update({node: _counted_inside(node) for node in nodes if node.target in COUNTED_INSIDE})
@@ -240,6 +244,35 @@ def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_las
             calls.copied[node] = sum(nbytes for _arg, nbytes in run.copies)
         calls.layouts.update(run.layouts)
     return calls
+
+
+def _shared_gradient_copies(nodes: Sequence[fx.Node], kinds: InductorKinds, forward: set[fx.Node]
+                            ) -> dict[fx.Node, list[tuple[fx.Node, int]]]:
+    """Per convolution's backward in a channels-last step, the copy of its output gradient the fused kernel before
+    it writes. Inductor fixes a value that several nodes read, one of them a convolution's backward, in its traced
+    layout, and the call takes the gradient channels-last. A backward that re-runs convolutions lays out
+    channels-last what flows from the values that feed them (its ``find_nodes_prefer_channels_last``), so only a
+    gradient none of those flow into (made from the outputs' gradients alone, as a pooling's) is copied whatever
+    the plan; the others are not counted."""
+    feeding: set[fx.Node] = set()
+    stack = [node for node in nodes if node.target is torch.ops.aten.convolution.default]
+    while stack:
+        node = stack.pop()
+        if node not in feeding:
+            feeding.add(node)
+            stack.extend(node.all_input_nodes)
+    fed: dict[fx.Node, bool] = {}
+    for node in nodes:
+        fed[node] = node in feeding or any(fed.get(arg, arg in feeding) for arg in node.all_input_nodes)
+    copies = {}
+    for node in nodes:
+        grad = node.args[0] if node.target is torch.ops.aten.convolution_backward.default else None
+        value = grad.meta.get("val") if isinstance(grad, fx.Node) else None
+        if not isinstance(value, torch.Tensor) or value.dim() != 4 or len(grad.users) < 2 or fed.get(grad, True) \
+                or _laid_out(node, kinds, forward)(grad) or value.is_contiguous(memory_format=torch.channels_last):
+            continue
+        copies[node] = [(grad, hint(value.untyped_storage().nbytes()))]
+    return copies
 
 
 def _laid_out(node: fx.Node, kinds: InductorKinds, forward: set[fx.Node]):
