@@ -1686,6 +1686,41 @@ def test_a_budget_is_planned_in_inductors_layout_where_a_plan_meets_it_else_in_t
     assert from_cache == [False, True]
 
 
+class _ScaledInputToo(nn.Module):
+    """A basic block that also returns its input scaled, which the caller drops: the call after the first shows it,
+    and the graph is planned again for that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _BasicBlockNet()
+
+    def forward(self, x):
+        return self.net(x), x * 2
+
+
+@pytest.mark.slow
+def test_a_plan_kept_when_the_outputs_uses_change_keeps_the_layout_its_code_was_compiled_in():
+    """Under a budget only the layouts as traced meet, the graph is compiled as traced. Planned again once the next
+    call shows an output dropped, its channels-last profile meets no plan, and its round as traced keeps that plan
+    and its code, compiled for that layout: the plan is read on the profile of the code's layout (a channels-last
+    profile has storages the code as traced does not, the convolutions' layout copies), and nothing compiles
+    again."""
+    torch.manual_seed(0)
+    x = torch.randn(*LAYOUT_CASES["basic-block"][1])
+    lowest = {layout: peaks[0] for layout, peaks in _peaks_by_layout(_ScaledInputToo, x).items()}
+    budget = (lowest[False] + lowest[True]) // 2
+    torch._dynamo.reset()
+    model = _ScaledInputToo().train()
+    run = sublinear.apply(model, dataclasses.replace(INDUCTOR, memory_budget=budget))
+    code = []
+    for _call in range(3):
+        run(x)[0].sum().backward()
+        (variant,) = model.forward.sublinear_backend.latest.values()
+        assert not variant.lesson.profiled.channels_last
+        code.append(variant.rewritten)
+    assert code[1] is code[0] and code[2] is code[0]
+
+
 def _peaks_by_layout(build, x: torch.Tensor) -> dict[bool, tuple[int, int]]:
     """The predicted peaks of the lowest plan and of the unplanned step, with convolutions channels-last (True) and
     as traced (False)."""

@@ -261,7 +261,7 @@ class _Executors:
         check walks that code under the new uses (planning again if it is above the budget)."""
         if profiled.node_names is None:
             return rewrite(graph, profile_, plan)
-        if prior is not None and prior.keeps_code(key, bound):
+        if prior is not None and prior.keeps_code(key, bound, profiled.channels_last):
             return prior.rewritten
         compiled = CompiledGraph(graph, analyse(profile_, plan), profiled.node_names, bound,
                                  channels_last=profiled.channels_last)
@@ -303,6 +303,9 @@ class _Choices:
         from_cache = plan is not None and result is None
         eager = simulate(profile_, Plan.no_split(profile_.num_ops))
         prior = self.priors.pop(code, None)
+        if prior is not None and not prior.laid_out_as(profiled.channels_last):
+            self.priors[code] = prior  # kept for the other layout's round, which a BudgetError here starts
+            prior = None
         if code in self.overrides:
             return _Choice(self.overrides[code], None, "use()", False)
         if plan is not None and _still_best(objective, plan, profile_, eager):
@@ -314,7 +317,7 @@ class _Choices:
             # What the latest call showed (its outputs' uses, the other graphs) changed the profile; the plan (as its
             # compiled code, which is kept, runs under the new profile) still meets the objective.
             at_chunks = prior.chunks.applied(profile_) if prior.chunks else profile_
-            kept = prior.running(at_chunks, key, bound)
+            kept = prior.running(at_chunks, key, bound, profiled.channels_last)
             if _still_best(objective, kept, at_chunks, eager):
                 return _Choice(kept, None, "the previous plan, which still meets the objective", False, prior=prior)
         try:
@@ -349,16 +352,23 @@ class Prior:
     chunks: HeadChunks | None = None  # the LM heads' chunks its executor runs (None: as captured)
     settling: bool = False  # it ran its lowest peak until the call's other graphs were planned for it
 
-    def keeps_code(self, key: tuple, bound: Binding) -> bool:
-        """Whether a variant at ``key`` and ``bound`` runs this variant's compiled code rather than compiling again."""
+    def keeps_code(self, key: tuple, bound: Binding, channels_last: bool) -> bool:
+        """Whether a variant at ``key`` and ``bound``, its convolutions laid out as ``channels_last`` says, runs this
+        variant's compiled code rather than compiling again: code compiled for the other layout is another program
+        (the profiles of the two layouts differ in storages, the layout copies)."""
         return isinstance(self.rewritten, CompiledGraph) and self.rewritten.compiled and \
-            (self.key, self.bound) == (key, bound)
+            (self.key, self.bound) == (key, bound) and self.laid_out_as(channels_last)
 
-    def running(self, profile_: GraphProfile, key: tuple, bound: Binding) -> Plan:
-        """The plan that describes what runs on ``profile_`` at ``key`` and ``bound``: where the compiled code is
-        kept, the plan with the ops kept whose storages that code saves (:func:`keeping`), so that the variant
-        simulates, reports and budgets the partition that runs, not one its uses would give afresh."""
-        if not self.keeps_code(key, bound):
+    def laid_out_as(self, channels_last: bool) -> bool:
+        """Whether this variant's code lays convolutions out as ``channels_last`` says (any layout: not compiled)."""
+        return not isinstance(self.rewritten, CompiledGraph) or self.rewritten.channels_last == channels_last
+
+    def running(self, profile_: GraphProfile, key: tuple, bound: Binding, channels_last: bool) -> Plan:
+        """The plan that describes what runs on ``profile_`` at ``key`` and ``bound`` (convolutions laid out as
+        ``channels_last`` says): where the compiled code is kept, the plan with the ops kept whose storages that code
+        saves (:func:`keeping`), so that the variant simulates, reports and budgets the partition that runs, not one
+        its uses would give afresh."""
+        if not self.keeps_code(key, bound, channels_last):
             return self.plan
         return keeping(profile_, self.plan, self.rewritten.analysis.retained)
 
