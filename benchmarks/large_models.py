@@ -24,4 +24,5 @@ BUILDERS = {
     "timm_vit": partial(tp.timm_vit, width=128, **_IMAGES),
     "timm_convnext": partial(tp.timm_convnext, width=32, **_IMAGES),
     "timm_resnet": partial(tp.timm_resnet, **_IMAGES), "custom": partial(tp.custom, rows=4096),
+    "convnextv2": partial(tp.convnextv2, width=32, **_IMAGES), "swin": partial(tp.swin, width=32, **_IMAGES),
 }

@@ -165,24 +165,24 @@ def vit_mae():
     return ViTMAEForPreTraining(cfg), batches, _hf_loss
 
 
-def convnextv2():
+def _labelled_images(batch: int, size: int, classes: int = 10):
+    g = _gen()
+    return [((), {"pixel_values": torch.randn(batch, 3, size, size, generator=g),
+                  "labels": torch.randint(0, classes, (batch,), generator=g)}, {}) for _ in range(STEPS)]
+
+
+def convnextv2(width: int = 16, batch: int = 4, size: int = 32):
     from transformers import ConvNextV2Config, ConvNextV2ForImageClassification
-    cfg = ConvNextV2Config(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], patch_size=4, image_size=32,
-                           drop_path_rate=0.1, num_labels=10)
-    g = _gen()
-    batches = [((), {"pixel_values": torch.randn(4, 3, 32, 32, generator=g),
-                     "labels": torch.randint(0, 10, (4,), generator=g)}, {}) for _ in range(STEPS)]
-    return ConvNextV2ForImageClassification(cfg), batches, _hf_loss
+    cfg = ConvNextV2Config(num_stages=2, hidden_sizes=[width, 2 * width], depths=[1, 1], patch_size=4,
+                           image_size=size, drop_path_rate=0.1, num_labels=10)
+    return ConvNextV2ForImageClassification(cfg), _labelled_images(batch, size), _hf_loss
 
 
-def swin():
+def swin(width: int = 16, batch: int = 4, size: int = 32):
     from transformers import SwinConfig, SwinForImageClassification
-    cfg = SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
+    cfg = SwinConfig(image_size=size, patch_size=4, embed_dim=width, depths=[2, 2], num_heads=[2, 4], window_size=4,
                      mlp_ratio=2.0, drop_path_rate=0.1, num_labels=10)
-    g = _gen()
-    batches = [((), {"pixel_values": torch.randn(4, 3, 32, 32, generator=g),
-                     "labels": torch.randint(0, 10, (4,), generator=g)}, {}) for _ in range(STEPS)]
-    return SwinForImageClassification(cfg), batches, _hf_loss
+    return SwinForImageClassification(cfg), _labelled_images(batch, size), _hf_loss
 
 
 def whisper():

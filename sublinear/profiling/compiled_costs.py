@@ -212,7 +212,8 @@ class BackwardWalk:
     # forward value -> the rank to which the fused kernel that reads it last holds it, below the rank of its last
     # reading node: the kernel allocates the buffers of all its ranks before it runs and frees its inputs after it.
     # Held to the kernel's last rank but one: what that rank re-runs, the compiled code re-runs after the kernel
-    # (right before its reader), the simulation before the rank's backward
+    # (right before its reader), the simulation before the rank's backward; to the rank of the node storing a value
+    # inlined from it where that is lower (:func:`_hold_to_storing_node`)
     kernel_end: dict[int, int]
     # forward value -> the (first rank, starts before that rank's release) of the fused kernel that re-runs it below
     # that rank, for itself or for the library call after it: the kernel allocates its buffers, the copy among them
@@ -362,6 +363,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
             carried = left[r]
     parameter_grads = sum(side.sizes[key] for key, kind in side.outputs.items() if kind == PARAMETER
                           and key in side.sizes)
+    _hold_to_storing_node(kernel_end, reads, side, segments, storages, joint.forward)
     kernel_end = {key: r for key, r in kernel_end.items() if key not in in_place.forward_taken}
     return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken,
                         kernel_end, kernel_starts(bw, reads, storages, side.kinds), entering,
@@ -374,6 +376,28 @@ def _by_node(last: dict[int, int]) -> dict[int, list[int]]:
     for key, k in last.items():
         found[k].append(key)
     return found
+
+
+def _hold_to_storing_node(kernel_end: dict[int, int], reads: StorageReads, side: GradientSide,
+                          segments: list[list[int]], storages: StepStorages, fw: list[fx.Node]) -> None:
+    """Forward values read by a backward value without a buffer that a node of the same kernel stores (a GRN's
+    input gradient, inlined into the GELU's backward after it), where that kernel's nodes at the storing node's rank
+    read a library call's result (the GELU's input, a pointwise convolution's output): ``kernel_end`` gains that
+    rank where it is lower. A plan that re-runs that call runs it right before the kernel, so the compiled code holds
+    them through the re-run; the gradient side cannot, the kernel being one. A re-run the kernel does not read runs
+    after it (right before its reader), and they are let go before it."""
+    ranks, bw = reads.rank_of_backward, side.bw
+    segment_of = {k: at for at, segment in enumerate(segments) for k in segment}
+
+    def reads_library_result(at: int, rank: int) -> bool:
+        return any(side.kinds.extern(fw[storages.produced_by[key]]) for k in segments[at] if ranks[k] == rank
+                   for arg in data_inputs(bw[k]) for key in storages.keys_of(arg) if key in storages.produced_by)
+
+    for key, k in reads.last_backward_read.items():
+        last = side.last.get(key, k)
+        if last > k and segment_of[last] == segment_of[k] and ranks[last] < kernel_end.get(key, ranks[k]) \
+                and key not in reads.output_use and reads_library_result(segment_of[last], ranks[last]):
+            kernel_end[key] = ranks[last]
 
 
 def _held_past_saves(reads: StorageReads, side: GradientSide, storages: StepStorages
