@@ -393,11 +393,19 @@ def _hold_to_storing_node(kernel_end: dict[int, int], reads: StorageReads, side:
         return any(side.kinds.extern(fw[storages.produced_by[key]]) for k in segments[at] if ranks[k] == rank
                    for arg in data_inputs(bw[k]) for key in storages.keys_of(arg) if key in storages.produced_by)
 
+    for key, k, last in _read_past_direct_reads(reads, side):
+        if segment_of[last] == segment_of[k] and ranks[last] < kernel_end.get(key, ranks[k]) \
+                and reads_library_result(segment_of[last], ranks[last]):
+            kernel_end[key] = ranks[last]
+
+
+def _read_past_direct_reads(reads: StorageReads, side: GradientSide):
+    """(forward value, its last directly reading backward node, the last node reading a backward value without a
+    buffer made from it) for each value, not returned, read so past its last direct read."""
     for key, k in reads.last_backward_read.items():
         last = side.last.get(key, k)
-        if last > k and segment_of[last] == segment_of[k] and ranks[last] < kernel_end.get(key, ranks[k]) \
-                and key not in reads.output_use and reads_library_result(segment_of[last], ranks[last]):
-            kernel_end[key] = ranks[last]
+        if last > k and key not in reads.output_use:
+            yield key, k, last
 
 
 def _held_past_saves(reads: StorageReads, side: GradientSide, storages: StepStorages
@@ -411,9 +419,8 @@ def _held_past_saves(reads: StorageReads, side: GradientSide, storages: StepStor
     ranks = reads.rank_of_backward
     held_from: dict[int, int] = defaultdict(int)
     held_until: dict[int, int] = defaultdict(int)
-    for key, k in reads.last_backward_read.items():
-        last = side.last.get(key, k)
-        if last > k and ranks[last] < ranks[k] and key not in reads.output_use:
+    for key, k, last in _read_past_direct_reads(reads, side):
+        if ranks[last] < ranks[k]:
             held_from[k] += storages.size_of[key]
             held_until[last] += storages.size_of[key]
     return held_from, held_until
