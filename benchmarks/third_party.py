@@ -98,6 +98,13 @@ def _image_batches(batch: int = 4, size: int = 32, classes: int = 10):
              {"target": torch.randint(0, classes, (batch,), generator=g)}) for _ in range(STEPS)]
 
 
+def _labelled_image_batches(batch: int = 4, size: int = 32, classes: int = 10):
+    """As :func:`_image_batches`, drawn alike, passed as a Hugging Face model's ``pixel_values`` and ``labels``."""
+    g = _gen()
+    return [((), {"pixel_values": torch.randn(batch, 3, size, size, generator=g),
+                  "labels": torch.randint(0, classes, (batch,), generator=g)}, {}) for _ in range(STEPS)]
+
+
 def _cross_entropy(out, extra):
     return F.cross_entropy(out, extra["target"])
 
@@ -149,10 +156,7 @@ def vit():
     from transformers import ViTConfig, ViTForImageClassification
     cfg = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
                     patch_size=8, num_labels=10, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
-    g = _gen()
-    batches = [((), {"pixel_values": torch.randn(4, 3, 32, 32, generator=g),
-                     "labels": torch.randint(0, 10, (4,), generator=g)}, {}) for _ in range(STEPS)]
-    return ViTForImageClassification(cfg), batches, _hf_loss
+    return ViTForImageClassification(cfg), _labelled_image_batches(), _hf_loss
 
 
 def vit_mae():
@@ -165,24 +169,18 @@ def vit_mae():
     return ViTMAEForPreTraining(cfg), batches, _hf_loss
 
 
-def _labelled_images(batch: int, size: int, classes: int = 10):
-    g = _gen()
-    return [((), {"pixel_values": torch.randn(batch, 3, size, size, generator=g),
-                  "labels": torch.randint(0, classes, (batch,), generator=g)}, {}) for _ in range(STEPS)]
-
-
 def convnextv2(width: int = 16, batch: int = 4, size: int = 32):
     from transformers import ConvNextV2Config, ConvNextV2ForImageClassification
     cfg = ConvNextV2Config(num_stages=2, hidden_sizes=[width, 2 * width], depths=[1, 1], patch_size=4,
                            image_size=size, drop_path_rate=0.1, num_labels=10)
-    return ConvNextV2ForImageClassification(cfg), _labelled_images(batch, size), _hf_loss
+    return ConvNextV2ForImageClassification(cfg), _labelled_image_batches(batch, size), _hf_loss
 
 
 def swin(width: int = 16, batch: int = 4, size: int = 32):
     from transformers import SwinConfig, SwinForImageClassification
     cfg = SwinConfig(image_size=size, patch_size=4, embed_dim=width, depths=[2, 2], num_heads=[2, 4], window_size=4,
                      mlp_ratio=2.0, drop_path_rate=0.1, num_labels=10)
-    return SwinForImageClassification(cfg), _labelled_images(batch, size), _hf_loss
+    return SwinForImageClassification(cfg), _labelled_image_batches(batch, size), _hf_loss
 
 
 def whisper():
