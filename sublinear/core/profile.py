@@ -120,11 +120,15 @@ class StepContext:
     later_beyond_held: the highest step peak of the later graphs, less what this graph holds after its forward
         (they run beside it, so this graph's plan raises their peak by exactly what it holds); None when no graph
         runs after this one.
+    floor_bytes: what the call holds at some point whatever any graph's plan: its parameters, buffers and inputs
+        with the gradients of its parameters when the step ends, and the eager code's backward beside what the code
+        before it holds: no plan of any graph takes the step below it.
     """
 
     beside_forward: int = 0
     beside_backward: int = 0
     later_beyond_held: int | None = None
+    floor_bytes: int = 0
 
     def __str__(self) -> str:
         later = "" if self.later_beyond_held is None else \

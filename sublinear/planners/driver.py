@@ -70,6 +70,9 @@ def step_floor(profile: GraphProfile) -> StepFloor:
             bounds[1] += (("other graphs of the call", context.beside_forward),)
         if context.later_beyond_held is not None:
             bounds.append((("later graphs of the call, at their peak", context.later_beyond_held),))
+        if context.floor_bytes:
+            bounds.append((("the call's parameters, inputs and gradients, or its eager code's backward",
+                            context.floor_bytes),))
     return max((StepFloor(parts) for parts in bounds), key=lambda floor: floor.total)
 
 

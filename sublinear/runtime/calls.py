@@ -4,12 +4,17 @@ each one (:class:`~sublinear.core.profile.StepContext`), and what the call did w
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from sublinear.core.objective import Candidate
 from sublinear.core.profile import StepContext
+from sublinear.planners import BudgetError
+from sublinear.planners.driver import step_floor
+from sublinear.runtime.eager_code import EagerCode, eager_code_between
 from sublinear.runtime.step import (
-    GraphRun, contexts_by_graph, output_uses, uses_after_backward, planned_knowing_later, step_contexts, widest_context,
+    GraphRun, contexts_by_graph, losses_in, output_uses, planned_knowing_later, step_contexts, uses_after_backward,
+    widest_context,
 )
 from sublinear.runtime.variant import GraphVariant
 from sublinear.training import combined_use
@@ -24,6 +29,25 @@ log = logging.getLogger("sublinear")
 UNSEEN = object()  # finish() without the call's result (a bare torch.compile backend never sees it)
 
 
+class _OverBudget:
+    """Counts the calls in a row predicted, as they ran, above the budget at some graph (or that ran one at its
+    lowest peak, having found no plan within the budget when it ran); BudgetError once a call planned settled
+    (:data:`SETTLING_CALLS` such calls before it) still is: its graphs, each planned for the others as the calls
+    before showed them, have no room left."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def after_call(self, variants: Iterable[GraphVariant]) -> None:
+        over = [v for v in variants if v.budget is not None and (v.settling or v.peak_bytes > v.budget)]
+        self.calls = self.calls + 1 if over else 0
+        if self.calls > SETTLING_CALLS:
+            self.calls = 0
+            worst = max([v for v in over if v.settling] or over, key=lambda v: v.peak_bytes)  # at its lowest
+            raise BudgetError(worst.objective, Candidate(worst.plan, worst.simulation), None,
+                              floor=step_floor(worst.profile))
+
+
 class CallTracker:
     """The graph runs of the current training call and of the last finished one. ``latest``: per graph (by code),
     the variant the last finished call ran, in the order it ran; ``uses``: per graph, what calls do with each output.
@@ -32,19 +56,24 @@ class CallTracker:
     def __init__(self) -> None:
         self.current: list[GraphRun] = []
         self.previous: list[GraphRun] = []
+        self.eager_code: list[EagerCode] = []  # the previous call's code between its runs (empty: unknown)
+        self.arguments: set[int] | None = None  # the storages the current call's caller passed (None: unknown)
+        self.previous_arguments: set[int] | None = None
         self.latest: dict[str, GraphVariant] = {}
         self.uses: dict[str, tuple[str, ...]] = {}
         self.unlearned: list[tuple[GraphRun, tuple[str, ...]]] = []  # the last call's runs, awaiting backward
         self.from_calls: dict[str, tuple[str, ...]] = {}  # per graph, the uses calls showed (not planning ahead)
         self.ahead = False  # the calls being finished are planning ahead on a data-less twin
+        self.over_budget = _OverBudget()
         # Graphs the session captured. TorchDynamo's trackers of a frame it compiles reach the values the frame
         # saw through reference cycles until a garbage collection: what a call held of the outputs of runs before
         # a capture is unknown, and is learned from a later call.
         self.captures = 0
         self.explicit = False
 
-    def begin(self) -> None:
+    def begin(self, arguments: set[int] | None = None) -> None:
         self.current = []
+        self.arguments = arguments
         self._learn_after_backward()
 
     def record(self, run: GraphRun) -> None:
@@ -73,11 +102,13 @@ class CallTracker:
             run.followed_by_capture = self.captures > run.captures_before
             if run.returned is not None and not run.followed_by_capture and not self.ahead:
                 run.held_through_call = run.returned.alive()  # a data-less twin's call is not the caller's
-        self.previous = runs
+        self.previous, self.previous_arguments = runs, self.arguments
+        self.eager_code = _eager_code(runs, returned) if not self.ahead else []
         stale = self._learn_output_uses(runs, returned)
-        contexts = contexts_by_graph(runs, eager=False)
+        contexts = contexts_by_graph(runs, eager=False, eager_code=self.eager_code, arguments=self.arguments)
         eager_contexts: dict[str, StepContext] | None = None  # made when a context changed: eager's, for the report
         self.latest = {}
+        captured = any(run.followed_by_capture for run in runs)
         for run in runs:
             code, variant = run.runtime.graph.code, run.variant
             if code in self.latest:
@@ -92,7 +123,8 @@ class CallTracker:
             if run.runtime in stale or (context == variant.profile.step_context and not variant.settling):
                 continue
             if eager_contexts is None:
-                eager_contexts = contexts_by_graph(runs, eager=True)
+                eager_contexts = contexts_by_graph(runs, eager=True, eager_code=self.eager_code,
+                                                   arguments=self.arguments)
             eager_context = eager_contexts.get(code)
             if variant.bound and context is not None and eager_context is not None:
                 # eager beside the call's other graphs unplanned, in a context at least as wide as the plan's
@@ -102,6 +134,8 @@ class CallTracker:
             if variant.settling or not variant.accepted or unknown_later:
                 run.runtime.forget(variant)
                 stale.append(run.runtime)
+        if not self.ahead and not captured:  # a call that captured graphs planned them one by one, uninformed
+            self.over_budget.after_call(self.latest.values())
         if stale:
             log.info("sublinear: planning %d graph(s) again for the step as this call ran it (%s)", len(stale),
                      "; ".join(str(self.latest[r.graph.code].profile.step_context) for r in stale))
@@ -158,18 +192,24 @@ class CallTracker:
         return stale
 
 
+SETTLING_CALLS = 2  # calls in a row that may run above the budget while the graphs are planned for each other
+
+
 def upcoming_context(calls: CallTracker, runtime: GraphRuntime,
                      values: Sequence[Any]) -> tuple[StepContext | None, bool]:
     """The context of ``runtime``'s graph about to run next in the current call: this call's earlier graphs as
     they ran, the later ones as the previous call ran them (None when it runs alone); and whether the call is
     settled: every other graph of it runs its final plan (each earlier one planned knowing the graphs after it,
-    each later one too, and none of them taking its lowest peak for now). A graph planned in an unsettled call
+    each later one too, and none of them taking its lowest peak for now), or :data:`SETTLING_CALLS` calls in a row
+    ran above the budget (graphs that take turns waiting on each other, or whose contexts change from call to
+    call, as an MoE's routing changes them, settle no other way). A graph planned in an unsettled call
     may yet fit once the others are planned for it: what the earlier ones hold and the later ones' peaks are
     their plans'."""
     position, earlier, previous = len(calls.current), calls.current, calls.previous
     same_place = len(previous) > position and previous[position].runtime.graph.code == runtime.graph.code
     later = previous[position + 1:] if same_place else []
-    settled = all(_final(r, last=r is later[-1] if later else False) for r in [*earlier, *later])
+    settled = calls.over_budget.calls >= SETTLING_CALLS or \
+        all(_final(r, last=r is later[-1] if later else False) for r in [*earlier, *later])
     if not earlier and not later:
         return None, settled
     upcoming = GraphRun.of(runtime, None, values)
@@ -178,7 +218,18 @@ def upcoming_context(calls: CallTracker, runtime: GraphRuntime,
         upcoming.outputs, upcoming.returned, upcoming.held_through_call = \
             made.outputs, made.returned, made.held_through_call
     runs = [*earlier, upcoming, *later]
-    return step_contexts(runs, first=position)[position], settled
+    eager_code = calls.eager_code if len(runs) == len(previous) else ()  # as the previous call ran it
+    arguments = None if calls.arguments is None or calls.previous_arguments is None and later else \
+        calls.arguments | (calls.previous_arguments or set())  # the later runs read the previous call's
+    return step_contexts(runs, first=position, eager_code=eager_code, arguments=arguments)[position], settled
+
+
+def _eager_code(runs: Sequence[GraphRun], returned: Any) -> list[EagerCode]:
+    """The code the call ran eagerly between its graph runs, where the autograd graph of what it returned shows
+    it (empty where the call ran one graph, or its result or its runs' node numbers are unknown)."""
+    if len(runs) < 2 or returned is UNSEEN or any(r.nodes is None for r in runs):
+        return []
+    return eager_code_between([r.nodes for r in runs], losses_in(returned))
 
 
 def _final(run: GraphRun, last: bool) -> bool:

@@ -18,6 +18,7 @@ from sublinear.core.units import format_bytes
 from sublinear.execute.compiled import resolve_compiler
 from sublinear.planners import BudgetError
 from sublinear.runtime.pipeline import Prior
+from sublinear.runtime.eager_code import next_node
 from sublinear.runtime.step import GraphRun
 from sublinear.runtime.variant import GraphVariant
 from sublinear.tensors import autocast_state, device_of
@@ -171,7 +172,9 @@ class GraphRuntime:
         if not session.calls.explicit:  # no call end is seen: planning ends with the graph's
             session.progress.end(lambda: str(variant.summary))
         run = GraphRun.of(self, variant, values)
+        first_node = next_node()
         out, held = attach_returned_logits(self.graph.returned_logits, variant.rewritten(*values), values)
+        run.nodes = (first_node, next_node())
         run.record(GraphOutputs.of(held, watch_backward=True))
         session.calls.record(run)
         return out

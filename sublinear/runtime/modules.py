@@ -77,7 +77,7 @@ def compile_module(module: nn.Module | Callable[..., Any], session: SublinearBac
                 except CaptureError as exc:
                     log.warning("sublinear: %s could not be planned ahead on a data-less copy (%s); its graphs are "
                                 "planned one by one as they run, so the first call may exceed the budget", name, exc)
-        session.begin_call()
+        session.begin_call((args, kwargs))
         try:
             with receiving(session):
                 try:

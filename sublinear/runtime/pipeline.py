@@ -323,7 +323,9 @@ class _Choices:
         try:
             result = make_plan(profile_, self.config, memory_budget=objective.memory_budget)
         except BudgetError as exc:
-            if profiled.fallback is not None or \
+            context = profile_.step_context
+            below_floor = context is not None and exc.budget < context.floor_bytes  # no plan of any graph helps
+            if profiled.fallback is not None or below_floor or \
                     (settled and not may_fit_without_guessed_outputs(runtime, exc.smallest, profile_, exc.budget)):
                 raise
             until = ("a call shows whether the caller keeps the outputs it is guessed to hold" if settled else

@@ -28,6 +28,7 @@ from sublinear.progress import PlanningProgress
 from sublinear.runtime.calls import UNSEEN, CallTracker
 from sublinear.runtime.graph import GraphRuntime
 from sublinear.runtime.pipeline import PlanPipeline
+from sublinear.runtime.step import argument_storages
 from sublinear.runtime.plans import ParetoPoint, SublinearPlan
 from sublinear.runtime.variant import GraphVariant
 
@@ -136,9 +137,10 @@ class SublinearBackend:
         graphs = tuple(dataclasses.replace(v.summary, graph=k) for k, v in enumerate(variants.values()))
         return SublinearPlan(graphs, tuple(self.breaks), runs)
 
-    def begin_call(self) -> None:
-        """A new training call starts: :attr:`sublinear_plan` will describe the graphs it runs."""
-        self.calls.begin()
+    def begin_call(self, arguments: Any = None) -> None:
+        """A new training call starts, passed ``arguments`` (None: unknown): :attr:`sublinear_plan` will describe
+        the graphs it runs."""
+        self.calls.begin(None if arguments is None else argument_storages(arguments))
 
     def finish_call(self, returned: Any = UNSEEN) -> list[GraphRuntime]:
         """The call ended, returning ``returned``: :attr:`sublinear_plan` describes it; returns the graphs to plan
