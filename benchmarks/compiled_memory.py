@@ -171,16 +171,17 @@ def _point(name: str, budget: int | None) -> dict:
 
 def _lowest(name: str) -> int:
     """The lowest peak the search reaches: what a budget of one byte is refused with. Where graph breaks split the
-    step, that refusal comes at the first graph, before the later ones are captured, and names the first graph's
-    lowest peak alone: the step's is then what a budget at that figure is refused with once the call's graphs are
-    planned for each other (the figure itself where that budget is met)."""
+    step, a refusal before the first call ends (``later_graphs_unknown``) names a graph's lowest peak beside the
+    graphs before it alone: the step's is then what a budget at that figure is refused with once the call's graphs
+    are planned for each other (the figure itself where that budget is met), raised again while refusals still
+    come before the later graphs are known."""
     import sublinear
 
     model, args, kwargs, _ = _build(name)
     split = torch._dynamo.explain(model)(*args, **kwargs).graph_count > 1
     torch._dynamo.reset()
     budget = 1
-    for _attempt in range(4):
+    for _attempt in range(8):
         model, args, kwargs, step = _build(name)
         run = sublinear.apply(model, sublinear.SublinearMemoryConfig(compiler="inductor", cache_dir="",
                                                                      memory_budget=budget))
@@ -188,9 +189,9 @@ def _lowest(name: str) -> int:
             for _call in range(3):
                 step(run, *args, **kwargs)
         except sublinear.BudgetError as exc:
-            if not (split and exc.later_graphs_unknown) or budget > 1:
+            if not (split and exc.later_graphs_unknown):
                 return int(exc.smallest)
-            budget = int(exc.smallest)
+            budget = max(budget + 1, int(exc.smallest))
             continue
         finally:
             torch._dynamo.reset()
