@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,16 +83,17 @@ def eager_code_between(spans: Sequence[tuple[int, int]], losses: Sequence[torch.
     for node in nodes:
         if gap_of[id(node)] is not None:
             members[gap_of[id(node)]].append(node)
+    saved_of = {id(node): _storages(saved_by(node)) for gap in members for node in gap}  # each read once
     saved_first: set[int] = set()
-    saved = [_saved_storages(gap, saved_first, saved_by) for gap in members]
+    saved = [_saved_storages(gap, saved_first, saved_of) for gap in members]
     incoming = _slots_fed_from_outside(nodes, gap_of)
-    all_parameters = {s for gap in members for s in _parameters(gap)}
+    parameters = [_parameters(gap) for gap in members]
+    all_parameters = {s for found in parameters for s in found}
     made: set[int] = set()  # parameters given a gradient by the code after (backward runs the latest code first)
     code = [EagerCode() for _ in members]
     for gap in reversed(range(len(members))):
-        steps = _backward_steps(members[gap], gap, gap_of, incoming, made, saved_by)
-        code[gap] = EagerCode({s: b for s, b in saved[gap].items() if s not in all_parameters},
-                              _parameters(members[gap]),
+        steps = _backward_steps(members[gap], gap, gap_of, incoming, made, saved_of)
+        code[gap] = EagerCode({s: b for s, b in saved[gap].items() if s not in all_parameters}, parameters[gap],
                               sum(b for (node, _), b in incoming.items() if gap_of.get(node) == gap), steps)
     return code
 
@@ -125,16 +126,20 @@ def _parameters(gap: Sequence[Any]) -> dict[int, int]:
     return found
 
 
-def _saved_storages(gap: Sequence[Any], counted: set[int],
-                    saved_by: Callable[[Any], list[torch.Tensor]]) -> dict[int, int]:
-    """The storages the nodes of ``gap`` saved that no earlier gap did (``counted``, which this extends)."""
+def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
+    """Storage key -> bytes of ``tensors``."""
+    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+
+
+def _saved_storages(gap: Sequence[Any], counted: set[int], saved_of: dict[int, dict[int, int]]) -> dict[int, int]:
+    """The storages the nodes of ``gap`` saved (``saved_of``: per node id) that no earlier gap did (``counted``,
+    which this extends)."""
     found = {}
     for node in gap:
-        for tensor in saved_by(node):
-            storage = tensor.untyped_storage()
-            if storage._cdata not in counted:
-                counted.add(storage._cdata)
-                found[storage._cdata] = storage.nbytes()
+        for key, nbytes in saved_of[id(node)].items():
+            if key not in counted:
+                counted.add(key)
+                found[key] = nbytes
     return found
 
 
@@ -158,14 +163,17 @@ def _slots_fed_from_outside(nodes: Sequence[Any], gap_of: dict[int, int | None])
 
 def _backward_steps(gap: Sequence[Any], index: int, gap_of: dict[int, int | None],
                     incoming: dict[tuple[int, int], int], made: set[int],
-                    saved_by: Callable[[Any], list[torch.Tensor]]) -> tuple[BackwardStep, ...]:
+                    saved_of: dict[int, dict[int, int]]) -> tuple[BackwardStep, ...]:
     """``gap``'s nodes as backward runs them, latest made first; ``made`` (the parameters given a gradient so far)
     is extended."""
     filled = {slot: b for slot, b in incoming.items() if gap_of.get(slot[0]) == index}
     last_reader: dict[int, int] = {}
     for node in gap:  # in the order made: the earliest-made reader runs last
-        for tensor in saved_by(node):
-            last_reader.setdefault(tensor.untyped_storage()._cdata, id(node))
+        for key in saved_of[id(node)]:
+            last_reader.setdefault(key, id(node))
+    released: dict[int, list[int]] = {}  # node id -> the storages it reads last
+    for key, reader in last_reader.items():
+        released.setdefault(reader, []).append(key)
     steps = []
     for node in reversed(gap):
         allocates = keeps = 0
@@ -184,8 +192,7 @@ def _backward_steps(gap: Sequence[Any], index: int, gap_of: dict[int, int | None
                 filled[(id(next_), slot)] = nbytes
                 keeps += nbytes
         frees = sum(filled.pop((id(node), slot), 0) for slot in range(_slots(node)))
-        releases = tuple(s for s, reader in last_reader.items() if reader == id(node))
-        steps.append(BackwardStep(allocates, keeps, frees, releases))
+        steps.append(BackwardStep(allocates, keeps, frees, tuple(released.get(id(node), ()))))
     return tuple(steps)
 
 
