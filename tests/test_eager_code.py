@@ -40,9 +40,35 @@ def test_the_code_between_two_runs_is_read_from_the_autograd_graph_node_by_node(
     assert between.backward_peak(set()) == max(N * K + 3 * N * M, 2 * N * K + N * M + K * M) * FLOAT
     assert between.backward_peak({h.untyped_storage()._cdata}) == \
         max(3 * N * M, N * K + N * M + K * M) * FLOAT  # h counted elsewhere: live anyway, not its to free
-    with torch.autograd.graph.save_on_cpu():  # reading what a hook packed would unpack it: left out
-        hooked = eager_code_between(spans, [loss])[1]
-    assert hooked.saved == {} and hooked.parameters == between.parameters
+    assert eager_code_between(spans, [loss])[1] == between  # read again: nothing was unpacked
+
+
+def test_what_eager_code_saved_under_saved_tensor_hooks_is_left_out_and_never_unpacked():
+    x = torch.randn(N, K)
+    weight = torch.randn(K, M, requires_grad=True)
+    runs = {"n": 0}
+
+    def region(h):
+        runs["n"] += 1
+        return torch.tanh(h @ weight)
+
+    with torch.autograd.graph.save_on_cpu():  # packed by a hook: the hook holds a copy, not the tensor
+        offloaded = torch.tanh(x @ weight)
+    checkpointed = torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False)
+    plain = torch.tanh(x @ weight)
+    start = next_node()
+    loss = offloaded.sum() + checkpointed.sum()
+    spans = [(start, next_node())]
+    hooked = eager_code_between(spans, [loss])[0]
+    assert hooked.saved == {} and hooked.parameters == {weight.untyped_storage()._cdata: K * M * FLOAT}
+    # unpacking a non-reentrant checkpoint's saved tensor outside backward re-runs its region each time
+    assert runs["n"] == 1
+    loss.backward()
+    assert runs["n"] == 2
+    start = next_node()
+    loss = plain.sum()
+    assert sorted(eager_code_between([(start, next_node())], [loss])[0].saved.values()) == [N * K * FLOAT,
+                                                                                             N * M * FLOAT]
 
 
 @torch._dynamo.disable  # code TorchDynamo runs eagerly between two graphs, as at a graph break
@@ -104,3 +130,50 @@ def test_a_budget_below_what_the_eager_code_needs_is_refused_and_one_above_it_is
     model, run, x = _trained(dataclasses.replace(PLAIN, memory_budget=budget))
     assert model.sublinear_plan.predicted_peak_bytes <= budget
     assert sublinear.measure_cpu_allocator(_step, run, x).peak_bytes <= budget
+
+
+_REGION_RUNS = [0]
+
+
+@torch._dynamo.disable
+def _checkpointed(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def region(h):
+        _REGION_RUNS[0] += 1
+        return block(h)
+    return torch.utils.checkpoint.checkpoint(region, h, use_reentrant=False)
+
+
+class _CheckpointBetween(nn.Module):
+    """Two graphs around eager code that checkpoints a block with BatchNorm (Hugging Face's gradient checkpointing,
+    where a graph break falls inside the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+        self.block = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16), nn.BatchNorm1d(16))
+        self.last = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+
+    def forward(self, x):
+        return self.last(_checkpointed(self.block, self.first(x))).square().mean()
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_checkpointed_region_between_graphs_runs_as_often_as_in_eager_and_its_batchnorm_counts_alike(compiler):
+    torch.manual_seed(0)
+    model, reference = _CheckpointBetween(), _CheckpointBetween()
+    reference.load_state_dict(model.state_dict())
+    run = sublinear.apply(model, dataclasses.replace(PLAIN, compiler=compiler))
+    x = torch.randn(32, 16)
+    for _ in range(3):
+        runs = []
+        for net, owner in ((run, model), (reference, reference)):
+            _REGION_RUNS[0] = 0
+            owner.zero_grad(set_to_none=True)
+            _step(net, x)
+            runs.append(_REGION_RUNS[0])
+        assert runs == [2, 2]  # its forward, and its re-run in backward
+    assert len(model.sublinear_plan.graphs) == 2
+    statistics = (model.block[3].running_mean, reference.block[3].running_mean)
+    assert torch.allclose(*statistics, atol=1e-6), statistics
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(ours.grad, theirs.grad, atol=1e-6)

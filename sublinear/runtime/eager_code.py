@@ -71,9 +71,6 @@ def eager_code_between(spans: Sequence[tuple[int, int]], losses: Sequence[torch.
     makes it first."""
     starts = [start for start, _ in spans]
     nodes = sorted(_nodes_from(losses), key=lambda n: n._sequence_nr())
-    # Reading a saved tensor unpacks it: under saved-tensor hooks (save_on_cpu) that would bring an offloaded tensor
-    # back, and what the hook holds is not the tensor: what such code saves is left out.
-    saved_by = _saved_tensors if torch._C._autograd._top_saved_tensors_default_hooks(False) is None else _nothing
     gap_of: dict[int, int | None] = {}
     for node in nodes:
         number = node._sequence_nr()
@@ -83,7 +80,7 @@ def eager_code_between(spans: Sequence[tuple[int, int]], losses: Sequence[torch.
     for node in nodes:
         if gap_of[id(node)] is not None:
             members[gap_of[id(node)]].append(node)
-    saved_of = {id(node): _storages(saved_by(node)) for gap in members for node in gap}  # each read once
+    saved_of = {id(node): _storages(_saved_tensors(node)) for gap in members for node in gap}  # each read once
     saved_first: set[int] = set()
     saved = [_saved_storages(gap, saved_first, saved_of) for gap in members]
     incoming = _slots_fed_from_outside(nodes, gap_of)
@@ -215,23 +212,25 @@ def _slot_bytes(node: Any, slot: int) -> int:
 
 
 def _saved_tensors(node: Any) -> list[torch.Tensor]:
-    """The tensors ``node`` saved for backward (a built-in node's ``_saved_*`` fields; an autograd.Function's
-    ``saved_tensors``); none where backward already freed them."""
+    """The tensors ``node`` saved for backward and holds itself (a built-in node's saved fields, an autograd.Function's
+    saved tensors), read without unpacking them; none where backward already freed them. A tensor saved under
+    saved-tensor hooks is left out: unpacking runs the hook (a non-reentrant checkpoint re-runs its region, BatchNorm
+    statistics and all; ``save_on_cpu`` copies the tensor back), and what the hook holds is not the tensor."""
     values = []
     for name in _saved_fields(type(node)):
         try:
             value = getattr(node, name)
         except RuntimeError:  # freed by a backward that ran
             continue
-        values.extend(value if isinstance(value, (list, tuple)) else [value])
+        for saved in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(saved, torch._C._autograd.SavedTensor):
+                saved = saved.data if saved.unpack_hook is None else None
+            values.append(saved)
     return [t for t in values if isinstance(t, torch.Tensor)]
-
-
-def _nothing(_node: Any) -> list[torch.Tensor]:
-    return []
 
 
 @functools.cache
 def _saved_fields(node_type: type) -> tuple[str, ...]:
-    names = tuple(n for n in dir(node_type) if n.startswith("_saved_"))
-    return names if names or not hasattr(node_type, "saved_tensors") else ("saved_tensors",)
+    """The fields of a node type that hold the tensors it saved, in their raw form (``_raw_saved_*``), which is read
+    without unpacking them."""
+    return tuple(n for n in dir(node_type) if n.startswith("_raw_saved_"))
