@@ -26,9 +26,11 @@ from sublinear.core.plan import Plan, PlanError
 __all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 25  # 25: a split step's context counts the eager code between its graphs; 24: what a gradient inlined after a
-# re-run reads is held through the re-run; 23: a pooled gradient a channels-last convolution backward shares is copied
-# beside it; 22: a forward value read last by a kernel before its rank's release is freed there; 20: on meta,
+_FORMAT = 26  # 26: a gradient a channels-last convolution's backward reads is stored channels-last (the compiled
+# code, and so the lessons taught by it, changed); 25: a split step's context counts the eager code between its graphs;
+# 24: what a gradient inlined after a re-run reads is held through the re-run; 23: a pooled gradient a channels-last
+# convolution backward shares is copied beside it; 22: a forward value read last by a kernel before its rank's
+# release is freed there; 20: on meta,
 # convolutions' layout copies are counted; 19: a value a sum reads stays for a value made from that sum through another
 # loop, and a channels-last convolution reads a reshaped value with no copy; 18: a value re-run after its rank's library
 # call takes memory from there; 17: a convolution's layout copies are made by the kernel before it; 16: a value is

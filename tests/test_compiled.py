@@ -504,6 +504,29 @@ def test_a_value_only_library_calls_read_is_stored_where_computed_when_a_library
     assert not any(n.meta.get("inductor_realize_to_strides") for n in backward.graph.nodes)
 
 
+def test_a_gradient_a_convolutions_backward_reads_beside_a_channels_last_input_is_stored_channels_last():
+    """Stored at its traced strides (contiguous), the value would be copied into the convolution's layout where the
+    call is lowered, and both held from the kernel that makes them: a channels-last copy of it is stored instead,
+    which the convolution's backward reads. Beside a contiguous input the value itself is stored."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w, grad = torch.randn(4, 4, 3, 3), torch.randn(2, 4, 8, 8)
+    for x, copied in ((torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last), True),
+                      (torch.randn(2, 4, 8, 8), False)):
+        backward = make_fx(_gradient_then_a_rerun)(x, w, grad)
+        compiled_executor.realized_in_place(backward, channels_last=False)
+        tagged = [n for n in backward.graph.nodes if n.meta.get("inductor_realize_to_strides")]
+        (call,) = backward.graph.find_nodes(op="call_function", target=torch.ops.aten.convolution_backward.default)
+        assert tagged == [call.args[0]]
+        if copied:
+            assert call.args[0].target is torch.ops.aten.clone.default
+            assert call.args[0].kwargs["memory_format"] == torch.channels_last
+            assert call.args[0].args[0].name == "mul" and backward(x, w, grad)[0].is_contiguous(
+                memory_format=torch.channels_last)
+        else:
+            assert call.args[0].name == "mul"
+
+
 @pytest.mark.parametrize("channels_last", [True, False])
 def test_a_value_a_channels_last_convolution_reads_reshaped_is_stored_where_computed(channels_last):
     """A group norm's input gradient is computed per group and reshaped for the convolution's backward. Stored when

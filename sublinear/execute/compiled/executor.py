@@ -57,8 +57,9 @@ from sublinear.capture.shapes import Binding, describe_binding, guards_hold
 from sublinear.capture.joint import JointGraph, is_view, labelled_copy, normalise
 from sublinear.profiling.compiled import CompiledProfile
 from sublinear.profiling.compiled_reruns import SMALL_RESULTS_MADE_EARLY
-from sublinear.profiling.compiled_nodes import CONVOLUTION_OPS, InductorKinds, is_constant
+from sublinear.profiling.compiled_nodes import InductorKinds, is_constant
 from sublinear.execute.compiled.products import product_passes
+from sublinear.execute.compiled.stored import realized_in_place
 from sublinear.execute.compiled.step_memory import CompiledStepMemory, compiled_step_memory
 from sublinear.execute.compiled.toolchain import wait_for_isa_probe
 from sublinear.profiling.kernels import kernel_memory
@@ -147,50 +148,6 @@ class PlanPartitioner(CustomPartitionerFn):
             drop_unread_saved_values(forward, backward, kwargs["num_fwd_outputs"])
         realized_in_place(backward, self.channels_last)
         return forward, backward
-
-
-def realized_in_place(backward: fx.GraphModule, channels_last: bool) -> None:
-    """Inductor computes a pointwise value that only library calls read (through views) when it lowers the first
-    of them, unless something stores it before: where another library call runs between the value and that reader
-    (a convolution re-run for it, in a backward that recomputes), the value and what it is made from wait across
-    that call. Such a value is stored where the graph computes it (``inductor_realize_to_strides``), as the plan's
-    memory model has it: a group norm's input gradient, summed with the residual's gradient for the convolution's
-    backward below, was computed after the re-run of that convolution's input, and held the norm's input and the
-    gradients it is made from through the re-run. So is a value a channels-last convolution reads as a reshape of
-    it (a group norm's input gradient, computed per group), whatever else reads it: stored when the convolution's
-    lowering asks for it, it would be laid out contiguous and copied into channels-last; stored where it is
-    computed, it follows its channels-last inputs, and the reshape is channels-last as it is."""
-    kinds = InductorKinds()
-    nodes = [n for n in backward.graph.nodes if n.op == "call_function"]
-    libraries = [k for k, node in enumerate(nodes) if kinds.extern(node)]
-    position = {node: k for k, node in enumerate(nodes)}
-    for k, node in enumerate(nodes):
-        if not kinds.fusible(node) or is_view(node) or not isinstance(node.meta.get("val"), torch.Tensor):
-            continue
-        readers = _readers_through_views(node)
-        if channels_last and _reshaped_for_convolution(node):
-            node.meta["inductor_realize_to_strides"] = True
-        if not readers or not all(kinds.extern(r) for r in readers):
-            continue
-        first = min(position.get(r, k) for r in readers)
-        if bisect.bisect_left(libraries, first) > bisect.bisect_right(libraries, k):
-            node.meta["inductor_realize_to_strides"] = True
-
-
-def _reshaped_for_convolution(node: fx.Node) -> bool:
-    """Whether a convolution reads ``node`` through a view of another shape."""
-    shape = str(tuple(node.meta["val"].shape))  # sizes may be symbols
-    return any(is_view(user) and isinstance(view := user.meta.get("val"), torch.Tensor)
-               and str(tuple(view.shape)) != shape
-               and any(r.target in CONVOLUTION_OPS for r in _readers_through_views(user)) for user in node.users)
-
-
-def _readers_through_views(node: fx.Node) -> list[fx.Node]:
-    """The nodes that read ``node``'s value, through views of it."""
-    readers = []
-    for user in node.users:
-        readers += _readers_through_views(user) if is_view(user) else [user]
-    return readers
 
 
 def drop_unread_saved_values(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int) -> None:
