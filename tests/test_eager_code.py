@@ -71,6 +71,36 @@ def test_what_eager_code_saved_under_saved_tensor_hooks_is_left_out_and_never_un
                                                                                              N * M * FLOAT]
 
 
+class _Scaled(torch.autograd.Function):
+    """A custom autograd.Function that saves its input for backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+def test_what_a_custom_autograd_function_saves_is_read_without_unpacking_it():
+    x = torch.randn(N, M, requires_grad=True)
+    start = next_node()
+    hidden = x * 3  # a product by a scalar saves no activation
+    plain = _Scaled.apply(hidden)
+    with torch.autograd.graph.save_on_cpu():
+        offloaded = _Scaled.apply(hidden + 1)
+    loss_start = next_node()
+    loss = plain.sum() + offloaded.sum()
+    code = eager_code_between([(start - 1, start), (loss_start, next_node())], [loss])[1]
+    activations = {key: nbytes for key, nbytes in code.saved.items() if nbytes >= N * M * FLOAT}  # no scalars
+    assert activations == {hidden.untyped_storage()._cdata: N * M * FLOAT}  # the offloaded one's is the hook's
+    loss.backward()
+    assert torch.allclose(x.grad, 2 * 3 * (hidden + hidden + 1).detach())
+
+
 @torch._dynamo.disable  # code TorchDynamo runs eagerly between two graphs, as at a graph break
 def _eager_expert(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.tanh(h @ weight)
