@@ -67,6 +67,20 @@ def compile_with(module: nn.Module, plan_for, args, kwargs=None, config=PLAIN):
     return compiled, p
 
 
+class Square(torch.autograd.Function):
+    """A custom autograd.Function: squares its input, which it saves for backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
 class Chain(nn.Module):
     """Chen's long chain: ``depth`` Linear+GELU layers of one width, the model on which sqrt(n) checkpointing is
     exact and where planning time grows with the op count (2,000 layers are 4,000 ops)."""

@@ -12,7 +12,7 @@ from torch import nn
 import sublinear
 from sublinear.runtime.eager_code import eager_code_between, next_node
 
-from conftest import PLAIN
+from conftest import PLAIN, Square
 
 N, K, M = 8, 4, 16  # rows, and the widths before and after the eager code's product
 FLOAT = 4
@@ -71,27 +71,13 @@ def test_what_eager_code_saved_under_saved_tensor_hooks_is_left_out_and_never_un
                                                                                              N * M * FLOAT]
 
 
-class _Scaled(torch.autograd.Function):
-    """A custom autograd.Function that saves its input for backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
-
-
 def test_what_a_custom_autograd_function_saves_is_read_without_unpacking_it():
     x = torch.randn(N, M, requires_grad=True)
     start = next_node()
     hidden = x * 3  # a product by a scalar saves no activation
-    plain = _Scaled.apply(hidden)
+    plain = Square.apply(hidden)
     with torch.autograd.graph.save_on_cpu():
-        offloaded = _Scaled.apply(hidden + 1)
+        offloaded = Square.apply(hidden + 1)
     loss_start = next_node()
     loss = plain.sum() + offloaded.sum()
     code = eager_code_between([(start - 1, start), (loss_start, next_node())], [loss])[1]

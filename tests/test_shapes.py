@@ -18,7 +18,7 @@ from sublinear.capture.dynamo import compile_entry, receiving
 from sublinear.measurement import measure
 from sublinear.capture.shapes import SymbolicSizes, argument_dims, bucket, covers, guards_hold, join
 
-from conftest import PLAIN, assert_same_training
+from conftest import PLAIN, Square, assert_same_training
 
 
 class TinyTransformer(nn.Module):
@@ -272,18 +272,6 @@ def test_inductor_compiles_a_family_once_and_trains_like_torch_compile(caplog):
 
 
 
-class _Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
-
-
 class _CountingNet(nn.Module):
     """A custom autograd.Function, dropout and a Python side effect (a call counter) in one forward."""
 
@@ -293,7 +281,7 @@ class _CountingNet(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        return self.b(self.drop(_Square.apply(self.a(x)))).sum()
+        return self.b(self.drop(Square.apply(self.a(x)))).sum()
 
 
 @pytest.mark.slow  # inductor compiles for sublinear and for torch.compile's reference
