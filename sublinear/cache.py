@@ -26,8 +26,9 @@ from sublinear.core.plan import Plan, PlanError
 __all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 26  # 26: a gradient a channels-last convolution's backward reads is stored channels-last (the compiled
-# code, and so the lessons taught by it, changed); 25: a split step's context counts the eager code between its graphs;
+_FORMAT = 27  # 27: a value a re-run fused value is made from is held until that value's backward reader; 26: a
+# gradient a channels-last convolution's backward reads is stored channels-last (the compiled code, and so the
+# lessons taught by it, changed); 25: a split step's context counts the eager code between its graphs;
 # 24: what a gradient inlined after a re-run reads is held through the re-run; 23: a pooled gradient a channels-last
 # convolution backward shares is copied beside it; 22: a forward value read last by a kernel before its rank's
 # release is freed there; 20: on meta,

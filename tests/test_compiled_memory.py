@@ -445,6 +445,23 @@ class _PointwiseScales(nn.Module):
         return x
 
 
+class _ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block without its GRN: a depthwise convolution laid out channels-last, a layer norm over the
+    channels, and an expanding MLP. Inductor's layer norm saves its normalised values as a buffer made from the
+    convolution's output and the statistics; re-run, they are computed again inside the norm's backward kernel."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(width, width, 7, padding=3, groups=width)
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        x = x.contiguous(memory_format=torch.channels_last)
+        h = self.norm(self.dw(x).permute(0, 2, 3, 1))
+        return x + self.down(F.gelu(self.up(h))).permute(0, 3, 1, 2)
+
+
 def _dropout_chain() -> nn.Module:
     """Dropout between wide linears: with inductor's ``fallback_random`` each dropout is the aten op, called as a
     library kernel."""
@@ -466,7 +483,7 @@ CASES = {"convolution": (_ConvNet, (8, 3, 32, 32)), "group-norms": (_GroupNormBl
          "geglu": (_geglu_blocks, (2, 256, 64)), "gated-mlp": (_GatedMLPs, (4, 128, 128)),
          "head": (_LanguageModelHead, (4, 64, 64)), "unchunked-head": (_LanguageModelHead, (4, 64, 64)),
          "tied-head": (_TiedHead, (4, 64, 64)), "dropout-attention": (_DropoutAttention, (4, 128, 64)),
-         "attention-cores": (_AttentionCores, (4, 256, 64))}
+         "attention-cores": (_AttentionCores, (4, 256, 64)), "convnext": (_ConvNeXtBlock, (8, 32, 16, 16))}
 
 
 def _held_output_step(m, inputs):
@@ -547,6 +564,16 @@ def test_a_value_an_ops_backward_reads_last_before_its_release_is_let_go_after_t
     2.7 %)."""
     with torch._inductor.config.patch(fallback_random=True):
         _predicted_before_compiling_and_measured("attention-cores", Plan.no_split, tolerance=0.002)
+
+
+@pytest.mark.slow
+def test_what_a_re_run_fused_value_is_made_from_is_held_until_the_backward_kernel_computing_it_again():
+    """The plan keeps the convolution's output and re-runs the layer norm, the up projection and the GELU for the
+    down projection's weight gradient (blocks from the norm's statistics and from the down projection). The norm's
+    normalised values take no buffer when re-run: its backward kernel computes them again from the convolution's
+    output, which is held until then (6.0 % under the measured step when it was let go at the re-run, as ConvNeXt
+    V2's budget near its lowest peak took two compiles)."""
+    _predicted_before_compiling_and_measured("convnext", lambda n: Plan.of([3, 7], n), tolerance=0.002)
 
 
 @pytest.mark.slow

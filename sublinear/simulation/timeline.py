@@ -350,13 +350,13 @@ def _rerun_until(profile: GraphProfile, at: _Layout, reads: _Reads, copies: _Cop
 
 
 def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _Reads,
-                   until: np.ndarray) -> np.ndarray:
+                   until: np.ndarray, copies: _Copies) -> np.ndarray:
     """Per storage the slot after which it is released. A storage lives from its producer until the last of: its
     last forward reader (the end of the step for outputs), autocast's cache (the end of forward), autograd (a node
     that never reaches the outputs dies in forward and keeps what it saved until then; a reaching node keeps a
     retained storage until its backward), the forward frame of a block whose recomputable op reads it, and
     whatever holds it for a re-run op: its block's frame, or, where recomputes are shared (no frames), backward
-    until the re-run (:func:`_rerun_until`)."""
+    until the re-run (:func:`_rerun_until`) or the last reader of a fused copy made from it."""
     n, end, node_op = at.n, at.end, profile.node_op
     retained, producer, shared = a.retained, profile.storage_producer, profile.recompute_shared
     stop = np.where(profile.storage_last_use >= n, end, profile.storage_last_use).astype(np.int64)
@@ -378,7 +378,24 @@ def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: _Layout, reads: _
     outside = ~reads.inside
     held_until = until[reads.pair] if shared else at.frame_stop[at.c_blocks[reads.pair]]
     np.maximum.at(stop, reads.storage[outside], held_until[outside])
+    if shared and len(profile.storage_made_from):
+        _held_for_fused_copies(profile, copies, stop)
     return _taken_in_place(profile, at, np.arange(len(stop)), stop)
+
+
+def _held_for_fused_copies(profile: GraphProfile, copies: _Copies, stop: np.ndarray) -> None:
+    """Hold each storage that is not re-run and that backward kernels read through fused values
+    (``storage_rebuilt_read_at``) until the last reader of every fused copy made from it: a re-run value that takes
+    no memory is computed inside each backward kernel that reads it, from the storages it is made from."""
+    fused_until = np.full(len(stop), -1, dtype=np.int64)
+    fused = ~copies.counted
+    np.maximum.at(fused_until, copies.storage[fused], copies.stop[fused])
+    through = np.zeros(len(stop), dtype=bool)
+    through[profile.arrays.rebuilt_read_pairs[0]] = True
+    through[copies.storage] = False
+    made, source = profile.arrays.made_from_pairs
+    held = (fused_until[made] >= 0) & through[source]
+    np.maximum.at(stop, source[held], fused_until[made[held]])
 
 
 def _saved_read_slots(profile: GraphProfile, backward_slot: np.ndarray, c_ops: np.ndarray, c_ranks: np.ndarray,
@@ -449,7 +466,7 @@ def _own(profile: GraphProfile, a: PlanAnalysis):
     inside = reads.pair[reads.inside]
     if np.any(until[inside] > at.c_slot[inside]):
         copies = _copies(profile, a, at, reads, until)
-    stop = _storage_stops(profile, a, at, reads, until)
+    stop = _storage_stops(profile, a, at, reads, until, copies)
     producer, sizes = profile.storage_producer, profile.storage_bytes
     held = np.zeros(at.end + 2, dtype=np.int64)
     lives = stop > producer
