@@ -26,19 +26,19 @@ from sublinear.core.plan import Plan, PlanError
 __all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 27  # 27: a value a re-run fused value is made from is held until that value's backward reader; 26: a
-# gradient a channels-last convolution's backward reads is stored channels-last (the compiled code, and so the
-# lessons taught by it, changed); 25: a split step's context counts the eager code between its graphs;
-# 24: what a gradient inlined after a re-run reads is held through the re-run; 23: a pooled gradient a channels-last
-# convolution backward shares is copied beside it; 22: a forward value read last by a kernel before its rank's
-# release is freed there; 20: on meta,
-# convolutions' layout copies are counted; 19: a value a sum reads stays for a value made from that sum through another
-# loop, and a channels-last convolution reads a reshaped value with no copy; 18: a value re-run after its rank's library
-# call takes memory from there; 17: a convolution's layout copies are made by the kernel before it; 16: a value is
-# reused where its views are; 15: a view of a computed value loads its buffers anew; 14: as_strided stores what it
-# views, and backward values only library calls read are stored in place; 13: outputs written into saved values count
-# from their readers; 12: re-runs fused with backward readers; 11: only library kernels' results keep re-run copies at
-# their readers' ranks; 10: lessons differ
+_FORMAT = 28  # 28: a convolution's argument that is a part of a larger buffer keeps its layout; 27: a value a re-run
+# fused value is made from is held until that value's backward reader; 26: a gradient a channels-last convolution's
+# backward reads is stored channels-last (the compiled code, and so the lessons taught by it, changed); 25: a split
+# step's context counts the eager code between its graphs; 24: what a gradient inlined after a re-run reads is held
+# through the re-run; 23: a pooled gradient a channels-last convolution backward shares is copied beside it; 22: a
+# forward value read last by a kernel before its rank's release is freed there; 20: on meta, convolutions' layout copies
+# are counted; 19: a value a sum reads stays for a value made from that sum through another loop, and a channels-last
+# convolution reads a reshaped value with no copy; 18: a value re-run after its rank's library call takes memory from
+# there; 17: a convolution's layout copies are made by the kernel before it; 16: a value is reused where its views are;
+# 15: a view of a computed value loads its buffers anew; 14: as_strided stores what it views, and backward values only
+# library calls read are stored in place; 13: outputs written into saved values count from their readers; 12: re-runs
+# fused with backward readers; 11: only library kernels' results keep re-run copies at their readers' ranks; 10: lessons
+# differ
 
 
 def cache_dir(configured: str | os.PathLike | None) -> Path | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_dense
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
@@ -277,11 +278,14 @@ def _shared_gradient_copies(nodes: Sequence[fx.Node], kinds: InductorKinds, forw
 
 def _laid_out(node: fx.Node, kinds: InductorKinds, forward: set[fx.Node]):
     """Whether an argument of ``node`` has its layout fixed before the call (a graph input, a library kernel's
-    result, a forward value backward reads, or a view of one), so that another layout is a copy; a fused kernel's
-    result takes the layout its reader asks for."""
+    result, a forward value backward reads, or a view of one, or a view that is not dense: a part of a larger
+    buffer), so that another layout is a copy; a fused kernel's result takes the layout its reader asks for."""
     backward = node not in forward
 
     def fixed(arg: fx.Node) -> bool:
+        value = arg.meta.get("val")
+        if isinstance(value, torch.Tensor) and not is_dense(value):
+            return True
         while arg.args and isinstance(arg.args[0], fx.Node) and (is_view(arg) or arg.target is operator.getitem):
             arg = arg.args[0]
         return arg.op == "placeholder" or kinds.extern(arg) or (backward and arg in forward)
@@ -375,7 +379,7 @@ def _library_run(node: fx.Node, channels_last: bool, fixed) -> _LibraryRun | Non
             raise LookupError(arg.name)
         shape = tuple(hint(s) for s in value.shape)
         stride = tuple(hint(s) for s in value.stride())
-        if channels_last and node.target in CONVOLUTION_OPS and len(shape) == 4:
+        if channels_last and node.target in CONVOLUTION_OPS and len(shape) == 4 and is_dense(value):
             stride = torch.empty(shape, device="meta").to(memory_format=torch.channels_last).stride()
         name = f"t{len(inputs)}"
         inputs[name] = TensorLayout(shape, tuple(stride), str(value.dtype).removeprefix("torch."))
