@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._prims_common import is_non_overlapping_and_dense_or_false as is_dense
+from torch._prims_common import _is_non_overlapping_and_dense_or_false
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
@@ -284,12 +284,19 @@ def _laid_out(node: fx.Node, kinds: InductorKinds, forward: set[fx.Node]):
 
     def fixed(arg: fx.Node) -> bool:
         value = arg.meta.get("val")
-        if isinstance(value, torch.Tensor) and not is_dense(value):
+        if isinstance(value, torch.Tensor) and not _dense(value):
             return True
         while arg.args and isinstance(arg.args[0], fx.Node) and (is_view(arg) or arg.target is operator.getitem):
             arg = arg.args[0]
         return arg.op == "placeholder" or kinds.extern(arg) or (backward and arg in forward)
     return fixed
+
+
+def _dense(value: torch.Tensor) -> bool:
+    """Whether ``value``'s elements fill its storage span in some order of its dimensions, judged at the sizes'
+    hints (no guard is added to a dynamic family's shapes)."""
+    return _is_non_overlapping_and_dense_or_false(tuple(hint(s) for s in value.shape),
+                                                  tuple(hint(s) for s in value.stride()))
 
 
 def _counted_inside(node: fx.Node) -> int:
@@ -379,7 +386,7 @@ def _library_run(node: fx.Node, channels_last: bool, fixed) -> _LibraryRun | Non
             raise LookupError(arg.name)
         shape = tuple(hint(s) for s in value.shape)
         stride = tuple(hint(s) for s in value.stride())
-        if channels_last and node.target in CONVOLUTION_OPS and len(shape) == 4 and is_dense(value):
+        if channels_last and node.target in CONVOLUTION_OPS and len(shape) == 4 and _dense(value):
             stride = torch.empty(shape, device="meta").to(memory_format=torch.channels_last).stride()
         name = f"t{len(inputs)}"
         inputs[name] = TensorLayout(shape, tuple(stride), str(value.dtype).removeprefix("torch."))
