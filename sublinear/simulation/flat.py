@@ -43,7 +43,8 @@ import numpy as np
 
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile
-from sublinear.simulation.timeline import forward_release, step_terms
+from sublinear.simulation.lifetimes import forward_release
+from sublinear.simulation.timeline import step_terms
 
 __all__ = ["NEVER", "FlatModel"]
 
