@@ -157,9 +157,8 @@ class GraphProfile:
     value op ``o`` reads from another op, ``(producer op, storages of the value)``.
 
     Backward runs node by node: operator nodes (*ranks*, in graph order) with their op (``node_op``), the ranks
-    whose autograd saves each storage (``storage_saved_at``), and per rank the gradient-side bytes at the start of
-    its backward, at the peak before it frees what it saved, and at the peak after that (plan-independent, kernel
-    workspace included), and its backward time."""
+    whose autograd saves each storage (``storage_saved_at``), and per rank the gradient-side bytes as its backward
+    starts, at its peak before and after it frees what it saved (plan-independent, with workspaces), and its time."""
 
     ops: list[OpProfile]
     storage_bytes: np.ndarray
@@ -223,6 +222,8 @@ class GraphProfile:
     storage_kernel_start: np.ndarray = field(default_factory=_empty)
     storage_kernel_late: np.ndarray = field(default_factory=lambda: _empty(bool))
     storage_library_made: np.ndarray = field(default_factory=lambda: _empty(bool))
+    # Per rank, compiled (empty: none known): the rank its first backward node's fused kernel runs at (-1: none).
+    rank_kernel_end: np.ndarray = field(default_factory=_empty)
     # Per storage (empty: none anywhere; -1: none): its last backward reader's rank, a pointwise op reading it, and
     # the rank that op's re-run is made for; where the plan re-runs it so, the reader runs in that re-run's kernel.
     storage_read_in_rerun: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))

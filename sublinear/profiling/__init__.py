@@ -7,7 +7,8 @@ profiling stage with two front ends, each producing a :class:`~sublinear.profili
   :mod:`.eager_trace` and its costs read off the trace in :mod:`.eager_costs`;
 - :mod:`.compiled`: the compiled front end, :func:`~sublinear.profiling.compiled.profile_joint` reads the joint
   forward and backward graph inductor compiles: its ops, storages and reads (:mod:`.compiled_dataflow`), its costs
-  (:mod:`.compiled_costs`) and what inductor makes of each node (:mod:`.compiled_nodes`).
+  (:mod:`.compiled_costs`, with the buffers inductor writes in place in :mod:`.compiled_inplace`) and what inductor
+  makes of each node (:mod:`.compiled_nodes`).
 
 Costs: op times measured on the device or estimated from FLOPs and bytes moved (:mod:`.costs`); library kernels'
 scratch space measured on the device whatever times the ops (:mod:`.kernels`).

@@ -274,6 +274,7 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
                       and k not in costs.in_place},
         fused_from={k: o for k, o in costs.fused_from.items() if k in tracked},
         kernel_start=backward.kernel_start,
+        kernel_of_rank=backward.kernel_of_rank,
         taken_at=backward.taken_at,
         # outputs the caller lets go before backward: the graph holds them until forward returns them
         held_through_forward={k for k in tracked if k in reads.output_use and not held_to_end(reads.output_use[k])},

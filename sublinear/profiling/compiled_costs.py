@@ -9,15 +9,15 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import fx
 
 from sublinear.capture.dynamo import INPUT, PARAMETER
-from sublinear.capture.joint import JointGraph, data_inputs, is_view
+from sublinear.capture.joint import JointGraph, data_inputs
 from sublinear.profiling.compiled_dataflow import OpGrouping, StorageReads, StepStorages
 from sublinear.profiling.compiled_nodes import (
     InductorKinds, LibraryCalls, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
 )
+from sublinear.profiling.compiled_inplace import InPlace
 from sublinear.profiling.compiled_realize import kernel_segments, kernel_starts, stored_by_lowering
 from sublinear.profiling.costs import DeviceRates
 from sublinear.tensors import size_hint as hint
@@ -220,6 +220,7 @@ class BackwardWalk:
     kernel_start: dict[int, tuple[int, bool]]
     entering: list[int]  # per backward node: the gradient-side bytes as its kernel starts
     freed_early: list[int]  # per rank: what its peak falls by where it holds what it reads (:class:`_FreedInsideRank`)
+    kernel_of_rank: list[int]  # per rank: where the fused kernel of its first backward node runs (-1: a library's)
 
 
 class GradientSide:
@@ -294,8 +295,8 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                   calls: LibraryCalls, rates: DeviceRates, fused_when_rebuilt: set[int]) -> BackwardWalk:
     """Walk backward kernel by kernel: inductor fuses the nodes between two library kernels into one kernel, which
     allocates what they make (the next library call's layout copies too) before it runs, unless it writes it into a
-    buffer it reads (:class:`_InPlace`), and frees what they read last after it (``fused_when_rebuilt``: the forward
-    values that are no buffers where a plan re-runs them)."""
+    buffer it reads (:class:`~sublinear.profiling.compiled_inplace.InPlace`), and frees what they read last after it
+    (``fused_when_rebuilt``: the forward values that are no buffers where a plan re-runs them)."""
     bw, ranks = joint.backward, reads.rank_of_backward
     live = side.tangent_bytes()
     start: list[int | None] = [None] * n_ops
@@ -304,7 +305,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     released: set[int] = set()
     total_flops = 0
     all_sizes = {**storages.size_of, **side.sizes}
-    in_place = _InPlace(storages, side, reads, fused_when_rebuilt, calls, joint.forward)
+    in_place = InPlace(storages, side, reads, fused_when_rebuilt, calls, joint.forward)
     ending = _by_node(side.last)  # backward node -> the storages backward reads last there
 
     held_from, held_until = _held_past_saves(reads, side, storages)
@@ -367,7 +368,24 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     kernel_end = {key: r for key, r in kernel_end.items() if key not in in_place.forward_taken}
     return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken,
                         kernel_end, kernel_starts(bw, reads, storages, side.kinds), entering,
-                        early.falls(before, start))
+                        early.falls(before, start), _kernel_of_rank(segments, ranks, side, storages, n_ops))
+
+
+def _kernel_of_rank(segments: list[list[int]], ranks: Sequence[int], side: GradientSide, storages: StepStorages,
+                    n_ops: int) -> list[int]:
+    """Per rank whose first backward node is fused into a kernel: the rank that kernel runs at, the lowest among
+    its nodes that make a buffer (where it allocates its last); -1 where that node is a library call's."""
+    kernel_of = [-1] * n_ops
+    seen: set[int] = set()
+    for segment in segments:
+        made = [ranks[k] for k in segment for key in storages.keys_of(side.bw[k])
+                if side.born.get(key) == k and side.buffer(key)]
+        runs_at = min(made, default=ranks[segment[0]])
+        for k in segment:
+            if ranks[k] not in seen and not side.kinds.extern(side.bw[k]):
+                kernel_of[ranks[k]] = runs_at
+            seen.add(ranks[k])
+    return kernel_of
 
 
 def _by_node(last: dict[int, int]) -> dict[int, list[int]]:
@@ -437,7 +455,7 @@ class _FreedInsideRank:
     the rank's backward reads (re-run, a value is made again inside the rank's kernels)."""
 
     def __init__(self, reads: StorageReads, side: GradientSide, storages: StepStorages, fused_when_rebuilt: set[int],
-                 in_place: _InPlace, last_release: dict[int, int]) -> None:
+                 in_place: InPlace, last_release: dict[int, int]) -> None:
         self.reads, self.side, self.storages = reads, side, storages
         self.fused_when_rebuilt, self.in_place, self.last_release = fused_when_rebuilt, in_place, last_release
         self.credit: dict[int, int] = defaultdict(int)
@@ -465,86 +483,3 @@ class _FreedInsideRank:
                         and key not in self.in_place.forward_taken and key not in kernel_end
                         and key not in self.reads.output_use and self.side.last.get(key, k) <= k):
                     self.credit[ranks[k]] += self.storages.size_of[key]
-
-
-class _InPlace:
-    """Inductor writes a buffer into one its computation reads (the value and the fused values without a buffer it
-    is made from) when that computation reads it last and the sizes match: a buffer backward made, or a forward
-    value backward alone reads (AOTAutograd donates saved intermediates to backward); never a graph input
-    (parameters, inputs, the outputs' gradients) or a value forward returns. A forward value that is no buffer where
-    a plan re-runs it is taken last: a GELU's backward writes into its output gradient where backward re-runs the
-    GELU's fused values inside that kernel. A taken gradient-side buffer passes its
-    bytes on. A taken forward value is recorded (``forward_taken``, with the rank): whether it is a buffer there
-    depends on the plan (saved, or rebuilt into a buffer, or fused into that kernel when recomputed), so the
-    simulator ends it there, and the output counts on the gradient side."""
-
-    def __init__(self, storages: StepStorages, side: GradientSide, reads: StorageReads,
-                 fused_when_rebuilt: set[int], calls: LibraryCalls, fw: list[fx.Node]) -> None:
-        self.storages, self.side, self.reads = storages, side, reads
-        self.fused_when_rebuilt, self.calls, self.fw = fused_when_rebuilt, calls, fw
-        self.given: set[int] = set()  # gradient-side buffers an output took
-        self.forward_taken: dict[int, int] = {}
-
-    def _size(self, key: int) -> int | None:
-        if key in self.storages.produced_by:
-            return None if key in self.reads.output_use or key in self.forward_taken else self.storages.size_of[key]
-        born = self.side.born.get(key)
-        if born is None or born < 0 or key in self.given or not self.side.buffer(key) or key in self.side.outputs:
-            return None
-        return self.side.sizes[key]
-
-    def _fits(self, out: int, key: int) -> bool:
-        produced = self.storages.produced_by
-        into = self.fw[produced[key]] if key in produced else self.side.bw[self.side.born[key]]
-        return self.calls.fits(self.side.bw[self.side.born[out]], into)
-
-    def _computation(self, k: int) -> set[int]:
-        """Backward node ``k`` and the fused backward values without a buffer that its kernel computes with it."""
-        side, found, stack = self.side, {k}, [k]
-        while stack:
-            for arg in data_inputs(side.bw[stack.pop()]):
-                for key in self.storages.keys_of(arg):
-                    j = side.born.get(key)
-                    if j is not None and j >= 0 and j not in found and not side.buffer(key):
-                        found.add(j)
-                        stack.append(j)
-        return found
-
-    def held_forward(self, taken: dict[int, int], rank: int, segment: list[int]) -> int:
-        """Bytes of the outputs of ``taken`` (``segment``'s kernel's) written into forward values whose reader's
-        rank is below ``rank``, where the kernel's nodes at ``rank`` are only views (of the library call's result
-        before it, at that call's rank): the kernel counts there too, and the value is still held on the forward
-        side, in that memory."""
-        side = self.side
-        if not all(is_view(side.bw[k]) for k in segment if self.reads.rank_of_backward[k] == rank):
-            return 0
-        return sum(side.sizes[out] for out, key in taken.items()
-                   if key in self.forward_taken and self.forward_taken[key] < rank)
-
-    def take(self, segment: list[int], made: list[int]) -> dict[int, int]:
-        """Per output of ``segment`` (one fused kernel, consecutive backward nodes) written in place: the input whose
-        buffer it takes."""
-        side = self.side
-        if len(segment) == 1 and side.kinds.extern(side.bw[segment[0]]):
-            return {}
-        first = segment[0]
-        taken: dict[int, int] = {}
-        for out in made:
-            if side.bw[side.born[out]].target is torch.ops.aten.cat.default:
-                continue  # a concatenation's buffer is allocated for its parts to be written into
-            computation = self._computation(side.born[out])
-            inputs = [key for key in dict.fromkeys(k2 for k in sorted(computation)
-                                                   for arg in data_inputs(side.bw[k])
-                                                   for k2 in self.storages.keys_of(arg))
-                      if first <= side.first[key] and side.last[key] in computation and self._size(key) is not None]
-            inputs.sort(key=lambda key: key in self.fused_when_rebuilt)  # which a plan may make no buffer
-            match = next((key for key in inputs if key not in taken.values() and key != out
-                          and self._size(key) == self.side.sizes[out] and self._fits(out, key)), None)
-            if match is None:
-                continue
-            taken[out] = match
-            if match in self.storages.produced_by:
-                self.forward_taken[match] = self.reads.rank_of_backward[self.reads.last_backward_read[match]]
-            else:
-                self.given.add(match)
-        return taken

@@ -43,7 +43,7 @@ from sublinear.capture.joint import data_inputs, is_view
 from sublinear.profiling.compiled_dataflow import StepStorages, StorageReads
 from sublinear.profiling.compiled_nodes import InductorKinds
 
-__all__ = ["kernel_segments", "kernel_starts", "stored_by_lowering"]
+__all__ = ["kernel_segments", "kernel_starts", "same_elements", "stored_by_lowering"]
 
 # aten ops whose lowering computes exp, log, log10, log1p, log2, sigmoid or tanh (inductor's costly functions on
 # the CPU) once decomposed
@@ -54,6 +54,7 @@ _COSTLY = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh", 
 
 _INLINE_LIMIT = 100  # operations beyond which inductor's lowering stores any pointwise value
 _AS_STRIDED = frozenset({torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default})
+_SCATTERS = frozenset({torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default})
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def stored_by_lowering(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: 
                 if not kinds.fusible(user) or buffered(user):
                     found.add((user, inlined))
                     continue
-                inner = readers_in_kernel(user, True) if _same_elements(user, node) else None
+                inner = readers_in_kernel(user, True) if same_elements(user, node) else None
                 if inner is None:
                     found = None
                     break
@@ -239,7 +240,7 @@ def _loop(reduction: fx.Node) -> tuple:
     return (str(tuple(value.shape)) if rank else "", tuple(sorted(d % rank for d in dims)) if rank else ())
 
 
-def _same_elements(reader: fx.Node, node: fx.Node) -> bool:
+def same_elements(reader: fx.Node, node: fx.Node) -> bool:
     """Whether ``reader`` reads every element of ``node`` once, in its order: as many elements, and a view that
     keeps them in place (both contiguous)."""
     value, read = node.meta.get("val"), reader.meta.get("val")
@@ -268,7 +269,10 @@ def _through(node: fx.Node, arg: fx.Node, through: Any) -> Any:
     """How ``node`` indexes a buffer that ``arg``'s expression loads ``through`` a view (None: as it is). A view of a
     view of that buffer indexes it as its own layout says; a view of a computed value re-indexes each of its loads
     (two slices of a product of two slices load four different parts of the buffer), and a view of that view
-    replaces the outer layout only."""
+    replaces the outer layout only. A scatter loads its source at the positions it writes it to (a scan's
+    gradient, scattered back to the odd and the even steps, loads the gradient of each half twice)."""
+    if node.target in _SCATTERS and len(node.args) > 1 and node.args[1] is arg:
+        return _Reindexed(through, (str(node.target), *map(str, node.args[2:])))
     if not is_view(node):
         return through
     if not is_view(arg):

@@ -74,6 +74,7 @@ class StepRecord:
     # storage -> the (first rank, starts before that rank's release) of the fused kernel that re-runs it
     kernel_start: dict[int, tuple[int, bool]] = field(default_factory=dict)
     library_made: set[int] | None = None  # storages a library kernel makes (None: unknown)
+    kernel_of_rank: Sequence[int] = ()  # per rank: where the fused kernel of its first backward node runs (-1: none)
     # per op: (rank of its first backward reader, gradient-side bytes as that reader's kernel starts); empty: none
     rerun_grad_side: Sequence[tuple[int, int]] = ()
     # storage -> (rank of its last backward reader, an op reading it too, the rank that op's re-run is made for):
@@ -152,6 +153,7 @@ def assemble(record: StepRecord) -> GraphProfile:
         storage_kernel_late=np.array([not record.kernel_start.get(k, (-1, True))[1] for k in tracked], dtype=bool)
         if record.kernel_start else np.zeros(0, dtype=bool),
         storage_library_made=flags(record.library_made),
+        rank_kernel_end=np.asarray(record.kernel_of_rank, dtype=np.int64),
         storage_read_in_rerun=np.array([record.read_in_rerun.get(k, (-1, -1, -1)) for k in tracked], dtype=np.int64)
         if record.read_in_rerun else np.zeros((0, 3), dtype=np.int64),
         recompute_shared=record.recompute_shared,

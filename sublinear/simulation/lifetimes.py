@@ -36,7 +36,8 @@ class Layout:
     each, before and after it frees what it saved), each re-run op just before the backward of the rank that
     first needs it (its block's trigger, or where recomputes are shared its own), or between its two slots where
     only its part after the release needs it (:attr:`PlanAnalysis.recompute_late`), in op order; the end at
-    ``end``. Per pair of :attr:`PlanAnalysis.recompute_pairs` its block, op, rank and slot."""
+    ``end``. Per pair of :attr:`PlanAnalysis.recompute_pairs` its block, op, rank and slot, and the slot of the rank
+    the backward kernel it runs in runs at."""
 
     n: int
     end: int
@@ -49,6 +50,7 @@ class Layout:
     frame_stop: np.ndarray  # per block: the slot after which its group's frame is released (-1: none)
     rank_start: np.ndarray  # per rank: the first slot of its recomputes (its backward's where it has none)
     saved_read_at: np.ndarray  # per saved pair (``profile.arrays.saved_pairs``): the slot backward reads it at
+    c_kernel_end: np.ndarray  # per pair: the slot its backward kernel runs at, when it runs in one (-1: none)
 
 
 def layout(profile: GraphProfile, a: PlanAnalysis) -> Layout:
@@ -67,7 +69,35 @@ def layout(profile: GraphProfile, a: PlanAnalysis) -> Layout:
     frame_stop = np.full(len(a.frame_end), -1, dtype=np.int64)
     frame_stop[a.frame_end >= 0] = backward_slot[a.frame_end[a.frame_end >= 0]]
     return Layout(n, n + int(width.sum()), backward_slot, group_start + width - 1, c_blocks, c_ops, c_ranks, c_slot,
-                   frame_stop, group_start, _saved_read_slots(profile, backward_slot, c_ops, c_ranks, c_slot))
+                   frame_stop, group_start, _saved_read_slots(profile, backward_slot, c_ops, c_ranks, c_slot),
+                   _kernel_end_slots(profile, backward_slot, c_ops, c_ranks, c_slot))
+
+
+def _kernel_end_slots(profile: GraphProfile, backward_slot: np.ndarray, c_ops: np.ndarray, c_ranks: np.ndarray,
+                      c_slot: np.ndarray) -> np.ndarray:
+    """Per recompute pair: the slot of the rank that the fused backward kernel it runs in runs at, where that is
+    below its own rank (-1: none). Inductor's C++ backend runs every fused node between two library calls as one
+    function, which allocates all its buffers before it runs and frees them, and what it read, after it. A fused op
+    re-run for a rank whose first backward node is fused (``rank_kernel_end``), with no library call re-run after
+    it for that rank, runs in that node's kernel; a library call re-run for a rank below ends the kernel above it."""
+    end = np.full(len(c_ops), -1, dtype=np.int64)
+    kernel_of = profile.rank_kernel_end
+    if not profile.recompute_shared or not len(kernel_of) or not len(c_ops):
+        return end
+    library = np.zeros(profile.num_ops, dtype=bool)
+    if len(profile.storage_library_made):
+        library[profile.storage_producer[profile.storage_library_made]] = True
+    called = library[c_ops]
+    last_call = np.full(len(kernel_of), -1, dtype=np.int64)  # per rank: the slot of its last library re-run
+    np.maximum.at(last_call, c_ranks[called], c_slot[called])
+    # per rank: the highest rank at or below it with a library re-run (-1: none)
+    below = np.maximum.accumulate(np.where(last_call >= 0, np.arange(len(kernel_of)), -1))
+    ends = kernel_of[c_ranks]
+    cut = np.where(c_ranks > 0, below[np.maximum(c_ranks - 1, 0)], -1)
+    ends = np.where(cut >= ends, cut + 1, ends)
+    inside = ~called & (kernel_of[c_ranks] >= 0) & (c_slot > last_call[c_ranks]) & (ends < c_ranks)
+    end[inside] = backward_slot[ends[inside]]
+    return end
 
 
 @dataclass(frozen=True)
@@ -101,7 +131,8 @@ class Copies:
     below its op's, from that rank's first slot) until the last re-run op that reads it or the last copy made from
     it is made (for a reader fused into the kernels that read its own values, that reader's last kernel), or the last
     backward that reads the dropped storage or computes a fused value from the copy (``storage_rebuilt_read_at``);
-    in the same block or, shared, in any. ``counted``: it takes memory (else it is fused into its readers)."""
+    in the same block or, shared, in any; a copy taking memory that a backward kernel makes, until that kernel has
+    run. ``counted``: it takes memory (else it is fused into its readers)."""
 
     storage: np.ndarray
     pair: np.ndarray
@@ -152,6 +183,7 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: Layout, reads: _Reads,
     counted = copy_stop > copy_start
     if len(profile.materialized_when_rebuilt):  # fused into the backward kernels that read it
         counted &= profile.materialized_when_rebuilt[copy_storage]
+    copy_stop[counted] = np.maximum(copy_stop[counted], at.c_kernel_end[copy_at[counted]])  # a buffer of its kernel
     return Copies(copy_storage, copy_at, copy_start, copy_stop, counted)
 
 
@@ -178,7 +210,7 @@ def _rerun_until(profile: GraphProfile, at: Layout, reads: _Reads, copies: Copie
     """Per recompute pair: the slot until which what it reads is held. An op re-run into a buffer reads at its
     recompute; one fused into the kernels that read its values (shared recomputes none of whose copies take
     memory) is computed inside each of them, so what it reads is held until its values' last reader, and so on up
-    a chain of such ops."""
+    a chain of such ops; one a backward kernel runs, until that kernel has run."""
     until = at.c_slot.copy()
     if not profile.recompute_shared or not len(at.c_ops):
         return until
@@ -187,6 +219,7 @@ def _rerun_until(profile: GraphProfile, at: Layout, reads: _Reads, copies: Copie
     last_read = at.c_slot.copy()
     np.maximum.at(last_read, copies.pair, copies.stop)
     until[fused] = last_read[fused]
+    until = np.maximum(until, at.c_kernel_end)  # a backward kernel frees what it read once it has run
     pair_of_op = np.full(at.n, -1, dtype=np.int64)
     last = len(at.c_ops) - 1 - np.unique(at.c_ops[::-1], return_index=True)[1]  # an op's last pair
     pair_of_op[at.c_ops[last]] = last
