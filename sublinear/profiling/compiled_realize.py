@@ -189,7 +189,7 @@ def _realized(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[
         for arg in node.all_input_nodes:
             inlined = expressions.get(arg)
             if inlined is None:  # a buffer: a library call's or a reduction's result, a graph input, a realized value
-                loads.add((arg, _layout(node) if view else None))
+                loads.add((arg, _layout(node) if view else _scattered(node, arg)))
                 continue
             loads |= {(buffer, _through(node, arg, through)) for buffer, through in inlined.loads}
             operations |= inlined.operations
@@ -271,8 +271,9 @@ def _through(node: fx.Node, arg: fx.Node, through: Any) -> Any:
     (two slices of a product of two slices load four different parts of the buffer), and a view of that view
     replaces the outer layout only. A scatter loads its source at the positions it writes it to (a scan's
     gradient, scattered back to the odd and the even steps, loads the gradient of each half twice)."""
-    if node.target in _SCATTERS and len(node.args) > 1 and node.args[1] is arg:
-        return _Reindexed(through, (str(node.target), *map(str, node.args[2:])))
+    scattered = _scattered(node, arg)
+    if scattered is not None:
+        return _Reindexed(through, scattered)
     if not is_view(node):
         return through
     if not is_view(arg):
@@ -280,6 +281,13 @@ def _through(node: fx.Node, arg: fx.Node, through: Any) -> Any:
     if isinstance(through, _Reindexed):
         return _Reindexed(through.inner, _layout(node))
     return _layout(node)
+
+
+def _scattered(node: fx.Node, arg: fx.Node) -> tuple | None:
+    """How a scatter indexes its source ``arg`` (None: ``node`` is no scatter of it)."""
+    if node.target in _SCATTERS and len(node.args) > 1 and node.args[1] is arg:
+        return (str(node.target), *map(str, node.args[2:]))
+    return None
 
 
 def _layout(view: fx.Node) -> tuple:

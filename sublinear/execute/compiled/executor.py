@@ -390,10 +390,9 @@ class NearFusionChoices(InductorChoices):
     their first node and then places every producer before its consumers):
 
     - a producer is fused into a consumer only when the two are near in the graph's order, as inductor already
-      requires of two consumers of the same values, and, with a library kernel between them, only as the last rule
-      allows. Fused far from where it was, a producer runs where the later kernel runs: a recomputed layer norm
-      fused into its backward delays the weight gradient that reads it, and the output gradient that product reads
-      stays in memory until then;
+      requires of two consumers of the same values. Fused far from where it was, a producer runs where the later
+      kernel runs: a recomputed layer norm fused into its backward delays the weight gradient that reads it, and
+      the output gradient that product reads stays in memory until then;
     - two consumers of the same values (a horizontal fusion) are fused only when every producer of the later one
       has run by the earlier one's place. Otherwise those producers run early: in a backward that recomputes, the
       rotary embedding of a block recomputed later (it reads the same cos and sin) fused into this block's
@@ -417,9 +416,10 @@ class NearFusionChoices(InductorChoices):
         super().__init__()
         self._library_orders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> sorted orders
 
-    def can_fuse_vertical(self, scheduler, node1, node2, shared_data_score) -> bool:
+    @staticmethod
+    def can_fuse_vertical(scheduler, node1, node2, shared_data_score) -> bool:
         far = max(abs(node1.min_order - node2.max_order), abs(node2.min_order - node1.max_order))
-        return far <= NearFusionChoices.FAR and self._early_enough(scheduler, node1, node2)
+        return far <= NearFusionChoices.FAR
 
     def can_fuse_horizontal(self, scheduler, node1, node2, shared_data_score) -> bool:
         if not InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
@@ -430,14 +430,6 @@ class NearFusionChoices(InductorChoices):
             producer = buffer and buffer.defining_op and scheduler.name_to_fused_node.get(buffer.defining_op_name())
             if producer is not None and producer is not first and producer.min_order > first.min_order:
                 return False
-        return self._early_enough(scheduler, first, later)
-
-    def _early_enough(self, scheduler, node1, node2) -> bool:
-        """Whether the later of two nodes may run in the earlier one's kernel: no library kernel runs between them,
-        or the later makes no more than small results there (a consumer fused into its producer's kernel as much as
-        a node fused beside one: the kernel of a scan's backward took in a product made after the next weight
-        gradient's call, and held it with its own buffers)."""
-        first, later = sorted((node1, node2), key=lambda node: node.min_order)
         orders = self._library_orders.get(scheduler)
         if orders is None:  # library kernels are never fused: their places stay those of the graph's order
             orders = self._library_orders[scheduler] = sorted(n.min_order for n in scheduler.nodes if n.is_extern())
