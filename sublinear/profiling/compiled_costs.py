@@ -317,6 +317,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
         return key in storages.produced_by or side.buffer(key)
 
     entering: list[int] = []  # per backward node: the gradient-side bytes as its kernel starts
+    runs_at_of: list[int] = []  # per kernel segment: the rank it runs at
     copies = calls.copies_made(segments := kernel_segments(bw, side.kinds), bw, side.kinds)
     for at, segment in enumerate(segments):
         entering += [live] * len(segment)
@@ -329,6 +330,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
         live += sum(side.sizes[key] for key in made if key not in taken or taken[key] in storages.produced_by)
         inside = live + max((calls.scratch.get(bw[k], 0) for k in segment), default=0) + copies[at]
         runs_at = min((ranks[side.born[key]] for key in made), default=ranks[segment[0]])
+        runs_at_of.append(runs_at)
         above = min((ranks[k] for k in segment if ranks[k] > runs_at), default=None)
         for k in segment:
             for key in read_last_at.get(k, ()):
@@ -368,19 +370,17 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
     kernel_end = {key: r for key, r in kernel_end.items() if key not in in_place.forward_taken}
     return BackwardWalk(start, before, after, seconds, total_flops, parameter_grads, in_place.forward_taken,
                         kernel_end, kernel_starts(bw, reads, storages, side.kinds), entering,
-                        early.falls(before, start), _kernel_of_rank(segments, ranks, side, storages, n_ops))
+                        early.falls(before, start), _kernel_of_rank(segments, runs_at_of, ranks, side, n_ops))
 
 
-def _kernel_of_rank(segments: list[list[int]], ranks: Sequence[int], side: GradientSide, storages: StepStorages,
+def _kernel_of_rank(segments: list[list[int]], runs_at_of: list[int], ranks: Sequence[int], side: GradientSide,
                     n_ops: int) -> list[int]:
-    """Per rank whose first backward node is fused into a kernel: the rank that kernel runs at, the lowest among
-    its nodes that make a buffer (where it allocates its last); -1 where that node is a library call's."""
+    """Per rank whose first backward node is fused into a kernel: the rank that kernel runs at (``runs_at_of``, per
+    segment: the lowest among its nodes that make a buffer, where it allocates its last); -1 where that node is a
+    library call's."""
     kernel_of = [-1] * n_ops
     seen: set[int] = set()
-    for segment in segments:
-        made = [ranks[k] for k in segment for key in storages.keys_of(side.bw[k])
-                if side.born.get(key) == k and side.buffer(key)]
-        runs_at = min(made, default=ranks[segment[0]])
+    for segment, runs_at in zip(segments, runs_at_of):
         for k in segment:
             if ranks[k] not in seen and not side.kinds.extern(side.bw[k]):
                 kernel_of[ranks[k]] = runs_at

@@ -112,11 +112,11 @@ class InPlace:
             inputs = [key for key in dict.fromkeys(k2 for k in sorted(computation)
                                                    for arg in data_inputs(side.bw[k])
                                                    for k2 in self.storages.keys_of(arg))
-                      if first <= side.first[key] and side.last[key] in computation and self._size(key) is not None
-                      and self._read_as_written(key, out)]
+                      if first <= side.first[key] and side.last[key] in computation and self._size(key) is not None]
             inputs.sort(key=lambda key: key in self.fused_when_rebuilt)  # which a plan may make no buffer
             match = next((key for key in inputs if key not in taken.values() and key != out
-                          and self._size(key) == self.side.sizes[out] and self._fits(out, key)), None)
+                          and self._size(key) == self.side.sizes[out] and self._fits(out, key)
+                          and self._read_as_written(key, out)), None)
             if match is None:
                 continue
             taken[out] = match
