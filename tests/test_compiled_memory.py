@@ -1182,6 +1182,28 @@ def test_a_max_pools_indices_are_computed_inside_its_backwards_scatter_not_store
     assert not any(side.buffer(key) for node in indices for key in storages.keys_of(node))
 
 
+def test_a_re_run_max_pools_offsets_are_made_with_its_values_where_the_block_after_it_needs_them():
+    """A max-pool's values and window offsets are one node's: a compiled backward re-runs that node where the first
+    of them is needed (the re-run block after the pool reads the values) and inductor stores both in that kernel,
+    so the offsets are held from there to the pool's backward, not made just before it (ResNet-50 at ``--size
+    large``, a plan re-running the stem and layer1: 65,536 bytes of offsets held through layer1's backward beyond
+    the prediction, and the budget met only by a second compile)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                          _bottleneck(16, 4), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).train()
+    profile = sublinear.compile(model, (torch.randn(2, 3, 16, 16),), config=INDUCTOR).sublinear_profile
+    pool = next(o for o, op in enumerate(profile.ops) if op.name.startswith("3 "))
+    values, offsets = next(s for s in profile.node_storages.values()
+                           if len(s) == 2 and profile.storage_producer[s[0]] == pool)
+    assert profile.storage_bytes[offsets] == profile.storage_bytes[values] // 4  # int8 beside float32
+    n = profile.num_ops
+    analysis = analyse(profile, Plan.of([1, n - 4], n))  # re-runs the stem and the block
+    _, copies = lifetimes(profile, analysis, layout(profile, analysis))
+    made = {s: (copies.start[copies.storage == s], copies.counted[copies.storage == s]) for s in (values, offsets)}
+    assert all(counted.tolist() == [True] for _, counted in made.values())
+    assert made[offsets][0].tolist() == made[values][0].tolist()
+
+
 def _bottleneck(inplanes: int, planes: int) -> nn.Module:
     """The zoo's ResNet bottleneck (output ``4 * planes`` channels), with a 1x1 downsample where the channels change:
     its output's ReLU mask is read, fused, by the batch-norm backward of both branches."""

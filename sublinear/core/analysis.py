@@ -116,7 +116,7 @@ class PlanAnalysis:
         """Per storage: the partitioned backward reads it re-run where its producer is re-run: a value the plan
         keeps is saved, but for the parts of a tuple (a max-pool's values beside its indices), which the min-cut
         partitioner recomputes with the tuple."""
-        return ~self.retained | self.profile.arrays.tuple_storages
+        return ~self.retained | (self.profile.arrays.tuple_of >= 0)
 
     @cached_property
     def storage_need(self) -> np.ndarray:
@@ -214,7 +214,21 @@ def _storage_moments(a: PlanAnalysis) -> np.ndarray:
     for m, s in zip(made[chain].tolist(), source[chain].tolist()):
         if need[m] > need[s]:
             need[s] = need[m]
+    _together_per_node(need, rerun, p.arrays.tuple_of)  # its sources: those of the value needed first
     return need
+
+
+def _together_per_node(need: np.ndarray, rerun: np.ndarray, tuple_of: np.ndarray) -> None:
+    """The re-run values of one node that makes several (a max-pool's values and its window offsets) are made
+    together, where the first of them is needed: a compiled backward places the node there, and inductor lowers it
+    and stores its values as it reaches it, in one kernel (ResNet-50's re-run stem keeps the offsets the max-pool's
+    backward reads from the re-run of the first block on). ``need``: per storage, its moment, raised in place."""
+    parts = rerun & (tuple_of >= 0)
+    if not parts.any():
+        return
+    first = np.full(int(tuple_of.max()) + 1, -1, dtype=np.int64)
+    np.maximum.at(first, tuple_of[parts], need[parts])
+    need[parts] = first[tuple_of[parts]]
 
 
 def _rebuilt_saves(a: PlanAnalysis) -> tuple[np.ndarray, np.ndarray]:

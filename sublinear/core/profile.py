@@ -417,13 +417,13 @@ class ProfileArrays:
         return [[(p, s) for p, storages in inputs for s in storages] for inputs in self.profile.op_inputs]
 
     @functools.cached_property
-    def tuple_storages(self) -> np.ndarray:
-        """Per storage: a node whose value holds several tensors (a tuple, as ``var_mean`` or a max-pool with
-        its indices) makes it."""
-        made = np.zeros(len(self.profile.storage_producer), dtype=bool)
-        for storages in self.profile.node_storages.values():
-            if len(storages) > 1:
-                made[[s for s in storages if s >= 0]] = True
+    def tuple_of(self) -> np.ndarray:
+        """Per storage: the index of the node whose value holds several tensors (a tuple, as ``var_mean`` or a
+        max-pool with its indices) that makes it, -1 where a node of one tensor does."""
+        made = np.full(len(self.profile.storage_producer), -1, dtype=np.int64)
+        tuples = [storages for storages in self.profile.node_storages.values() if len(storages) > 1]
+        for index, storages in enumerate(tuples):
+            made[[s for s in storages if s >= 0]] = index
         return made
 
     @functools.cached_property
