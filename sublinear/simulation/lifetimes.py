@@ -51,6 +51,7 @@ class Layout:
     rank_start: np.ndarray  # per rank: the first slot of its recomputes (its backward's where it has none)
     saved_read_at: np.ndarray  # per saved pair (``profile.arrays.saved_pairs``): the slot backward reads it at
     c_kernel_end: np.ndarray  # per pair: the slot its backward kernel runs at, when it runs in one (-1: none)
+    c_late_end: np.ndarray  # per pair re-run late in its rank: that slot for the kernel of the rank below (-1: none)
 
 
 def layout(profile: GraphProfile, a: PlanAnalysis) -> Layout:
@@ -70,7 +71,8 @@ def layout(profile: GraphProfile, a: PlanAnalysis) -> Layout:
     frame_stop[a.frame_end >= 0] = backward_slot[a.frame_end[a.frame_end >= 0]]
     return Layout(n, n + int(width.sum()), backward_slot, group_start + width - 1, c_blocks, c_ops, c_ranks, c_slot,
                    frame_stop, group_start, _saved_read_slots(profile, backward_slot, c_ops, c_ranks, c_slot),
-                   _kernel_end_slots(profile, backward_slot, c_ops, c_ranks, c_slot, late))
+                   _kernel_end_slots(profile, backward_slot, c_ops, c_ranks, c_slot, np.zeros_like(late)),
+                  np.where(late, _kernel_end_slots(profile, backward_slot, c_ops, c_ranks, c_slot, late), -1))
 
 
 def _kernel_end_slots(profile: GraphProfile, backward_slot: np.ndarray, c_ops: np.ndarray, c_ranks: np.ndarray,
@@ -80,7 +82,8 @@ def _kernel_end_slots(profile: GraphProfile, backward_slot: np.ndarray, c_ops: n
     function, which allocates all its buffers before it runs and frees them, and what it read, after it. A fused op
     re-run for a rank whose first backward node is fused (``rank_kernel_end``), with no library call re-run after
     it for that rank, runs in that node's kernel; one re-run late (after its rank's library call) runs in the kernel
-    of the rank below's first node; a library call re-run for a rank below ends the kernel above it."""
+    of the rank below's first node (``late``; for the values no backward node reads, :func:`_copies`); a library
+    call re-run for a rank below ends the kernel above it."""
     end = np.full(len(c_ops), -1, dtype=np.int64)
     kernel_of = profile.rank_kernel_end
     if not profile.recompute_shared or not len(kernel_of) or not len(c_ops):
@@ -186,7 +189,11 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: Layout, reads: _Reads,
     counted = copy_stop > copy_start
     if len(profile.materialized_when_rebuilt):  # fused into the backward kernels that read it
         counted &= profile.materialized_when_rebuilt[copy_storage]
-    copy_stop[counted] = np.maximum(copy_stop[counted], at.c_kernel_end[copy_at[counted]])  # a buffer of its kernel
+    read_in_backward = np.zeros(len(producer), dtype=bool)  # where re-run late, computed inside its reader
+    read_in_backward[np.concatenate([saved, through])] = True
+    kernel_end = np.maximum(at.c_kernel_end[copy_at], np.where(read_in_backward[copy_storage], -1,
+                                                               at.c_late_end[copy_at]))
+    copy_stop[counted] = np.maximum(copy_stop[counted], kernel_end[counted])  # a buffer of its kernel
     return Copies(copy_storage, copy_at, copy_start, copy_stop, counted)
 
 
