@@ -268,21 +268,23 @@ def test_a_value_a_fused_backward_kernel_re_runs_takes_memory_from_that_kernels_
     assert counted == ({4: 100, 3: 100} if source_from_a_library_call else {5: 100, 4: 100, 3: 100})
 
 
-@pytest.mark.parametrize("below_fused", [True, False])
-def test_a_value_re_run_after_its_ranks_library_call_is_held_through_the_kernel_of_the_rank_below(below_fused):
+@pytest.mark.parametrize("case", ["below-fused", "below-a-library-call", "read-in-backward"])
+def test_a_value_re_run_after_its_ranks_library_call_is_held_through_the_kernel_of_the_rank_below(case):
     """Storage 2 is re-run by a fused backward kernel late in rank 5 (after its library call), with storage 1 it is
     made from, which nothing else reads. That kernel is the one rank 4's first node is fused into, running down to
     rank 2, and it holds all its buffers until it has run: storage 1's copy is held through ranks 5 to 2 (HF
     Mamba's scan re-run after its output projection's call, each level's concatenation let go once the next was
     made: 4.5 % under). Where rank 4's first node is a library call, the kernel ends there, and the copy is let go
-    once storage 2 is made."""
-    storages = [(0, 1, ()), (1, 2, ()), (2, 3, (3,)), (3, 4, (4,)), (4, 5, (5,)), (5, 6, ())]
+    once storage 2 is made. Where rank 4's backward reads storage 1, inductor may compute it inside that reader, so
+    it is held to that read alone (AutoencoderKL's decoder norm: 2.8 % over when held to the kernel's end)."""
+    saved_1 = (4,) if case == "read-in-backward" else ()
+    storages = [(0, 1, ()), (1, 2, saved_1), (2, 3, (3,)), (3, 4, (4,)), (4, 5, (5,)), (5, 6, ())]
     p = hand_profile(6, storages, {o: [(o - 1, (o - 1,))] for o in range(1, 6)})
     p = dataclasses.replace(p, recompute_shared=True, materialized_when_rebuilt=np.ones(6, dtype=bool),
                             storage_made_from=[(), (0,), (1,), (2,), (3,), (4,)],
                             storage_kernel_start=np.array([-1, -1, 5, -1, -1, -1]),
                             storage_kernel_late=np.arange(6) == 2,
-                            rank_kernel_end=np.array([-1, -1, 2, 2, 2 if below_fused else -1, 5]))
+                            rank_kernel_end=np.array([-1, -1, 2, 2, -1 if case == "below-a-library-call" else 2, 5]))
     plan = Plan.of([4], 6, kept=[0])
     analysis = analyse(p, plan)
     late = analysis.recompute_late
@@ -290,7 +292,8 @@ def test_a_value_re_run_after_its_ranks_library_call_is_held_through_the_kernel_
     held, kinds, _, ranks = own_slots(p, plan)
     without, _, _, _ = own_slots(dataclasses.replace(p, storage_bytes=np.where(np.arange(6) == 1, 0, 100)), plan)
     counted = {int(r): int(d) for r, d, k in zip(ranks, held - without, kinds) if d and k in BACKWARD_SLOTS}
-    assert counted == ({5: 100, 4: 100, 3: 100, 2: 100} if below_fused else {5: 100})
+    assert counted == {"below-fused": {5: 100, 4: 100, 3: 100, 2: 100}, "below-a-library-call": {5: 100},
+                       "read-in-backward": {5: 100, 4: 100}}[case]
 
 
 @pytest.mark.parametrize("one_node", [False, True])
