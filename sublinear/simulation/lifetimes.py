@@ -71,23 +71,23 @@ def layout(profile: GraphProfile, a: PlanAnalysis) -> Layout:
     frame_stop[a.frame_end >= 0] = backward_slot[a.frame_end[a.frame_end >= 0]]
     return Layout(n, n + int(width.sum()), backward_slot, group_start + width - 1, c_blocks, c_ops, c_ranks, c_slot,
                    frame_stop, group_start, _saved_read_slots(profile, backward_slot, c_ops, c_ranks, c_slot),
-                   _kernel_end_slots(profile, backward_slot, c_ops, c_ranks, c_slot, np.zeros_like(late)),
-                  np.where(late, _kernel_end_slots(profile, backward_slot, c_ops, c_ranks, c_slot, late), -1))
+                   *_kernel_end_slots(profile, backward_slot, c_ops, c_ranks, c_slot, late))
 
 
 def _kernel_end_slots(profile: GraphProfile, backward_slot: np.ndarray, c_ops: np.ndarray, c_ranks: np.ndarray,
-                      c_slot: np.ndarray, late: np.ndarray) -> np.ndarray:
+                      c_slot: np.ndarray, late: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per recompute pair: the slot of the rank that the fused backward kernel it runs in runs at, where that is
     below its own rank (-1: none). Inductor's C++ backend runs every fused node between two library calls as one
     function, which allocates all its buffers before it runs and frees them, and what it read, after it. A fused op
     re-run for a rank whose first backward node is fused (``rank_kernel_end``), with no library call re-run after
-    it for that rank, runs in that node's kernel; one re-run late (after its rank's library call) runs in the kernel
-    of the rank below's first node (``late``; for the values no backward node reads, :func:`_copies`); a library
-    call re-run for a rank below ends the kernel above it."""
+    it for that rank, runs in that node's kernel; a library call re-run for a rank below ends the kernel above it.
+    Also, per pair re-run late (after its rank's library call, ``late``; -1 for the others): the slot of the kernel
+    of the rank below's first node, which it runs in (held there for the values no backward node reads,
+    :func:`_copies`)."""
     end = np.full(len(c_ops), -1, dtype=np.int64)
     kernel_of = profile.rank_kernel_end
     if not profile.recompute_shared or not len(kernel_of) or not len(c_ops):
-        return end
+        return end, end.copy()
     library = np.zeros(profile.num_ops, dtype=bool)
     if len(profile.storage_library_made):
         library[profile.storage_producer[profile.storage_library_made]] = True
@@ -96,14 +96,16 @@ def _kernel_end_slots(profile: GraphProfile, backward_slot: np.ndarray, c_ops: n
     np.maximum.at(last_call, c_ranks[called], c_slot[called])
     # per rank: the highest rank at or below it with a library re-run (-1: none)
     below = np.maximum.accumulate(np.where(last_call >= 0, np.arange(len(kernel_of)), -1))
-    kernel_ranks = np.where(late, c_ranks - 1, c_ranks)
-    ends = np.where(kernel_ranks >= 0, kernel_of[np.maximum(kernel_ranks, 0)], -1)
     cut = np.where(c_ranks > 0, below[np.maximum(c_ranks - 1, 0)], -1)
-    inside = ~called & (ends >= 0) & (c_slot > last_call[c_ranks])
-    ends = np.where(cut >= ends, cut + 1, ends)
-    inside &= ends < c_ranks
-    end[inside] = backward_slot[ends[inside]]
-    return end
+
+    def slots(kernel_ranks: np.ndarray) -> np.ndarray:
+        ends = np.where(kernel_ranks >= 0, kernel_of[np.maximum(kernel_ranks, 0)], -1)
+        inside = ~called & (ends >= 0) & (c_slot > last_call[c_ranks])
+        ends = np.where(cut >= ends, cut + 1, ends)
+        inside &= ends < c_ranks
+        return np.where(inside, backward_slot[np.maximum(ends, 0)], -1)
+
+    return slots(c_ranks), np.where(late, slots(c_ranks - 1), -1) if late.any() else end
 
 
 @dataclass(frozen=True)
