@@ -191,10 +191,11 @@ def _copies(profile: GraphProfile, a: PlanAnalysis, at: Layout, reads: _Reads,
     counted = copy_stop > copy_start
     if len(profile.materialized_when_rebuilt):  # fused into the backward kernels that read it
         counted &= profile.materialized_when_rebuilt[copy_storage]
-    read_in_backward = np.zeros(len(producer), dtype=bool)  # where re-run late, computed inside its reader
-    read_in_backward[np.concatenate([saved, through])] = True
-    kernel_end = np.maximum(at.c_kernel_end[copy_at], np.where(read_in_backward[copy_storage], -1,
-                                                               at.c_late_end[copy_at]))
+    kernel_end, late_end = at.c_kernel_end[copy_at], at.c_late_end[copy_at]
+    if (late_end >= 0).any():  # re-run late: not where backward reads it (computed inside its reader)
+        read_in_backward = np.zeros(len(producer), dtype=bool)
+        read_in_backward[np.concatenate([saved, through])] = True
+        kernel_end = np.maximum(kernel_end, np.where(read_in_backward[copy_storage], -1, late_end))
     copy_stop[counted] = np.maximum(copy_stop[counted], kernel_end[counted])  # a buffer of its kernel
     return Copies(copy_storage, copy_at, copy_start, copy_stop, counted)
 
