@@ -638,7 +638,7 @@ def test_values_re_run_inside_a_backward_kernel_are_held_until_it_has_run():
     inside = slots.c_kernel_end >= 0
     assert inside.any() and not inside.all()  # the projection re-run before them runs on its own
     ranks = slots.c_ranks[inside]
-    assert np.all(profile.rank_kernel_end[ranks] < ranks)
+    assert np.all(profile.kernel_of_rank[ranks] < ranks)
     held = copies.counted & inside[copies.pair]
     assert held.any() and np.all(copies.stop[held] >= slots.c_kernel_end[copies.pair[held]])
 

@@ -284,7 +284,7 @@ def test_a_value_re_run_after_its_ranks_library_call_is_held_through_the_kernel_
                             storage_made_from=[(), (0,), (1,), (2,), (3,), (4,)],
                             storage_kernel_start=np.array([-1, -1, 5, -1, -1, -1]),
                             storage_kernel_late=np.arange(6) == 2,
-                            rank_kernel_end=np.array([-1, -1, 2, 2, -1 if case == "below-a-library-call" else 2, 5]))
+                            kernel_of_rank=np.array([-1, -1, 2, 2, -1 if case == "below-a-library-call" else 2, 5]))
     plan = Plan.of([4], 6, kept=[0])
     analysis = analyse(p, plan)
     late = analysis.recompute_late

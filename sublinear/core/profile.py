@@ -223,7 +223,7 @@ class GraphProfile:
     storage_kernel_late: np.ndarray = field(default_factory=lambda: _empty(bool))
     storage_library_made: np.ndarray = field(default_factory=lambda: _empty(bool))
     # Per rank, compiled (empty: none known): the rank its first backward node's fused kernel runs at (-1: none).
-    rank_kernel_end: np.ndarray = field(default_factory=_empty)
+    kernel_of_rank: np.ndarray = field(default_factory=_empty)
     # Per storage (empty: none anywhere; -1: none): its last backward reader's rank, a pointwise op reading it, and
     # the rank that op's re-run is made for; where the plan re-runs it so, the reader runs in that re-run's kernel.
     storage_read_in_rerun: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))

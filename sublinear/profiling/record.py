@@ -153,7 +153,7 @@ def assemble(record: StepRecord) -> GraphProfile:
         storage_kernel_late=np.array([not record.kernel_start.get(k, (-1, True))[1] for k in tracked], dtype=bool)
         if record.kernel_start else np.zeros(0, dtype=bool),
         storage_library_made=flags(record.library_made),
-        rank_kernel_end=np.asarray(record.kernel_of_rank, dtype=np.int64),
+        kernel_of_rank=np.asarray(record.kernel_of_rank, dtype=np.int64),
         storage_read_in_rerun=np.array([record.read_in_rerun.get(k, (-1, -1, -1)) for k in tracked], dtype=np.int64)
         if record.read_in_rerun else np.zeros((0, 3), dtype=np.int64),
         recompute_shared=record.recompute_shared,

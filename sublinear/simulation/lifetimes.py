@@ -79,13 +79,13 @@ def _kernel_end_slots(profile: GraphProfile, backward_slot: np.ndarray, c_ops: n
     """Per recompute pair: the slot of the rank that the fused backward kernel it runs in runs at, where that is
     below its own rank (-1: none). Inductor's C++ backend runs every fused node between two library calls as one
     function, which allocates all its buffers before it runs and frees them, and what it read, after it. A fused op
-    re-run for a rank whose first backward node is fused (``rank_kernel_end``), with no library call re-run after
+    re-run for a rank whose first backward node is fused (``kernel_of_rank``), with no library call re-run after
     it for that rank, runs in that node's kernel; a library call re-run for a rank below ends the kernel above it.
     Also, per pair re-run late (after its rank's library call, ``late``; -1 for the others): the slot of the kernel
     of the rank below's first node, which it runs in (held there for the values no backward node reads,
     :func:`_copies`)."""
     end = np.full(len(c_ops), -1, dtype=np.int64)
-    kernel_of = profile.rank_kernel_end
+    kernel_of = profile.kernel_of_rank
     if not profile.recompute_shared or not len(kernel_of) or not len(c_ops):
         return end, end.copy()
     library = np.zeros(profile.num_ops, dtype=bool)
