@@ -949,6 +949,109 @@ def test_a_budget_no_alternate_meets_is_refused_naming_the_lowest_peak_read_back
     assert 2**30 < refused.value.smallest <= min(walks) + 2**30 + eager  # read back, not predicted
 
 
+@pytest.mark.slow
+def test_a_first_plan_near_its_budget_whose_wrapper_code_is_over_is_never_built(monkeypatch, caplog):
+    # The plan predicted at exactly the budget (unplanned) is within UNCERTAINTY of it: its wrapper code is read
+    # before its kernels are built, and here that reading is 1 GiB over. It is never built; an alternate is, and
+    # the first call builds kernels once.
+    x = torch.randn(8, 3, 32, 32)
+    torch.manual_seed(0)
+    model = _ConvNet().train()
+    profile = sublinear.compile(model, (x,), config=INDUCTOR).sublinear_profile
+    budget = simulate(profile, Plan.no_split(profile.num_ops)).peak_bytes
+    real_walk, real_compile, read, built = CompiledGraph.memory_without_kernels, CompiledGraph.compile, [], []
+
+    def first_read_over(self, values, uses):
+        memory = real_walk(self, values, uses)
+        read.append(self.plan)
+        return dataclasses.replace(memory, peak=memory.peak + 2**30) if self.plan == read[0] else memory
+
+    def counted(self, values):
+        if not self.compiled:
+            built.append(self.plan)
+        return real_compile(self, values)
+
+    monkeypatch.setattr(CompiledGraph, "memory_without_kernels", first_read_over)
+    monkeypatch.setattr(CompiledGraph, "compile", counted)
+    caplog.set_level(logging.INFO, logger="sublinear")
+    run = sublinear.apply(model, dataclasses.replace(INDUCTOR, memory_budget=budget))
+    default_loss(run(x)).backward()
+    graph = model.sublinear_plan.graphs[0]
+    assert read and read[0] == Plan.no_split(profile.num_ops) and "before its kernels are built" in caplog.text
+    assert built == [graph.plan] and graph.plan != read[0], (built, read)
+    assert graph.compiled_peak_bytes <= budget
+
+
+@pytest.mark.slow
+def test_a_faster_plan_predicted_a_little_over_the_budget_runs_instead_where_its_wrapper_code_fits(monkeypatch,
+                                                                                                   caplog):
+    # The unplanned step is predicted 1 % above the budget, so the search chooses a slower plan. Its wrapper code
+    # reads 5 % lower here: it fits, runs instead of the chosen plan, and is the only plan built (the check of the
+    # compiled step after the build, which reads the real code, is let through).
+    from sublinear.runtime import compile_check
+
+    x = torch.randn(8, 3, 32, 32)
+    torch.manual_seed(0)
+    model = _ConvNet().train()
+    profile = sublinear.compile(model, (x,), config=INDUCTOR).sublinear_profile
+    unplanned = Plan.no_split(profile.num_ops)
+    budget = int(simulate(profile, unplanned).peak_bytes / 1.01)
+    real_walk, real_memory, real_compile, built = (CompiledGraph.memory_without_kernels, CompiledGraph.memory_for,
+                                                   CompiledGraph.compile, [])
+
+    def lower(memory):
+        return memory if memory is None else dataclasses.replace(memory, peak=int(memory.peak * 0.95))
+
+    def counted(self, values):
+        if not self.compiled:
+            built.append(self.plan)
+        return real_compile(self, values)
+
+    monkeypatch.setattr(compile_check, "WORTH_A_READ", 0.0)  # any faster plan is worth a read
+    monkeypatch.setattr(CompiledGraph, "memory_without_kernels", lambda self, v, u: lower(real_walk(self, v, u)))
+    monkeypatch.setattr(CompiledGraph, "memory_for", lambda self, uses: lower(real_memory(self, uses)))
+    monkeypatch.setattr(compile_check, "_within", lambda runtime, variant: True)
+    monkeypatch.setattr(CompiledGraph, "compile", counted)
+    caplog.set_level(logging.INFO, logger="sublinear")
+    run = sublinear.apply(model, dataclasses.replace(INDUCTOR, memory_budget=budget))
+    default_loss(run(x)).backward()
+    graph = model.sublinear_plan.graphs[0]
+    assert "that plan runs instead" in caplog.text and built == [unplanned] and graph.plan == unplanned, built
+    assert graph.predicted_before_compile_bytes > budget >= graph.compiled_peak_bytes
+
+
+def test_faster_above_takes_plans_a_little_over_the_budget_and_worth_a_read_fastest_first():
+    from sublinear.core.objective import Candidate, Simulation
+    from sublinear.runtime.compile_check import faster_above
+
+    def simulation(peak, ratio):
+        return Simulation(peak_bytes=peak, recompute_flops=0, recompute_seconds=ratio - 1, eager_seconds=1.0,
+                          forward_peak_bytes=peak, backward_peak_bytes=peak, peak_slot="", held_after_forward_bytes=0)
+
+    def candidate(splits, peak, ratio):
+        return Candidate(Plan.of(splits, 10), simulation(peak, ratio))
+
+    chosen = simulation(1000, 1.10)
+    near_fast, near_faster = candidate([2, 9], 1015, 1.05), candidate([4, 9], 1019, 1.02)
+    found = faster_above([candidate([1, 9], 1030, 1.0), near_fast, candidate([3, 9], 1010, 1.095),
+                          near_faster, candidate([5, 9], 990, 1.0)], chosen, 1000)
+    assert found == (near_faster, near_fast)
+
+
+@pytest.mark.slow
+def test_a_plan_predicted_well_under_its_budget_is_built_without_reading_its_wrapper_code_first(monkeypatch):
+    x = torch.randn(8, 3, 32, 32)
+    torch.manual_seed(0)
+    model = _ConvNet().train()
+    profile = sublinear.compile(model, (x,), config=INDUCTOR).sublinear_profile
+    peak = simulate(profile, Plan.no_split(profile.num_ops)).peak_bytes
+    read = []
+    monkeypatch.setattr(CompiledGraph, "memory_without_kernels", lambda self, values, uses: read.append(uses))
+    run = sublinear.apply(model, dataclasses.replace(INDUCTOR, memory_budget=int(peak * 1.05)))
+    default_loss(run(x)).backward()
+    assert read == [] and model.sublinear_plan.graphs[0].compiled_peak_bytes is not None
+
+
 class _HeadReturningLogits(_LanguageModelHead):
     """As a Hugging Face causal LM: the loss and the logits, which the caller holds and does not differentiate."""
 

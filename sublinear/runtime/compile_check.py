@@ -6,15 +6,21 @@ taught what the compiled code held, slot by slot (:mod:`sublinear.simulation.cal
 that plan as compiled, and every plan at least as high where the compiler added memory. The taught profile's costs
 go to the plan cache with the plan, so a later process predicts the compiled step before compiling.
 
-When the compiled step is above the memory budget, other plans are tried, fastest first: the plan searched on the
-taught profile (the same budget, never cut), then the plans the planners found within the budget on the profile
-before any lesson, then that profile's plan of the lowest peak, :data:`ALTERNATES` of them at most. What a compiled
-plan held beyond its simulation depends on how inductor fuses that plan's backward (a recompute fused into a kernel
-that spans many ops allocates its buffers together), so a lesson taught to every plan over-counts some plans that
-fit and under-counts others; each alternate is therefore judged by the wrapper code inductor generates for it
-without building its kernels (:meth:`~sublinear.execute.compiled.CompiledGraph.memory_without_kernels`), and the
-first that fits is compiled. A budget none of them meets raises :class:`~sublinear.planners.BudgetError` naming
-the lowest peak read back.
+Before the first plan of a budget is built, the fastest plan the search predicted above the budget by less than
+:data:`UNCERTAINTY` (where it saves at least :data:`WORTH_A_READ` of the step's time) is judged by the wrapper code
+inductor generates for it without building its kernels, and runs instead where that code fits. A plan predicted less
+than :data:`UNCERTAINTY` under its budget is judged first by the wrapper code inductor generates for it without
+building its kernels, and is built only where that code fits (one build where the first plan would have been over:
+the memory model leaves out some of inductor's fusion choices, and such plans can land either side of the budget).
+When the compiled step, or that wrapper code, is above the memory budget, other plans are tried, fastest first: the
+plan searched on the taught profile (the same budget, never cut), then the plans the planners found within the
+budget on the profile before any lesson, then that profile's plan of the lowest peak, :data:`ALTERNATES` of them at
+most. What a compiled plan held beyond its simulation depends on how inductor fuses that plan's backward (a
+recompute fused into a kernel that spans many ops allocates its buffers together), so a lesson taught to every plan
+over-counts some plans that fit and under-counts others; each alternate is therefore judged by the wrapper code
+inductor generates for it without building its kernels
+(:meth:`~sublinear.execute.compiled.CompiledGraph.memory_without_kernels`), and the first that fits is compiled. A
+budget none of them meets raises :class:`~sublinear.planners.BudgetError` naming the lowest peak read back.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from sublinear.cache import PlanCache
 from sublinear.capture.shapes import Binding
 from sublinear.config import SublinearMemoryConfig
 from sublinear.core.analysis import analyse
-from sublinear.core.objective import Candidate
+from sublinear.core.objective import Candidate, Simulation
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile, costs_of
 from sublinear.core.units import format_bytes
@@ -43,11 +49,16 @@ from sublinear.simulation.timeline import simulate
 if TYPE_CHECKING:
     from sublinear.runtime.graph import GraphRuntime
 
-__all__ = ["ALTERNATES", "CompileCheck", "Lesson", "Profiled", "may_fit_without_guessed_outputs"]
+__all__ = ["ALTERNATES", "UNCERTAINTY", "WORTH_A_READ", "CompileCheck", "Lesson", "Profiled", "faster_above",
+           "may_fit_without_guessed_outputs"]
 
 log = logging.getLogger("sublinear")
 
 ALTERNATES = 8  # plans judged by their wrapper code when a compiled step is above its budget
+# The memory model predicts the compiled step within 2 % on the benchmark sets: a plan predicted less than that
+# under its budget may compile above it, and one predicted less than that above it may compile within it.
+UNCERTAINTY = 0.02
+WORTH_A_READ = 0.01  # the step-time ratio a plan predicted above the budget must save to be judged by its code
 
 
 @dataclasses.dataclass
@@ -99,28 +110,41 @@ class CompileCheck:
     def within_budget(self, runtime: GraphRuntime, variant: GraphVariant, values: Sequence[Any],
                       key: tuple) -> GraphVariant:
         """Compile a new variant now, read what its compiled code holds, teach its profile; above the budget,
-        compile the first alternate whose compiled code fits instead."""
+        compile the first alternate whose compiled code fits instead. Before building it, a faster plan predicted a
+        little above the budget whose wrapper code fits runs instead (:func:`_faster_fitting`), and a plan predicted
+        a little under the budget whose wrapper code is over is never built (:func:`_unbuilt_over`)."""
         if not isinstance(variant.rewritten, CompiledGraph) or variant.checked:
             return variant
-        if not self._compile(variant, values):
-            return variant
-        if variant.budget is None or variant.settling or _within(runtime, variant):
-            return variant  # settling: over the budget until the call's other graphs are planned for it
-        log.info("sublinear: graph %d as compiled holds %s, above the budget of %s (%s predicted before compiling); "
-                 "trying other plans", runtime.index, format_bytes(variant.peak_bytes),
-                 format_bytes(variant.budget), format_bytes(variant.simulation_before_compile))
+        faster = _faster_fitting(runtime, variant, values)
+        unbuilt = _unbuilt_over(runtime, variant, values) if faster is None else None
+        if faster is not None:
+            runtime.forget(variant)
+            variant = runtime.variants[key] = self.replan(runtime, values, key, False, variant.bound,
+                                                          (faster, variant.lesson.profiled))
+        if unbuilt is not None:
+            self._teach(variant, unbuilt[1])
+            walked = f"as inductor's wrapper code for it reads, before its kernels are built, holds {unbuilt[0]}"
+        else:
+            if not self._compile(variant, values, afresh=faster is not None, exact=faster is not None):
+                return variant
+            if variant.budget is None or variant.settling or _within(runtime, variant):
+                return variant  # settling: over the budget until the call's other graphs are planned for it
+            walked = f"as compiled holds {format_bytes(variant.peak_bytes)}"
+        log.info("sublinear: graph %d %s, above the budget of %s (%s predicted before compiling); trying other plans",
+                 runtime.index, walked, format_bytes(variant.budget), format_bytes(variant.simulation_before_compile))
         runtime.forget(variant)
         variant = runtime.variants[key] = self._alternate(runtime, variant, values, key)
         return variant
 
-    def _compile(self, variant: GraphVariant, values: Sequence[Any], afresh: bool = False) -> bool:
-        """Compile ``variant``, walk its code and teach its profile (``afresh``: see :meth:`_teach`); False where
-        the walk cannot read the code."""
+    def _compile(self, variant: GraphVariant, values: Sequence[Any], afresh: bool = False,
+                 exact: bool = False) -> bool:
+        """Compile ``variant``, walk its code and teach its profile (``afresh``, ``exact``: see :meth:`_teach`);
+        False where the walk cannot read the code."""
         variant.rewritten.compile(values)  # nothing to do for a partition compiled before
         variant.checked = True
         memory = variant.rewritten.memory_for(variant.uses)
         if memory is not None:
-            self._teach(variant, memory, afresh)
+            self._teach(variant, memory, afresh, exact)
         return memory is not None
 
     def _alternate(self, runtime: GraphRuntime, over: GraphVariant, values: Sequence[Any],
@@ -129,7 +153,8 @@ class CompileCheck:
         budget, compiled; none fitting, BudgetError with the lowest peak read back."""
         budget, lowest = over.budget, Candidate(over.plan, over.simulation)
         searched, now = self._searched(runtime, over, values, key)
-        walked = {_partition(over.rewritten): over.rewritten.memory_for(over.uses)}  # plans of one partition: one code
+        # plans of one partition: one code (``over``'s read compiled, or without its kernels where it was not built)
+        walked = {_partition(over.rewritten): over.rewritten.memory_without_kernels(values, over.uses)}
         for profiled, plan in self._alternates(over, now, searched):
             if searched is not None and profiled is searched.lesson.profiled and plan == searched.plan:
                 variant, profile, graph = searched, searched.profile, searched.rewritten
@@ -178,31 +203,15 @@ class CompileCheck:
             own = searched.plan if searched is not None and searched.lesson.profiled is profiled else None
             ran = over.plan if profiled.channels_last == first.channels_last else None
             untaught = profiled.untaught_as(over.profile)
-            pairs += [(profiled, plan) for plan in self._layout_alternates(over, untaught, own, ran)]
+            pairs += [(profiled, plan) for plan in _layout_alternates(self.config, over, untaught, own, ran)]
         return pairs
 
-    def _layout_alternates(self, over: GraphVariant, untaught: GraphProfile, searched: Plan | None,
-                           ran: Plan | None) -> list[Plan]:
-        """The plans to try in one layout, fastest first: ``searched``, the plans within the objective on the
-        layout's profile before any lesson (``untaught``), and that profile's plan of the lowest peak, which is
-        always tried (where the plans of a budget all hold alike more than predicted, it has the most room below
-        the budget); :data:`ALTERNATES` at most, ``ran`` (the plan compiled in this layout, if any) left out."""
-        objective = dataclasses.replace(over.objective, memory_budget=over.budget)
-        try:
-            result = make_plan(untaught, self.config, memory_budget=over.budget)
-        except BudgetError as exc:  # refused after a search for the lowest peak, whose plan the error carries
-            fitting, lowest = [], exc.lowest.plan
-        else:
-            fitting = [c.plan for c in result.candidates if objective.accepts(c)]
-            lowest = lowest_plan(untaught, self.config)
-        plans = list(dict.fromkeys(plan for plan in ([searched] if searched else []) + fitting
-                                   if plan not in (ran, lowest)))
-        return plans[:ALTERNATES - (lowest != ran)] + ([lowest] if lowest != ran else [])
-
-    def _teach(self, variant: GraphVariant, memory: CompiledStepMemory, afresh: bool = False) -> None:
+    def _teach(self, variant: GraphVariant, memory: CompiledStepMemory, afresh: bool = False,
+               exact: bool = False) -> None:
         """Teach the variant's profile (and the cached profile of its signature) what its compiled code held;
         ``afresh``: teach the profile as it was before any compile check (the lessons of other plans put aside,
-        so that the profile predicts this plan as compiled)."""
+        so that the profile predicts this plan as compiled); ``exact``: the variant's peak is the compiled code's
+        where that is below the taught profile's (a plan predicted above the budget that compiled within it)."""
         lesson = variant.lesson
         profiled, chunks = lesson.profiled, lesson.chunks
         if afresh:
@@ -219,7 +228,75 @@ class CompileCheck:
         if entry is not None and Plan.from_dict(entry) == variant.plan:
             self.plans.store(lesson.disk_key, {**entry, "costs": costs_of(profiled.profile)})
         variant.note_compiled(memory.peak, dataclasses.replace(at_chunks, sharding=variant.profile.sharding,
-                                                                      step_context=variant.profile.step_context))
+                                                                      step_context=variant.profile.step_context),
+                              exact)
+
+
+def _layout_alternates(config: SublinearMemoryConfig, over: GraphVariant, untaught: GraphProfile,
+                       searched: Plan | None, ran: Plan | None) -> list[Plan]:
+    """The plans to try in one layout, fastest first: ``searched``, the plans within the objective on the
+    layout's profile before any lesson (``untaught``), and that profile's plan of the lowest peak, which is
+    always tried (where the plans of a budget all hold alike more than predicted, it has the most room below
+    the budget); :data:`ALTERNATES` at most, ``ran`` (the plan compiled in this layout, if any) left out."""
+    objective = dataclasses.replace(over.objective, memory_budget=over.budget)
+    try:
+        result = make_plan(untaught, config, memory_budget=over.budget)
+    except BudgetError as exc:  # refused after a search for the lowest peak, whose plan the error carries
+        fitting, lowest = [], exc.lowest.plan
+    else:
+        fitting = [c.plan for c in result.candidates if objective.accepts(c)]
+        lowest = lowest_plan(untaught, config)
+    plans = list(dict.fromkeys(plan for plan in ([searched] if searched else []) + fitting
+                               if plan not in (ran, lowest)))
+    return plans[:ALTERNATES - (lowest != ran)] + ([lowest] if lowest != ran else [])
+
+
+def _faster_fitting(runtime: GraphRuntime, variant: GraphVariant, values: Sequence[Any]) -> Plan | None:
+    """The fastest of ``variant``'s :attr:`~GraphVariant.faster_above` plans where the wrapper code inductor
+    generates for it without building its kernels is within the budget (its profile, before any lesson, predicts it
+    at most :data:`UNCERTAINTY` above); None where there is none or it does not fit."""
+    if not variant.faster_above or variant.settling or variant.summary.from_cache:
+        return None
+    faster, profiled = variant.faster_above[0], variant.lesson.profiled
+    graph = CompiledGraph(runtime.graph, analyse(variant.profile, faster.plan), profiled.node_names, variant.bound,
+                          channels_last=profiled.channels_last)
+    memory = graph.memory_without_kernels(values, variant.uses)
+    if memory is None or _read_back(runtime.index, memory, variant.profile, faster.plan).simulation.peak_bytes > \
+            variant.budget:
+        return None
+    log.info("sublinear: graph %d: a plan faster than the one chosen (time x%.3f against x%.3f), predicted above "
+             "the budget of %s, fits it as its wrapper code reads; that plan runs instead", runtime.index,
+             faster.simulation.time_ratio, variant.simulation.time_ratio, format_bytes(variant.budget))
+    return faster.plan
+
+
+def _unbuilt_over(runtime: GraphRuntime, variant: GraphVariant,
+                  values: Sequence[Any]) -> tuple[str, CompiledStepMemory] | None:
+    """The peak and memory of ``variant``'s wrapper code, read without building its kernels, where it is above the
+    budget; None where the variant is not judged so or fits. Judged: a first compile whose plan the search predicts
+    within :data:`UNCERTAINTY` under the budget, the band where what the memory model leaves out can take the
+    compiled step over (a plan from the plan cache is predicted on costs a compile check taught, and is not
+    judged)."""
+    budget = variant.budget
+    if budget is None or variant.settling or variant.summary.from_cache or \
+            variant.simulation_before_compile < budget * (1 - UNCERTAINTY):
+        return None
+    memory = variant.rewritten.memory_without_kernels(values, variant.uses)
+    if memory is None:
+        return None
+    peak = _read_back(runtime.index, memory, variant.profile, variant.plan).simulation.peak_bytes
+    if peak <= budget or may_fit_without_guessed_outputs(runtime, peak, variant.profile, budget):
+        return None
+    return format_bytes(peak), memory
+
+
+def faster_above(candidates: Sequence[Candidate], chosen: Simulation, budget: int) -> tuple[Candidate, ...]:
+    """The candidates a search found predicted above ``budget`` by at most :data:`UNCERTAINTY` and faster than the
+    chosen plan by at least :data:`WORTH_A_READ` of the step, fastest first: such a plan may compile within the
+    budget, which its wrapper code tells before its kernels are built."""
+    near = [c for c in candidates if budget < c.simulation.peak_bytes <= budget * (1 + UNCERTAINTY)
+            and c.simulation.time_ratio <= chosen.time_ratio - WORTH_A_READ]
+    return tuple(sorted(near, key=lambda c: (c.simulation.time_ratio, c.simulation.peak_bytes)))
 
 
 def _partition(graph: CompiledGraph) -> tuple[int, str, bool]:

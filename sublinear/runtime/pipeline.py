@@ -32,7 +32,9 @@ from sublinear.planners import BudgetError, PlanningResult, make_plan, objective
 from sublinear.profiling.compiled import CompiledProfile, profile_compiled_step
 from sublinear.profiling.graph import profile
 from sublinear.runtime.calls import upcoming_context
-from sublinear.runtime.compile_check import CompileCheck, Lesson, Profiled, may_fit_without_guessed_outputs
+from sublinear.runtime.compile_check import (
+    CompileCheck, Lesson, Profiled, faster_above, may_fit_without_guessed_outputs,
+)
 from sublinear.runtime.head_chunks import HeadChunks, grown_head_chunks
 from sublinear.runtime.plans import summarise_plan
 from sublinear.runtime.variant import GraphVariant
@@ -173,7 +175,9 @@ class PlanPipeline:
                             auto_budget=self.config.memory_budget == "auto", objective=objective, planned_in=context,
                             uses=profile_.output_uses, budget=budget, settling=choice.settling, stuck=choice.stuck,
                             bound=bound, lesson=Lesson(profiled, disk_key, chunks),
-                            simulation_before_compile=_before_compiling(profiled, profile_, plan, sim, chunks))
+                            simulation_before_compile=_before_compiling(profiled, profile_, plan, sim, chunks),
+                            faster_above=() if chunks is not None or result is None or budget is None else
+                            faster_above(result.candidates, sim, budget))
 
     # -- budgets ------------------------------------------------------------------------------------------------
 

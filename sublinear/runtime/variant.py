@@ -39,14 +39,17 @@ class GraphVariant:
     checked: bool = False  # compiled, and what the compiled code holds read back
     lesson: Any = None  # what the compile check needs to teach the profile (the pipeline's record)
     simulation_before_compile: int = 0  # the plan's peak as predicted before any compile (0: simulation's)
+    faster_above: tuple[Candidate, ...] = ()  # plans the search found faster, predicted a little above the budget
+    held_below_prediction: int = 0  # what the compiled code holds under the taught prediction, where it is judged
 
     def __post_init__(self) -> None:
         self.simulation_before_compile = self.simulation_before_compile or self.simulation.peak_bytes
 
     @property
     def peak_bytes(self) -> int:
-        """The predicted peak: simulated, and once compiled, as the compiled code holds memory."""
-        return self.simulation.peak_bytes
+        """The predicted peak: simulated, and once compiled, as the compiled code holds memory (the taught profile
+        never predicts less than it, and where the plan is judged by its code, less what its code holds under it)."""
+        return self.simulation.peak_bytes - self.held_below_prediction
 
     def set_context(self, context: StepContext | None, eager_context: StepContext | None) -> None:
         """Simulate the plan beside the call's other graphs as ``context`` says, and (for the report) eager beside
@@ -88,17 +91,22 @@ class GraphVariant:
     def _eager_timeline(self) -> OwnTimeline:
         return own_timeline(self.profile, Plan.no_split(self.profile.num_ops))
 
-    def note_compiled(self, peak_alone: int, taught: GraphProfile) -> None:
+    def note_compiled(self, peak_alone: int, taught: GraphProfile, judged_by_code: bool = False) -> None:
         """The compiled code holds ``peak_alone`` at its peak in a step of this graph alone; ``taught`` is the
-        profile taught what it held (in this variant's context)."""
+        profile taught what it held (in this variant's context). ``judged_by_code``: the variant's peak is the
+        code's where the taught profile predicts more (lessons only raise a profile's bytes)."""
         self.__dict__.pop("_own_timeline", None)  # taught: the graph's own bytes changed
         self.__dict__.pop("_eager_timeline", None)
         self.profile = taught
         self.simulation = simulate(taught, self.plan)
+        if judged_by_code:
+            alone = simulate(dataclasses.replace(taught, step_context=None), self.plan).peak_bytes
+            self.held_below_prediction = max(0, alone - peak_alone)
         self.summary = dataclasses.replace(self.summary, predicted_peak_bytes=self.peak_bytes,
                                            compiled_peak_bytes=peak_alone,
                                            predicted_before_compile_bytes=self.simulation_before_compile)
 
     @property
     def accepted(self) -> bool:
-        return self.objective.accepts(Candidate(self.plan, self.simulation))
+        peak = dataclasses.replace(self.simulation, peak_bytes=self.peak_bytes)
+        return self.objective.accepts(Candidate(self.plan, peak))

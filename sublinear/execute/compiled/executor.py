@@ -204,6 +204,7 @@ class CompiledGraph:
         self.peak_bytes: int | None = None
         self._walk: Callable[[tuple[str, ...]], CompiledStepMemory | None] | None = None
         self._memory_by_uses: dict[tuple[str, ...], CompiledStepMemory | None] = {}
+        self._unbuilt_by_uses: dict[tuple[str, ...], CompiledStepMemory | None] = {}  # read before compiling
 
     @property
     def plan(self) -> Plan:
@@ -261,9 +262,12 @@ class CompiledGraph:
         wrapper allocates and frees around it."""
         if self._walk is not None:
             return self.memory_for(uses)
-        with _wrapper_code_only():
-            _, graphs, _, sizes = self._compile(values, self.bound)
-        return _step_memory(graphs, sizes, _device(values), self.scheduling.origins, uses)
+        uses = tuple(uses)
+        if uses not in self._unbuilt_by_uses:
+            with _wrapper_code_only():
+                _, graphs, _, sizes = self._compile(values, self.bound)
+            self._unbuilt_by_uses[uses] = _step_memory(graphs, sizes, _device(values), self.scheduling.origins, uses)
+        return self._unbuilt_by_uses[uses]
 
     def _compile(self, values: Sequence[Any], bound: Binding) -> tuple[Callable[..., Any], list, tuple, dict]:
         """Code for ``values``' shapes, or for every size when ``bound`` is given; the forward and backward graphs
