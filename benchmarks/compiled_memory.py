@@ -26,7 +26,8 @@ empty inductor cache and one thread:
    was walked statement by statement and the profile taught what it held; "compiles" counts the plans whose
    kernels the first call built (1 + the plans compiled after the first was found above its budget, compiled or
    read from the wrapper code inductor generates without building its kernels); "wrapper code read" counts the
-   plans judged by that code (a first plan predicted within 2 % under its budget, then the alternates).
+   plans judged by that code (a faster plan predicted less than 2 % above the budget, a first plan predicted less
+   than 2 % under it, then the alternates).
 
 The report checks the targets of the compiled memory model: the prediction before compiling within 2 % (or 256 KiB)
 of the allocator, every measured peak at or below its budget, and the measured peak never rising with the budget.

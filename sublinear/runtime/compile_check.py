@@ -123,7 +123,8 @@ class CompileCheck:
                                                           (faster, variant.lesson.profiled))
         if unbuilt is not None:
             self._teach(variant, unbuilt[1])
-            walked = f"as inductor's wrapper code for it reads, before its kernels are built, holds {unbuilt[0]}"
+            walked = ("as inductor's wrapper code for it reads, before its kernels are built, holds "
+                      f"{format_bytes(unbuilt[0])}")
         else:
             if not self._compile(variant, values, afresh=faster is not None, exact=faster is not None):
                 return variant
@@ -160,8 +161,7 @@ class CompileCheck:
                 variant, profile, graph = searched, searched.profile, searched.rewritten
             else:
                 variant, profile = None, profiled.untaught_as(over.profile)
-                graph = CompiledGraph(runtime.graph, analyse(profile, plan), profiled.node_names, over.bound,
-                                      channels_last=profiled.channels_last)
+                graph = _graph_for(runtime, profiled, profile, plan, over.bound)
             if _partition(graph) not in walked:
                 walked[_partition(graph)] = graph.memory_without_kernels(values, over.uses)
             candidate = _read_back(runtime.index, walked[_partition(graph)], profile, plan)
@@ -255,12 +255,11 @@ def _faster_fitting(runtime: GraphRuntime, variant: GraphVariant, values: Sequen
     """The fastest of ``variant``'s :attr:`~GraphVariant.faster_above` plans where the wrapper code inductor
     generates for it without building its kernels is within the budget (its profile, before any lesson, predicts it
     at most :data:`UNCERTAINTY` above); None where there is none or it does not fit."""
-    if not variant.faster_above or variant.settling or variant.summary.from_cache:
+    if not variant.faster_above:  # none for a plan from the plan cache or a settling one: they have no search
         return None
     faster, profiled = variant.faster_above[0], variant.lesson.profiled
-    graph = CompiledGraph(runtime.graph, analyse(variant.profile, faster.plan), profiled.node_names, variant.bound,
-                          channels_last=profiled.channels_last)
-    memory = graph.memory_without_kernels(values, variant.uses)
+    memory = _graph_for(runtime, profiled, variant.profile, faster.plan, variant.bound).memory_without_kernels(
+        values, variant.uses)
     if memory is None or _read_back(runtime.index, memory, variant.profile, faster.plan).simulation.peak_bytes > \
             variant.budget:
         return None
@@ -271,7 +270,7 @@ def _faster_fitting(runtime: GraphRuntime, variant: GraphVariant, values: Sequen
 
 
 def _unbuilt_over(runtime: GraphRuntime, variant: GraphVariant,
-                  values: Sequence[Any]) -> tuple[str, CompiledStepMemory] | None:
+                  values: Sequence[Any]) -> tuple[int, CompiledStepMemory] | None:
     """The peak and memory of ``variant``'s wrapper code, read without building its kernels, where it is above the
     budget; None where the variant is not judged so or fits. Judged: a first compile whose plan the search predicts
     within :data:`UNCERTAINTY` under the budget, the band where what the memory model leaves out can take the
@@ -287,7 +286,7 @@ def _unbuilt_over(runtime: GraphRuntime, variant: GraphVariant,
     peak = _read_back(runtime.index, memory, variant.profile, variant.plan).simulation.peak_bytes
     if peak <= budget or may_fit_without_guessed_outputs(runtime, peak, variant.profile, budget):
         return None
-    return format_bytes(peak), memory
+    return peak, memory
 
 
 def faster_above(candidates: Sequence[Candidate], chosen: Simulation, budget: int) -> tuple[Candidate, ...]:
@@ -297,6 +296,14 @@ def faster_above(candidates: Sequence[Candidate], chosen: Simulation, budget: in
     near = [c for c in candidates if budget < c.simulation.peak_bytes <= budget * (1 + UNCERTAINTY)
             and c.simulation.time_ratio <= chosen.time_ratio - WORTH_A_READ]
     return tuple(sorted(near, key=lambda c: (c.simulation.time_ratio, c.simulation.peak_bytes)))
+
+
+def _graph_for(runtime: GraphRuntime, profiled: Profiled, profile: GraphProfile, plan: Plan,
+               bound: Binding) -> CompiledGraph:
+    """``plan`` of ``runtime``'s graph as the compiled executor runs it, in ``profiled``'s layout, not compiled yet
+    (its wrapper code can be read without building its kernels)."""
+    return CompiledGraph(runtime.graph, analyse(profile, plan), profiled.node_names, bound,
+                         channels_last=profiled.channels_last)
 
 
 def _partition(graph: CompiledGraph) -> tuple[int, str, bool]:
