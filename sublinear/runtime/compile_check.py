@@ -257,11 +257,10 @@ def _faster_fitting(runtime: GraphRuntime, variant: GraphVariant, values: Sequen
     at most :data:`UNCERTAINTY` above); None where there is none or it does not fit."""
     if not variant.faster_above:  # none for a plan from the plan cache or a settling one: they have no search
         return None
-    faster, profiled = variant.faster_above[0], variant.lesson.profiled
-    memory = _graph_for(runtime, profiled, variant.profile, faster.plan, variant.bound).memory_without_kernels(
-        values, variant.uses)
-    if memory is None or _read_back(runtime.index, memory, variant.profile, faster.plan).simulation.peak_bytes > \
-            variant.budget:
+    faster = variant.faster_above[0]
+    graph = _graph_for(runtime, variant.lesson.profiled, variant.profile, faster.plan, variant.bound)
+    read = _code_peak(runtime, graph, variant, faster.plan, values)
+    if read is None or read[0] > variant.budget:
         return None
     log.info("sublinear: graph %d: a plan faster than the one chosen (time x%.3f against x%.3f), predicted above "
              "the budget of %s, fits it as its wrapper code reads; that plan runs instead", runtime.index,
@@ -280,13 +279,22 @@ def _unbuilt_over(runtime: GraphRuntime, variant: GraphVariant,
     if budget is None or variant.settling or variant.summary.from_cache or \
             variant.simulation_before_compile < budget * (1 - UNCERTAINTY):
         return None
-    memory = variant.rewritten.memory_without_kernels(values, variant.uses)
+    read = _code_peak(runtime, variant.rewritten, variant, variant.plan, values)
+    if read is None or read[0] <= budget or may_fit_without_guessed_outputs(runtime, read[0], variant.profile,
+                                                                               budget):
+        return None
+    return read
+
+
+def _code_peak(runtime: GraphRuntime, graph: CompiledGraph, variant: GraphVariant, plan: Plan,
+               values: Sequence[Any]) -> tuple[int, CompiledStepMemory] | None:
+    """``plan``'s step peak as the wrapper code inductor generates for ``graph`` holds it, read without building its
+    kernels, beside the call's other graphs as ``variant``'s profile predicts them, and that code's memory; None
+    where the walk cannot read the code."""
+    memory = graph.memory_without_kernels(values, variant.uses)
     if memory is None:
         return None
-    peak = _read_back(runtime.index, memory, variant.profile, variant.plan).simulation.peak_bytes
-    if peak <= budget or may_fit_without_guessed_outputs(runtime, peak, variant.profile, budget):
-        return None
-    return peak, memory
+    return _read_back(runtime.index, memory, variant.profile, plan).simulation.peak_bytes, memory
 
 
 def faster_above(candidates: Sequence[Candidate], chosen: Simulation, budget: int) -> tuple[Candidate, ...]:
