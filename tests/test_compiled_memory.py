@@ -886,14 +886,19 @@ def test_layers_re_run_in_a_chain_under_inductors_random_numbers_are_predicted_b
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("split, tolerance", [(0.5, 0.02), (0.85, 0.045)])
+@pytest.mark.parametrize("split, tolerance", [(0.5, 0.025), (0.85, 0.045)])
 def test_a_hugging_face_gpt2_whose_layers_re_run_for_the_layers_above_is_predicted_before_compiling(split, tolerance):
     """Under ``fallback_random``, a 3-layer GPT-2 split at half its ops: its attention's masked-fill constant (one
     zeros tensor the graph shares between layers) is not saved, its tied head's weight gradient is made at the head,
     and a softmax output fused into the reduction's kernel takes no bytes there where the plan drops it (4 % under
-    the measured peak before the first two, 4 % over before the third). Split at 0.85, the first layer's attention
-    op also makes the causal mask the layers above read: its queries and keys are re-run at their own layer, not
-    with the mask for the top layer (12.2 % over when they were; 4.0 % over now, so 4.5 % here)."""
+    the measured peak before the first two, 4 % over before the third). The causal mask forward saves is held to
+    the first layer's softmax backward, as the compiled code holds it; the top layer's attention backward, which
+    re-runs its scores, is then 0.95 MiB (2.1 %) over: the profile frees the values' copy and the dropped
+    probabilities at the rank's end (the code frees them after the values' gradient product) and writes the scores'
+    gradient into the probabilities' gradient (the code allocates it, the dropout's backward being a buffer that two
+    of the kernel's loops read), hence 2.5 % here. Split at 0.85, the first layer's attention op also makes the
+    causal mask the layers above read: its queries and keys are re-run at their own layer, not with the mask for the
+    top layer (12.2 % over when they were; 4.0 % over now, so 4.5 % here)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=1000, n_positions=256,
                                      use_cache=False)
@@ -1140,6 +1145,52 @@ def test_a_kept_normalisations_statistics_let_backward_recompute_its_values_with
     assert "aten.relu.default" in backward_targets  # the plan's recompute ran in backward
     assert not any("var_mean" in target for target in backward_targets), backward_targets
     assert abs(before - measured) <= max(0.02 * measured, 256 * 1024), (before, measured)
+
+
+class _DropoutAttention(nn.Module):
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        return self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+@pytest.mark.slow
+def test_an_attentions_products_are_ops_apart_so_its_scaled_queries_re_run_without_the_scores(monkeypatch):
+    """Inductor runs each matrix product of a decomposed attention (one captured call) as a library kernel and fuses
+    the pointwise values around it into other kernels: each product is an op with its views alone, so a plan can
+    re-run the scaled queries and keys alone, and the compiled backward then runs no product beyond its gradients'.
+    Such a plan is predicted above its measured peak, never below (+12.6 % here): the compiled backward re-runs the
+    scaled keys and queries inside the attention's backward, after the values' gradient product has freed the
+    dropped probabilities and the softmax's backward the probabilities, while the simulation holds what the rank
+    reads until the rank's end."""
+    torch.manual_seed(0)
+    model, x = _DropoutAttention().train(), torch.randn(4, 128, 64)
+    graph = sublinear.capture.dynamo.capture(model, (x,)).graph
+    names = profile_joint(trace_joint(graph, graph.example_values), graph, None, measure_scratch=False).node_names
+    compiled = sublinear.compile(model, (x,), config=INDUCTOR)
+    profile = compiled.sublinear_profile
+    products = [op for op in profile.ops if any(names[i].startswith("bmm") for i in op.nodes)]
+    assert len(products) == 2, [op.name for op in profile.ops]
+    for op in products:
+        assert [names[i] for i in op.nodes if not names[i].startswith(("bmm", "view", "expand", "_unsafe"))] == []
+    scaled = [op.index for op in profile.ops if op.index < products[0].index and
+              any(names[i].startswith("mul") for i in op.nodes)]
+    assert scaled, [op.name for op in profile.ops]
+    n = profile.num_ops
+    plan = Plan.of([n - 2], n, kept=set(range(n)) - set(scaled))
+    before = simulate(profile, plan).peak_bytes
+    compiled.use(plan)
+    made = partitions(monkeypatch)
+    measured = _compiled_step_peak(compiled, model, x)
+    backward_targets = [node.target for _, backward, _ in made for node in backward.graph.nodes]
+    assert torch.ops.aten.mul.Tensor in backward_targets
+    assert backward_targets.count(torch.ops.aten.bmm.default) == 4  # the two products' gradients, nothing re-run
+    assert measured <= before, (before, measured)
 
 
 def _stored_by_lowering(f, *inputs: torch.Tensor) -> set[str]:

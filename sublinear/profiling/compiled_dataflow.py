@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import operator
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,7 +58,8 @@ def group_ops(fw: list[fx.Node], kinds: InductorKinds) -> OpGrouping:
     """Runs of forward nodes from one captured node; random and state-writing nodes alone, pinned. A run is split
     where a reduction starts (:func:`_reduction_size`) and where the small values after it end, so that a plan can
     keep a normalisation's or softmax's statistics and recompute only the pointwise part, which inductor fuses into
-    the backward kernel that reads it, instead of re-running the reduction over its whole input."""
+    the backward kernel that reads it, instead of re-running the reduction over its whole input; and a library
+    kernel with its views is an op apart (:func:`_beside_library`)."""
     nodes: list[list[int]] = []
     origins: list[int | None] = []
     pinned: dict[int, str] = {}
@@ -73,7 +75,8 @@ def group_ops(fw: list[fx.Node], kinds: InductorKinds) -> OpGrouping:
         reduced = 0 if pin else _reduction_size(node, kinds)
         if joins and not pin:
             elements = _elements(node)
-            joins = (elements <= small or is_view(node)) if small else not reduced
+            joins = ((elements <= small or is_view(node)) if small else not reduced) and \
+                not _beside_library(fw, nodes[-1], node, kinds)
         if not joins or (pin and draws_random(node)):
             nodes.append([])
             origins.append(o)
@@ -85,6 +88,22 @@ def group_ops(fw: list[fx.Node], kinds: InductorKinds) -> OpGrouping:
         if pin:
             pinned[len(nodes) - 1] = pin
     return OpGrouping(nodes, origins, pinned, {i: o for o, members in enumerate(nodes) for i in members})
+
+
+def _beside_library(fw: list[fx.Node], members: list[int], node: fx.Node, kinds: InductorKinds) -> bool:
+    """Whether ``node`` starts an op of its own beside a library kernel: it is one and the op computes values before
+    it, or the op holds one and ``node`` computes a value (is no view). Inductor runs a library kernel alone and
+    fuses the pointwise values around it into other kernels, so a plan must be able to keep or recompute those
+    values (a scaled query, a dropout mask) without re-running the library kernel, and the kernel's result (a
+    product read through a later sum) without recomputing the values made from it."""
+    if kinds.extern(node):
+        return not all(_computes_nothing(fw[i]) for i in members)
+    return not _computes_nothing(node) and any(kinds.extern(fw[i]) for i in members)
+
+
+def _computes_nothing(node: fx.Node) -> bool:
+    """``node`` makes no tensor (a size or its arithmetic), is a view or an element of a node's outputs."""
+    return is_view(node) or node.target is operator.getitem or not tensor_leaves(node.meta.get("val"))
 
 
 REDUCTION_RATIO = 8  # a reduction's largest input has at least this many times the elements of its largest output
