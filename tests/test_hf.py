@@ -242,12 +242,17 @@ def test_a_t5s_plan_under_fallback_random_is_predicted_before_compiling_as_induc
 
 
 @pytest.mark.slow
-def test_a_berts_shared_additive_mask_is_made_again_by_the_layer_a_plan_recomputes_not_saved(monkeypatch):
+def test_a_berts_shared_additive_mask_read_by_a_recomputed_layers_scores_is_saved_as_predicted(monkeypatch):
     """The first layer's attention makes the additive mask from the attention mask; the graph's common-subexpression
-    pass shares it with the second layer, and inductor fuses it into both layers' scores (no buffer in forward). A
-    plan recomputing the first layer and keeping the second has backward make the mask again in that layer's re-run,
-    as the profile re-runs an op. Saved for the re-run, it was a buffer from forward on, which the prediction left
-    out (HF BERT at ``--size large``: a plan 196,608 bytes over its 11.156 MiB budget, and a second compile)."""
+    pass shares it with the second layer, and inductor fuses it into both layers' scores (no buffer in forward). The
+    scores' sum with the mask is an op apart from the op that makes the mask (the scores' product, a library kernel,
+    lies between them), so a plan recomputing the first layer and keeping the second retains the mask for the
+    recomputed sum: forward saves it (1 MiB here, four times the boolean mask) and the profile holds it to there,
+    as predicted (21,073,576 bytes). While the sum and the mask were one op, the re-run made the mask again (about
+    20.6 MB). Tagged to be made again now, the step measures 20,025,000 bytes, but the analysis retains the mask for
+    the sum's re-run and predicts 5.2 % above: rebuilding a value its own op's re-run makes again is not done. Saved
+    without the profile holding it, the step was once 2.4 % above the prediction, and HF BERT at ``--size large`` a
+    plan 196,608 bytes over its budget."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -274,10 +279,8 @@ def test_a_berts_shared_additive_mask_is_made_again_by_the_layer_a_plan_recomput
             model.zero_grad(set_to_none=True)
         measured = measure_cpu_allocator(step, compiled, **inputs).peak_bytes
     saved = [node.name for _, backward, _ in made for node in backward.graph.find_nodes(op="placeholder")]
-    assert saved and "where" not in saved, saved  # the graph's first ``where``: the additive mask
-    # saved, the mask took the step 2.4 % above the prediction (21,073,576 bytes against 20,575,316); made again,
-    # with the second layer's dropped probabilities let go inside its attention's backward, as predicted
-    assert measured <= before <= 1.005 * measured, (before, measured)
+    assert "where" in saved, saved  # the graph's first ``where``: the additive mask
+    assert abs(before - measured) <= 0.005 * measured, (before, measured)
 
 
 def _holders_at_backward(monkeypatch) -> list:
