@@ -92,10 +92,10 @@ def group_ops(fw: list[fx.Node], kinds: InductorKinds) -> OpGrouping:
 
 def _beside_library(fw: list[fx.Node], members: list[int], node: fx.Node, kinds: InductorKinds) -> bool:
     """Whether ``node`` starts an op of its own beside a library kernel: it is one and the op computes values before
-    it, or the op holds one and ``node`` computes a value (is no view). Inductor runs a library kernel alone and
-    fuses the pointwise values around it into other kernels, so a plan must be able to keep or recompute those
-    values (a scaled query, a dropout mask) without re-running the library kernel, and the kernel's result (a
-    product read through a later sum) without recomputing the values made from it."""
+    it, or the op holds one and ``node`` computes a value (:func:`_computes_nothing` is false). Inductor runs a
+    library kernel alone and fuses the pointwise values around it into other kernels, so a plan must be able to
+    keep or recompute those values (a scaled query, a dropout mask) without re-running the library kernel, and the
+    kernel's result (a product read through a later sum) without recomputing the values made from it."""
     if kinds.extern(node):
         return not all(_computes_nothing(fw[i]) for i in members)
     return not _computes_nothing(node) and any(kinds.extern(fw[i]) for i in members)
