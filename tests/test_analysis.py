@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from sublinear.core import Plan, StorageState, analyse
 from sublinear.core.analysis import keeping
 
@@ -90,3 +92,28 @@ def test_keeping_retains_what_the_plan_retained_on_another_profile_of_the_graph_
     assert kept == Plan.of([2], 6, kept=[1])
     assert list(analyse(dropped, kept).state) == list(analyse(held, plan).state)
     assert keeping(dropped, plan, analyse(dropped, plan).retained) is plan
+
+
+def test_a_fused_value_its_re_run_op_makes_again_is_not_kept_for_a_later_blocks_forward_read():
+    """Op 1 makes the scaled queries (storage 1, saved by op 2) and an additive mask (storage 2, no buffer in
+    forward, saved by none) that op 2 of its block and op 4 of the last block read. A compiled step re-runs op 1 for
+    the queries anyway, which makes the mask again for op 2's re-run: the mask is neither kept nor saved. Where op
+    1 would be re-run for the mask alone, or the mask is a buffer in forward, or recomputes are not shared (the
+    eager executor), it is kept."""
+    storages = [(0, 1, (1,)), (1, 2, (2,)), (1, 4, ()), (2, 3, (3,)), (3, 4, (4,)), (4, 5, (5,)), (5, 6, ())]
+    reads = {1: [(0, (0,))], 2: [(1, (1,)), (1, (2,))], 3: [(2, (3,))], 4: [(3, (4,)), (1, (2,))], 5: [(4, (5,))]}
+    fused_mask = [True, True, False, True, True, True, True]
+    plan = Plan.of([3], 6)
+
+    def analysed(storages=storages, in_forward=fused_mask, shared=True, reads=reads):
+        profile = dataclasses.replace(hand_profile(6, storages, reads), recompute_shared=shared,
+                                      materialized_in_forward=np.array(in_forward, dtype=bool))
+        return analyse(profile, plan)
+
+    a = analysed()
+    assert a.state[2] == TRANSIENT and a.made_again[2] and a.state[1] == REBUILT
+    assert a.closure[0] == [0, 1, 2]
+    assert analysed(shared=False).state[2] == RETAINED
+    assert analysed(in_forward=[True] * 7).state[2] == RETAINED
+    mask_alone = analysed([(0, 1, (1,)), (1, 1, ()), *storages[2:]], reads={**reads, 2: [(1, (2,))]})
+    assert mask_alone.state[2] == RETAINED and mask_alone.closure[0] == [0, 2]

@@ -8,7 +8,8 @@ A storage's :class:`StorageState` under a plan:
   ``kept`` ops), and storages read by a later group or returned, are retained.
 - ``REBUILT``: autograd saves it, but it is dropped in forward and rebuilt in backward by the recompute closure of
   every block that saves it (``rebuilt_by``).
-- ``TRANSIENT``: neither retained nor saved: it dies in forward after its last reader.
+- ``TRANSIENT``: neither retained nor saved: it dies in forward after its last reader (a compiled step's value
+  that its op's re-run makes again, :func:`made_again_by_its_op`, even where a later block reads it in forward).
 
 The enum leaves room for further states (such as offloaded to host memory) without changing its readers.
 """
@@ -25,7 +26,7 @@ import numpy as np
 from sublinear.core.plan import Plan
 from sublinear.core.profile import GraphProfile
 
-__all__ = ["PlanAnalysis", "StorageState", "analyse", "keeping"]
+__all__ = ["PlanAnalysis", "StorageState", "analyse", "keeping", "made_again_by_its_op"]
 
 
 class StorageState(IntEnum):
@@ -162,6 +163,12 @@ class PlanAnalysis:
     @cached_property
     def _kernel_moment(self) -> np.ndarray:
         return np.where(self.kernel_start >= 0, _moment(self.kernel_start, self.kernel_late), -1)
+
+    @cached_property
+    def made_again(self) -> np.ndarray:
+        """Per storage: its op's re-run makes it again (:func:`made_again_by_its_op`), so the plan neither keeps
+        nor saves it."""
+        return made_again_by_its_op(self.profile, self.block_of, _rerun_ops(self.profile.num_ops, self.closure))
 
     @property
     def num_blocks(self) -> int:
@@ -328,8 +335,36 @@ def analyse(profile: GraphProfile, plan: Plan) -> PlanAnalysis:
                     members.add(p)
                     stack.append(p)
         closure.append(sorted(members))
+    state[made_again_by_its_op(profile, block_of, _rerun_ops(n, closure))] = StorageState.TRANSIENT
     return PlanAnalysis(plan, block_of, group_of, recomputed, state, closure, trigger, frame_end, last_split[group_of],
                         profile)
+
+
+def _rerun_ops(n: int, closure: list[list[int]]) -> np.ndarray:
+    """Per op: some block's recompute closure re-runs it."""
+    rerun = np.zeros(n, dtype=bool)
+    rerun[list(itertools.chain.from_iterable(closure))] = True
+    return rerun
+
+
+def made_again_by_its_op(profile: GraphProfile, block_of: np.ndarray, rerun: np.ndarray) -> np.ndarray:
+    """Per storage, for a compiled step: a value of an op the plan re-runs anyway (``rerun``, per op: in a
+    recompute closure) with no buffer in forward (fused into its readers) that no backward node saves, the graph
+    does not return and no re-run op of another block reads. The compiled backward makes it again where its op is
+    re-run, so it is not retained even where a later block's forward reads it (a shared additive attention mask,
+    made in the first layer's attention beside its scaled queries): saved instead, it would be a buffer from
+    forward on, four times the boolean mask."""
+    n = profile.num_ops
+    if not profile.recompute_shared or not len(profile.materialized_in_forward) or not profile.storage_saved_at:
+        return np.zeros(len(profile.storage_bytes), dtype=bool)
+    producer = profile.storage_producer
+    unsaved = np.array([not ranks for ranks in profile.storage_saved_at], dtype=bool)
+    read, readers = profile.arrays.read_pairs
+    elsewhere = np.zeros(len(unsaved), dtype=bool)
+    elsewhere[read[rerun[readers] & (block_of[readers] != block_of[producer[read]])]] = True
+    made_in_graph = (producer >= 0) & (producer < n)
+    return (made_in_graph & rerun[np.clip(producer, 0, max(n - 1, 0))] & ~profile.materialized_in_forward
+            & unsaved & ~elsewhere & (profile.storage_last_use < n))
 
 
 def keeping(profile: GraphProfile, plan: Plan, retained: np.ndarray) -> Plan:

@@ -37,7 +37,6 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import sympy
 import torch
 from torch import fx
@@ -75,11 +74,11 @@ def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[st
     save it if anything in backward reads it, None when it is recomputed where a recomputed reader needs it: a value
     only its own recomputed op reads (otherwise there is no reason to recompute the multi-output node it is taken
     from: a variance beside the mean a plan keeps), or one its recomputed op makes again when re-run
-    (:func:`_made_again_by_its_op`)."""
+    (:func:`~sublinear.core.analysis.made_again_by_its_op`)."""
     profile = analysis.profile
     retained = analysis.state == StorageState.RETAINED
     inside = profile.arrays.read_through_only  # values its op's kernels compute and keep to themselves
-    made_again = _made_again_by_its_op(analysis)
+    made_again = analysis.made_again
     tags: dict[str, bool | None] = {}
     for i, name in enumerate(node_names):
         op = profile.op_of_node[i]
@@ -92,22 +91,6 @@ def recompute_tags(analysis: PlanAnalysis, node_names: Sequence[str]) -> dict[st
         views_other_op = bool(storages) and all(profile.storage_producer[s] != op for s in storages)
         tags[name] = not held and (bool(analysis.recomputed[op]) or views_other_op)
     return tags
-
-
-def _made_again_by_its_op(analysis: PlanAnalysis) -> np.ndarray:
-    """Per storage: a value with no buffer in forward (fused into its readers) that no backward node saves and no
-    other recomputed op reads, which its op's re-run makes again from that op's inputs, as the profile re-runs an
-    op. Retained for a later op's forward (a shared additive attention mask, made in the first layer's attention
-    from the boolean mask), it would otherwise be saved for that re-run alone: a buffer from forward on, four times
-    the boolean mask the profile holds instead."""
-    profile = analysis.profile
-    if not len(profile.materialized_in_forward) or not profile.storage_saved_at:
-        return np.zeros(len(profile.storage_bytes), dtype=bool)
-    unsaved = np.array([not ranks for ranks in profile.storage_saved_at], dtype=bool)
-    read, readers = profile.arrays.read_pairs
-    rerun_elsewhere = np.zeros(len(unsaved), dtype=bool)
-    rerun_elsewhere[read[analysis.recomputed[readers] & (readers != profile.storage_producer[read])]] = True
-    return ~profile.materialized_in_forward & unsaved & ~rerun_elsewhere
 
 
 class PlanPartitioner(CustomPartitionerFn):
