@@ -200,15 +200,15 @@ class GraphProfile:
     # readers hold it (none where its producer is fused into them), and whether a recompute's copy of it does.
     materialized_in_forward: np.ndarray = field(default_factory=lambda: _empty(bool))
     materialized_when_rebuilt: np.ndarray = field(default_factory=lambda: _empty(bool))
-    # Per storage, for a compiled step: a buffer in forward only because forward saves it for backward (a fused
-    # value), counted in its op's forward bytes, and from ``storage_fused_from`` on (the earlier op whose kernel
-    # makes it, -1: its own; empty: none anywhere) in every op's up to its own; a plan that does not retain it makes
-    # no buffer for it.
+    # Per storage, compiled: a buffer in forward only because forward saves it for backward (a fused value), counted
+    # in its op's forward bytes and from ``storage_fused_from`` (the earlier op whose kernel makes it, -1: its own;
+    # empty: none anywhere) in every op's up to its own; a plan that does not retain it makes no buffer for it.
     saved_buffer: np.ndarray = field(default_factory=lambda: _empty(bool))
     storage_fused_from: np.ndarray = field(default_factory=_empty)
-    # Per storage, for a compiled step (-1 or empty: none): the rank whose backward kernel, its last reader, writes
-    # its output into its buffer; a buffer there, the storage ends as that backward starts (the output counts on).
+    # Per storage, compiled (-1 or empty: none): the rank whose backward kernel, its last reader, writes its output
+    # into its buffer (the storage ends as that backward starts); the storage whose buffer its re-run may take.
     storage_taken_at: np.ndarray = field(default_factory=_empty)
+    storage_rerun_into: np.ndarray = field(default_factory=_empty)
     # Per storage, for a compiled step (empty: none known): the ranks whose backward kernels compute a fused value
     # from its re-run copy, the storages the nodes computing it read, and the highest rank by whose backward a node
     # reading it must have run (-1: none, or only a weight's gradient, which waits for the end).

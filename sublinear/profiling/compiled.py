@@ -276,6 +276,7 @@ def _record(joint: JointGraph, graph: CapturedGraph, grouping: OpGrouping, stora
         kernel_start=backward.kernel_start,
         kernel_of_rank=backward.kernel_of_rank,
         taken_at=backward.taken_at,
+        rerun_into=costs.rerun_into,
         # outputs the caller lets go before backward: the graph holds them until forward returns them
         held_through_forward={k for k in tracked if k in reads.output_use and not held_to_end(reads.output_use[k])},
         output_storages=reads.output_keys,

@@ -76,6 +76,7 @@ class ForwardCosts:
     in_place: set[int]
     fused_from: dict[int, int]
     rerun_extra: list[int]  # ``extra`` less the buffers only random library calls, never re-run, read
+    rerun_into: dict[int, int]  # per value a re-run makes: the forward buffer it may take (_rerun_written_into)
 
 
 def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
@@ -125,7 +126,8 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
         if materialized(key):
             o = grouping.op_of_node[produced[key]]
             rerun_extra[o] = max(0, rerun_extra[o] - size_of[key])
-    return ForwardCosts(extra, seconds, rerun, flops, in_place, fused_from, rerun_extra)
+    return ForwardCosts(extra, seconds, rerun, flops, in_place, fused_from, rerun_extra,
+                        _rerun_written_into(fw, grouping, storages, reads, materialized, kinds))
 
 
 
@@ -162,20 +164,44 @@ def _written_in_place(fw: list[fx.Node], grouping: OpGrouping, storages: StepSto
     """The outputs inductor writes into an earlier op's buffer that their op reads last and alone (not saved for
     backward, not returned, the same size). That buffer is counted until the op ends, so the op's own bytes leave
     them out."""
+    def read_last(key: int, o: int) -> bool:
+        return reads.readers.get(key) == {o} and key not in reads.saved_at and key not in reads.output_use
+
+    return set(_written_into(fw, grouping, storages, materialized, materialized, kinds, read_last))
+
+
+def _rerun_written_into(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
+                        materialized, kinds: InductorKinds) -> dict[int, int]:
+    """Per value that is a buffer where a plan re-runs its op: the forward buffer of the same size its re-run's
+    kernel would write it into (read through the values that are no buffers there), one backward never reads
+    itself (saved for no backward node, not returned). Inductor does so where that re-run reads the buffer last,
+    which the plan decides: a GPT-2 residual sum re-run for the layers above, written into the kept attention
+    projection its dropped output is made from."""
+    def backward_never_reads(key: int, o: int) -> bool:
+        return key not in reads.saved_at and key not in reads.output_use
+
+    return _written_into(fw, grouping, storages, functools.partial(materialized, rebuilt=True), materialized, kinds,
+                         backward_never_reads)
+
+
+def _written_into(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, made, kept, kinds: InductorKinds,
+                  free) -> dict[int, int]:
+    """Per buffer a fused kernel makes (``made``: whether a value is a buffer there), the forward buffer (``kept``)
+    of an earlier op it writes into: the first of the same size its kernel reads that ``free(key, op)`` allows and
+    no other output took."""
     produced, op_of_node, size_of = storages.produced_by, grouping.op_of_node, storages.size_of
-    written: set[int] = set()
+    written: dict[int, int] = {}
     taken: set[int] = set()
     for key, i in produced.items():
         o = op_of_node[i]
-        if not materialized(key) or not kinds.fusible(fw[i]) or kinds.extern(fw[i]):
+        if not made(key) or not kinds.fusible(fw[i]) or kinds.extern(fw[i]):
             continue
-        match = next((k for k in _kernel_reads(fw[i], storages, materialized, kinds) if k not in taken
-                      and op_of_node[produced[k]] < o and reads.readers.get(k) == {o} and materialized(k)
-                      and k not in reads.saved_at and k not in reads.output_use and size_of[k] == size_of[key]),
+        match = next((k for k in _kernel_reads(fw[i], storages, made, kinds) if k not in taken
+                      and op_of_node[produced[k]] < o and free(k, o) and kept(k) and size_of[k] == size_of[key]),
                      None)
         if match is not None:
             taken.add(match)
-            written.add(key)
+            written[key] = match
     return written
 
 

@@ -65,6 +65,7 @@ class StepRecord:
     materialized_in_forward: set[int] | None = None  # None: every storage takes memory whenever it is live
     materialized_when_rebuilt: set[int] | None = None
     taken_at: dict[int, int] = field(default_factory=dict)  # storage -> rank writing its output into it
+    rerun_into: dict[int, int] = field(default_factory=dict)  # storage -> the buffer its re-run may be written into
     grad_peak_freed: Sequence[int] = ()  # per rank: its peak's fall where the plan keeps what it reads
     rebuilt_read_at: dict[int, set[int]] = field(default_factory=dict)  # storage -> ranks reading its re-run copy
     made_from: dict[int, set[int]] = field(default_factory=dict)  # storage -> the storages computing it reads
@@ -148,6 +149,8 @@ def assemble(record: StepRecord) -> GraphProfile:
         if record.fused_from else np.zeros(0, dtype=np.int64),
         storage_taken_at=np.array([record.taken_at.get(k, -1) for k in tracked], dtype=np.int64)
         if record.taken_at else np.zeros(0, dtype=np.int64),
+        storage_rerun_into=np.array([sid.get(record.rerun_into.get(k, -1), -1) for k in tracked], dtype=np.int64)
+        if record.rerun_into else np.zeros(0, dtype=np.int64),
         storage_kernel_start=np.array([record.kernel_start.get(k, (-1,))[0] for k in tracked], dtype=np.int64)
         if record.kernel_start else np.zeros(0, dtype=np.int64),
         storage_kernel_late=np.array([not record.kernel_start.get(k, (-1, True))[1] for k in tracked], dtype=bool)

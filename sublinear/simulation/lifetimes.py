@@ -344,4 +344,24 @@ def lifetimes(profile: GraphProfile, a: PlanAnalysis, at: Layout) -> tuple[np.nd
     inside = reads.pair[reads.inside]
     if np.any(until[inside] > at.c_slot[inside]):
         copies = _copies(profile, a, at, reads, until)
-    return _storage_stops(profile, a, at, reads, until, copies), copies
+    return _taken_by_copies(profile, a, at, copies, _storage_stops(profile, a, at, reads, until, copies)), copies
+
+
+def _taken_by_copies(profile: GraphProfile, a: PlanAnalysis, at: Layout, copies: Copies,
+                     stops: np.ndarray) -> np.ndarray:
+    """``stops`` ended where a re-run writes its copy into the buffer of a kept storage (``storage_rerun_into``)
+    that nothing holds beyond the kernel making the copy: inductor reuses the buffer its kernel reads last (a GPT-2
+    residual sum re-run for the layers above, written over the kept attention projection its dropped output is made
+    from), so the storage's bytes end as the copy's begin."""
+    into = profile.storage_rerun_into
+    if not len(into) or not len(copies.storage):
+        return stops
+    taker = np.flatnonzero(copies.counted & (into[copies.storage] >= 0))
+    taken, start = into[copies.storage[taker]], copies.start[taker]
+    kernel = np.maximum(start, at.c_kernel_end[copies.pair[taker]])
+    ends = a.retained[taken] & (stops[taken] >= start) & (stops[taken] <= kernel)
+    if not ends.any():
+        return stops
+    stops = stops.copy()
+    np.minimum.at(stops, taken[ends], start[ends])
+    return stops
