@@ -885,6 +885,21 @@ def test_layers_re_run_in_a_chain_under_inductors_random_numbers_are_predicted_b
         _predicted_before_compiling_and_measured("dropout-attention", lambda n: Plan.of([int(0.85 * n), n - 4], n))
 
 
+def _hugging_face_gpt2(layers: int, vocab: int) -> tuple[nn.Module, torch.Tensor]:
+    """A random-initialised HF GPT-2 (width 128, 4 heads) in training mode and a 4x256 batch of token ids."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=layers, n_embd=128, n_head=4, vocab_size=vocab, n_positions=256,
+                                     use_cache=False)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).train(), torch.randint(0, vocab, (4, 256))
+
+
+def _language_model_step(m: nn.Module, ids: torch.Tensor):
+    out = m(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("split, tolerance", [(0.5, 0.025), (0.85, 0.045)])
 def test_a_hugging_face_gpt2_whose_layers_re_run_for_the_layers_above_is_predicted_before_compiling(split, tolerance):
@@ -899,28 +914,17 @@ def test_a_hugging_face_gpt2_whose_layers_re_run_for_the_layers_above_is_predict
     of the kernel's loops read), hence 2.5 % here. Split at 0.85, the first layer's attention op also makes the
     causal mask the layers above read: its queries and keys are re-run at their own layer, not with the mask for the
     top layer (12.2 % over when they were; 4.0 % over now, so 4.5 % here)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=1000, n_positions=256,
-                                     use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).train()
-    ids = torch.randint(0, config.vocab_size, (4, 256))
+    model, ids = _hugging_face_gpt2(layers=3, vocab=1000)
     unchunked = dataclasses.replace(INDUCTOR, chunk_lm_heads=False)  # 1,024 tokens: the head is left alone anyway
-
-    def step(m, ids):
-        out = m(input_ids=ids, labels=ids)
-        out.loss.backward()
-        return out
-
     with torch._inductor.config.patch(fallback_random=True):
         compiled = sublinear.compile(model, example_kwargs=dict(input_ids=ids, labels=ids), config=unchunked)
         n = compiled.sublinear_profile.num_ops
         plan = Plan.of([int(split * n), n - 4], n)
         before = simulate(compiled.sublinear_profile, plan).peak_bytes
         compiled.use(plan)
-        step(compiled, ids)
+        _language_model_step(compiled, ids)
         model.zero_grad(set_to_none=True)
-        measured = measure_cpu_allocator(step, compiled, ids).peak_bytes
+        measured = measure_cpu_allocator(_language_model_step, compiled, ids).peak_bytes
     assert compiled.sublinear_plan.graphs[0].compiled_peak_bytes == pytest.approx(measured, abs=16 * 1024)
     assert abs(before - measured) <= tolerance * measured, (before, measured)
 
@@ -2235,18 +2239,7 @@ def test_a_residual_sum_re_run_is_written_into_the_kept_projection_its_dropped_o
     top of backward, re-runs the residual chain in one kernel, which writes each residual sum over the kept
     attention projection it reads last through its dropout (no buffer when re-run), so the two are not held at once
     (3.4 % over the measured peak before; GPT-2 small at 4x256, 2.9 %)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=8, n_embd=128, n_head=4, vocab_size=8000, n_positions=256,
-                                     use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).train()
-    ids = torch.randint(0, config.vocab_size, (4, 256))
-
-    def step(m, ids):
-        out = m(input_ids=ids, labels=ids)
-        out.loss.backward()
-        return out
-
+    model, ids = _hugging_face_gpt2(layers=8, vocab=8000)
     compiled = sublinear.compile(model, example_kwargs=dict(input_ids=ids, labels=ids),
                                  config=dataclasses.replace(INDUCTOR, chunk_lm_heads=False))
     profile = compiled.sublinear_profile
@@ -2260,7 +2253,7 @@ def test_a_residual_sum_re_run_is_written_into_the_kept_projection_its_dropped_o
     plan = Plan.of([n - 2, n - 1], n, kept=kept)
     before = simulate(profile, plan).peak_bytes
     compiled.use(plan)
-    step(compiled, ids)
+    _language_model_step(compiled, ids)
     model.zero_grad(set_to_none=True)
-    measured = measure_cpu_allocator(step, compiled, ids).peak_bytes
+    measured = measure_cpu_allocator(_language_model_step, compiled, ids).peak_bytes
     assert abs(before - measured) <= 0.02 * measured, (before, measured)
