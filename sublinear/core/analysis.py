@@ -358,7 +358,8 @@ def made_again_by_its_op(profile: GraphProfile, block_of: np.ndarray, rerun: np.
     if not profile.recompute_shared or not len(profile.materialized_in_forward) or not profile.storage_saved_at:
         return np.zeros(len(profile.storage_bytes), dtype=bool)
     producer = profile.storage_producer
-    unsaved = np.array([not ranks for ranks in profile.storage_saved_at], dtype=bool)
+    unsaved = np.ones(len(producer), dtype=bool)
+    unsaved[profile.arrays.saved_pairs[0]] = False
     read, readers = profile.arrays.read_pairs
     elsewhere = np.zeros(len(unsaved), dtype=bool)
     elsewhere[read[rerun[readers] & (block_of[readers] != block_of[producer[read]])]] = True
