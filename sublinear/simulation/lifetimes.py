@@ -110,9 +110,10 @@ def _kernel_end_slots(profile: GraphProfile, backward_slot: np.ndarray, c_ops: n
 
 @dataclass(frozen=True)
 class _Reads:
-    """Every read of a re-run op (one per storage of each value it reads from another op): the pair reading (an
-    index into the recompute pairs), the storage, its producer, and whether the value read is re-run too (one of
-    the recomputed copies: in the same block, or, where recomputes are shared, in any block, unless retained)."""
+    """Every read of a re-run op (one per storage of each value it reads from another op; where recomputes are
+    shared, of those its needed values are made from, :func:`_read_for_needed_values`): the pair reading (an index
+    into the recompute pairs), the storage, its producer, and whether the value read is re-run too (one of the
+    recomputed copies: in the same block, or, where recomputes are shared, in any block, unless retained)."""
 
     pair: np.ndarray
     storage: np.ndarray
@@ -125,11 +126,31 @@ def _rerun_reads(profile: GraphProfile, a: PlanAnalysis, at: Layout) -> _Reads:
     triple_storages, _, triple_producers = profile.arrays.input_triples
     storage, producer = triple_storages[triple], triple_producers[triple]
     if profile.recompute_shared:
+        needed = _read_for_needed_values(profile, a, at.c_ops[pair], storage)
+        pair, storage, producer = pair[needed], storage[needed], producer[needed]
         _, inside = _find(np.unique(at.c_ops), producer)
         inside &= ~a.retained[storage]
     else:
         _, inside = _find(at.c_blocks * at.n + at.c_ops, at.c_blocks[pair] * at.n + producer)
     return _Reads(pair, storage, producer, inside)
+
+
+def _read_for_needed_values(profile: GraphProfile, a: PlanAnalysis, ops: np.ndarray,
+                            storages: np.ndarray) -> np.ndarray:
+    """Per read (a re-run op, a storage it reads): the re-run reads it. A compiled backward re-runs the nodes that
+    make the values it needs, not the op whole: a storage is read where a re-run value backward needs
+    (:attr:`PlanAnalysis.storage_need`) is made from it (a dropout re-run for its random numbers reads the seeds,
+    not the projection it drops). An op none of whose values is known to be needed reads all its inputs."""
+    if not len(profile.storage_made_from) or not len(ops):
+        return np.ones(len(ops), dtype=bool)
+    made, source = profile.arrays.made_from_pairs
+    needed = a.storage_need[made] >= 0
+    producer = profile.storage_producer
+    span = len(producer)
+    read_keys = np.unique(producer[made[needed]] * span + source[needed])
+    with_need = np.zeros(profile.num_ops, dtype=bool)
+    with_need[producer[a.storage_need >= 0]] = True
+    return ~with_need[ops] | _find(read_keys, ops * span + storages)[1]
 
 
 @dataclass(frozen=True)
