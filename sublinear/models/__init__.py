@@ -27,6 +27,7 @@ from torch import nn
 
 from sublinear.models.bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from sublinear.models.gpt import GPT, GPTConfig
+from sublinear.models.random_dag import RandomDAG
 from sublinear.models.resnet import Bottleneck, BasicBlock, ResNet, resnet18, resnet50
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "Bottleneck",
     "resnet18",
     "resnet50",
+    "RandomDAG",
 ]
 
 
