@@ -8,7 +8,9 @@ dropout, softmax, views and concatenations: shapes no zoo model has), compiled b
 and no budget. Each plan (eager's single block, then random split points with random kept ops, drawn from the seed)
 is simulated on the profile made before any compile, run with ``SublinearModule.use``, and measured by the CPU
 allocator over one step (the output held while backward runs, the sum of the output as the loss), after a first
-step that compiles it.
+step that compiles it. Then, per fraction of --budgets, the DAG compiled afresh with that fraction of eager's plan's
+measured peak as its ``memory_budget``: met, over, or refused (``BudgetError``), beside the lowest peak any of the
+plans above measured (a refusal where one of them measures within the budget is a budget a plan could meet).
 """
 
 from __future__ import annotations
@@ -66,6 +68,26 @@ def rows(seed: int, nodes: int, width: int, batch: int, plans: int) -> list[tupl
     return found
 
 
+def budget_rows(seed: int, nodes: int, width: int, batch: int, budgets: list[int]) -> list[tuple[int, str]]:
+    """(budget, outcome) per budget of one seed's DAG, each compiled afresh under that ``memory_budget``."""
+    found = []
+    for budget in budgets:
+        torch.manual_seed(seed)
+        model = RandomDAG(seed, nodes=nodes, width=width).train()
+        x = torch.randn(batch, width)
+        config = sublinear.SublinearMemoryConfig(cache_dir="", compiler="inductor", memory_budget=budget)
+        try:
+            net = sublinear.compile(model, (x,), config=config)
+            _step(net, x)
+        except sublinear.BudgetError as exc:
+            found.append((budget, f"refused: {str(exc).split(': ', 1)[-1].split(' (')[0]}"))
+            continue
+        model.zero_grad(set_to_none=True)
+        measured = measure_cpu_allocator(_step, net, x).peak_bytes
+        found.append((budget, f"{'met' if measured <= budget else 'OVER'}: {measured / MIB:,.3f} MiB measured"))
+    return found
+
+
 def _seeds(text: str) -> list[int]:
     if "-" in text:
         low, high = text.split("-")
@@ -80,6 +102,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--budgets", default="0.97,0.9", help="fractions of eager's plan's measured peak")
     parser.add_argument("--out", default=None)
     options = parser.parse_args()
     torch.set_num_threads(1)
@@ -87,15 +110,21 @@ def main() -> None:
     lines = ["| seed | ops | plan | blocks | predicted before compiling (MiB) | measured (MiB) | error |",
              "|---|---|---|---|---|---|---|"]
     within = total = 0
+    budget_lines = ["| seed | budget (MiB) | lowest measured plan above (MiB) | outcome |", "|---|---|---|---|"]
     for seed in _seeds(options.seeds):
-        for label, plan, predicted, measured in rows(seed, options.nodes, options.width, options.batch,
-                                                     options.plans):
+        found = rows(seed, options.nodes, options.width, options.batch, options.plans)
+        for label, plan, predicted, measured in found:
             ok = abs(predicted - measured) <= max(0.02 * measured, _FLOOR)
             within, total = within + ok, total + 1
             lines.append(f"| {seed} | {plan.split_points[-1] + 1} | {label} | {plan.num_blocks} | "
                          f"{predicted / MIB:,.3f} | {measured / MIB:,.3f} | "
                          f"{(predicted - measured) / measured:+.1%}{'' if ok else ' (off)'} |")
             print(lines[-1], flush=True)
+        lowest = min(measured for _, _, _, measured in found)
+        budgets = [int(float(f) * found[0][3]) for f in options.budgets.split(",") if f]
+        for budget, outcome in budget_rows(seed, options.nodes, options.width, options.batch, budgets):
+            budget_lines.append(f"| {seed} | {budget / MIB:,.3f} | {lowest / MIB:,.3f} | {outcome} |")
+            print(budget_lines[-1], flush=True)
     command = " ".join(["python benchmarks/random_dags.py", *sys.argv[1:]])
     text = "\n".join([
         "# Compiled step memory on random DAGs: predicted before compiling against measured", "",
@@ -103,7 +132,8 @@ def main() -> None:
         f"x86_64 CPU, 1 thread, torch {torch.__version__}, {time.perf_counter() - started:.0f} s. RandomDAG with "
         f"{options.nodes} nodes, width {options.width}, batch {options.batch}; inductor, no budget. Error: predicted "
         "before compiling against the allocator's peak of the step.", "", *lines, "",
-        f"Within 2 % (or 256 KiB): {within} of {total} points.", ""])
+        f"Within 2 % (or 256 KiB): {within} of {total} points.", "",
+        f"Budgets ({options.budgets} of eager's plan's measured peak):", "", *budget_lines, ""])
     if options.out:
         with open(options.out, "w") as f:
             f.write(text)
