@@ -144,12 +144,13 @@ def _read_for_needed_values(profile: GraphProfile, a: PlanAnalysis, ops: np.ndar
     if not len(profile.storage_made_from) or not len(ops):
         return np.ones(len(ops), dtype=bool)
     made, source = profile.arrays.made_from_pairs
-    needed = a.storage_need[made] >= 0
+    needed = a.storage_need >= 0
     producer = profile.storage_producer
     span = len(producer)
-    read_keys = np.unique(producer[made[needed]] * span + source[needed])
+    from_needed = needed[made]
+    read_keys = np.unique(producer[made[from_needed]] * span + source[from_needed])
     with_need = np.zeros(profile.num_ops, dtype=bool)
-    with_need[producer[a.storage_need >= 0]] = True
+    with_need[producer[needed]] = True
     return ~with_need[ops] | _find(read_keys, ops * span + storages)[1]
 
 
