@@ -39,6 +39,12 @@ def _step(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _dag(seed: int, nodes: int, width: int, batch: int) -> tuple[RandomDAG, torch.Tensor]:
+    """One seed's DAG in training mode and its input, the same on every call."""
+    torch.manual_seed(seed)
+    return RandomDAG(seed, nodes=nodes, width=width).train(), torch.randn(batch, width)
+
+
 def _plans(num_ops: int, count: int, rng: random.Random) -> list[tuple[str, Plan]]:
     plans = [("eager", Plan.no_split(num_ops))]
     for k in range(count):
@@ -50,11 +56,8 @@ def _plans(num_ops: int, count: int, rng: random.Random) -> list[tuple[str, Plan
 
 def rows(seed: int, nodes: int, width: int, batch: int, plans: int) -> list[tuple[str, Plan, int, int]]:
     """(label, plan, predicted before compiling, measured) per plan of one seed's DAG."""
-    torch.manual_seed(seed)
-    model = RandomDAG(seed, nodes=nodes, width=width).train()
-    x = torch.randn(batch, width)
-    config = sublinear.SublinearMemoryConfig(cache_dir="", compiler="inductor")
-    net = sublinear.compile(model, (x,), config=config)
+    model, x = _dag(seed, nodes, width, batch)
+    net = sublinear.compile(model, (x,), config=sublinear.SublinearMemoryConfig(cache_dir="", compiler="inductor"))
     profile = net.sublinear_profile
     found = []
     for label, plan in _plans(profile.num_ops, plans, random.Random(seed)):
@@ -72,9 +75,7 @@ def budget_rows(seed: int, nodes: int, width: int, batch: int, budgets: list[int
     """(budget, outcome) per budget of one seed's DAG, each compiled afresh under that ``memory_budget``."""
     found = []
     for budget in budgets:
-        torch.manual_seed(seed)
-        model = RandomDAG(seed, nodes=nodes, width=width).train()
-        x = torch.randn(batch, width)
+        model, x = _dag(seed, nodes, width, batch)
         config = sublinear.SublinearMemoryConfig(cache_dir="", compiler="inductor", memory_budget=budget)
         try:
             net = sublinear.compile(model, (x,), config=config)
