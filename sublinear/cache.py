@@ -26,10 +26,12 @@ from sublinear.core.plan import Plan, PlanError
 __all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 33  # 33: a re-run op reads only what the values backward needs are made from; 32: a re-run copy may
-# take the buffer of a kept storage it reads last; 31: a library kernel and its views are an op apart from the
-# values around them; 30: a re-run node's values are made together, a late re-run is held through the kernel below;
-# 28: a convolution's argument that is a part of a larger buffer keeps its layout; 27: a value a re-run
+_FORMAT = 34  # 34: a forward kernel holds its buffers from its first op to its last, a kernel's output written into a
+# saved value is not counted above the value's reader in that kernel, inductor's seeds are a library call, and a re-run
+# holds nothing its forward kernel makes early; 33: a re-run op reads only what the values backward needs are made from;
+# 32: a re-run copy may take the buffer of a kept storage it reads last; 31: a library kernel and its views are an op
+# apart from the values around them; 30: a re-run node's values are made together, a late re-run is held through the
+# kernel below; 28: a convolution's argument that is a part of a larger buffer keeps its layout; 27: a value a re-run
 # fused value is made from is held until that value's backward reader; 26: a gradient a channels-last convolution's
 # backward reads is stored channels-last (the compiled code, and so the lessons taught by it, changed); 25: a split
 # step's context counts the eager code between its graphs; 24: what a gradient inlined after a re-run reads is held

@@ -18,7 +18,9 @@ from sublinear.profiling.compiled_nodes import (
     InductorKinds, LibraryCalls, estimate_node_seconds, flops_of, storage_key_of, tensor_leaves,
 )
 from sublinear.profiling.compiled_inplace import InPlace
-from sublinear.profiling.compiled_realize import kernel_segments, kernel_starts, stored_by_lowering
+from sublinear.profiling.compiled_realize import (
+    kernel_segments, kernel_starts, realized_by_lowering, stored_by_lowering,
+)
 from sublinear.profiling.costs import DeviceRates
 from sublinear.tensors import size_hint as hint
 
@@ -88,6 +90,8 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
         for arg in data_inputs(node):
             for key in storages.keys_of(arg):
                 last_reader[key] = i
+    kernel_end = {k: segment[-1] for segment in kernel_segments(fw, kinds) for k in segment}
+    freed_at = {key: kernel_end[i] for key, i in last_reader.items()}  # the C++ backend frees after the call
     n_ops = len(grouping.nodes)
     extra, seconds, rerun, flops = [0] * n_ops, [0.0] * n_ops, [0.0] * n_ops, [0] * n_ops
     rebuilt = functools.partial(materialized, rebuilt=True)
@@ -101,7 +105,7 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
             live += sum(size_of[k] for k in dict.fromkeys(storages.keys_of(node))
                         if produced.get(k) == i and (k in internal or k in tracked and materialized(k)))
             peak = max(peak, live + scratch.get(node, 0))
-            for key in [k for k in internal if last_reader.get(k, produced[k]) <= i and produced[k] <= i]:
+            for key in [k for k in internal if freed_at.get(k, produced[k]) <= i and produced[k] <= i]:
                 live -= size_of[key]
                 internal.discard(key)
             node_flops = flops_of(node)
@@ -111,11 +115,14 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
             rerun[o] += estimate_node_seconds(node, node_flops, storages.keys_of, rebuilt, size_of, storages.state,
                                               kinds, rates)
         extra[o] = peak
-    fused_from = _fused_early(fw, grouping, storages, materialized, kinds)
+    in_place = _written_in_place(fw, grouping, storages, reads, materialized, kinds)
+    in_forward = set(fw)
+    may_take = _written_in_place(fw, grouping, storages, reads, materialized, kinds, alone=False,
+                                 separate=frozenset(realized_by_lowering(fw, kinds, lambda n: _readers(n, in_forward))))
+    fused_from = _fused_early(fw, grouping, storages, materialized, kinds, set(may_take))
     for key, first in fused_from.items():
         for o in range(first, grouping.op_of_node[produced[key]]):
             extra[o] += size_of[key]
-    in_place = _written_in_place(fw, grouping, storages, reads, materialized, kinds)
     for key in in_place:
         o = grouping.op_of_node[produced[key]]
         extra[o] = max(0, extra[o] - size_of[key])
@@ -126,48 +133,88 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
         if materialized(key):
             o = grouping.op_of_node[produced[key]]
             rerun_extra[o] = max(0, rerun_extra[o] - size_of[key])
-    return ForwardCosts(extra, seconds, rerun, flops, in_place, fused_from, rerun_extra,
+    for key, (after, until) in _held_to_kernel_end(grouping, storages, reads, tracked, materialized,
+                                                    {*may_take, *may_take.values()}, last_reader, freed_at).items():
+        for o in range(after + 1, until + 1):
+            extra[o] += size_of[key]
+    return ForwardCosts(extra, seconds, rerun, flops, set(in_place), fused_from, rerun_extra,
                         _rerun_written_into(fw, grouping, storages, reads, materialized, kinds))
 
 
+def _held_to_kernel_end(grouping: OpGrouping, storages: StepStorages, reads: StorageReads, tracked: set[int],
+                        materialized, written: set[int], last_reader: dict[int, int], freed_at: dict[int, int]
+                        ) -> dict[int, tuple[int, int]]:
+    """Per forward buffer that a fused kernel reads last before the kernel's last op, and that nothing else holds
+    (not saved for backward, not returned, neither written over by a later value nor such a value, ``written``):
+    the op of its last reader and that of the kernel's last node. Inductor's C++ backend frees a function's inputs
+    and the buffers it makes after the call, so the buffer is held to the kernel's end, beyond its readers' ops."""
+    op_of_node, produced = grouping.op_of_node, storages.produced_by
+    held: dict[int, tuple[int, int]] = {}
+    for key, i in last_reader.items():
+        if key not in produced or not materialized(key) or key in reads.saved_at or key in reads.output_use \
+                or key in written:
+            continue
+        after = op_of_node[i] if key in tracked else op_of_node[produced[key]]
+        until = op_of_node[freed_at[key]]
+        if until > after:
+            held[key] = (after, until)
+    return held
+
 
 def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, materialized,
-                 kinds: InductorKinds) -> dict[int, int]:
-    """Per buffer that an earlier op's kernel already holds, that op. A pointwise value that is a buffer is
-    computed by one kernel together with the chain of pointwise values it is made from that are not buffers: the
-    kernel, and the buffer, run where the chain starts, at an earlier op, but not before the buffers the chain reads
-    are made (a reduction's result, as a log-softmax reads its sum)."""
+                 kinds: InductorKinds, chained: set[int]) -> dict[int, int]:
+    """Per buffer that an earlier op's kernel already holds, that op. Inductor's C++ backend runs every fused node
+    between two library calls as one function and allocates all the buffers it makes before calling it: each such
+    buffer is held from the op of the function's first node on. Where the buffer may be written over one its
+    kernel reads last (``chained``: a log-softmax over the logits), it takes memory where its computation starts
+    instead: with the chain of pointwise values it is made from that are not buffers, but not before the buffers
+    the chain reads are made (the log-softmax's sum), as its reads let go of what it may be written over."""
     early: dict[int, int] = {}
     produced, op_of_node = storages.produced_by, grouping.op_of_node
+    first_op = {k: op_of_node[segment[0]] for segment in kernel_segments(fw, kinds) for k in segment}
     for key, i in produced.items():
         if key < 0 or not materialized(key) or not kinds.fusible(fw[i]):
             continue
-        first, ready, stack, seen = op_of_node[i], 0, [fw[i]], set()
-        while stack:
-            node = stack.pop()
-            for arg in data_inputs(node):
-                inner = [k for k in storages.keys_of(arg) if k in produced]
-                fused = inner and all(not materialized(k) and kinds.fusible(fw[produced[k]]) for k in inner)
-                if fused and arg not in seen:
-                    seen.add(arg)
-                    first = min(first, op_of_node[produced[inner[0]]])
-                    stack.append(arg)
-                elif inner and not fused:
-                    ready = max(ready, *(op_of_node[produced[k]] for k in inner))
-        if max(first, ready) < op_of_node[i]:
-            early[key] = max(first, ready)
+        start = _chain_start(fw, i, storages, materialized, kinds, op_of_node) if key in chained else first_op[i]
+        if start < op_of_node[i]:
+            early[key] = start
     return early
 
 
-def _written_in_place(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
-                      materialized, kinds: InductorKinds) -> set[int]:
-    """The outputs inductor writes into an earlier op's buffer that their op reads last and alone (not saved for
-    backward, not returned, the same size). That buffer is counted until the op ends, so the op's own bytes leave
-    them out."""
-    def read_last(key: int, o: int) -> bool:
-        return reads.readers.get(key) == {o} and key not in reads.saved_at and key not in reads.output_use
+def _chain_start(fw: list[fx.Node], i: int, storages: StepStorages, materialized, kinds: InductorKinds,
+                 op_of_node) -> int:
+    """The op where the computation of forward node ``i`` starts: the first op of the chain of pointwise values
+    without a buffer it is made from, or the last op making a buffer the chain reads, whichever is later."""
+    produced = storages.produced_by
+    first, ready, stack, seen = op_of_node[i], 0, [fw[i]], set()
+    while stack:
+        for arg in data_inputs(stack.pop()):
+            inner = [k for k in storages.keys_of(arg) if k in produced]
+            fused = inner and all(not materialized(k) and kinds.fusible(fw[produced[k]]) for k in inner)
+            if fused and arg not in seen:
+                seen.add(arg)
+                first = min(first, op_of_node[produced[inner[0]]])
+                stack.append(arg)
+            elif inner and not fused:
+                ready = max(ready, *(op_of_node[produced[k]] for k in inner))
+    return max(first, ready)
 
-    return set(_written_into(fw, grouping, storages, materialized, materialized, kinds, read_last))
+
+def _written_in_place(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
+                      materialized, kinds: InductorKinds, alone: bool = True,
+                      separate: frozenset = frozenset()) -> dict[int, int]:
+    """Per output inductor writes into an earlier op's buffer that its op reads last and alone (``alone``; else
+    last, maybe through the fused values it is made from: the outputs it may write so), not saved for backward,
+    not returned, of the same size: that buffer. It is counted until the op ends, so the op's own bytes leave the
+    output out. Where other ops read the buffer too inductor may or may not (it writes a log-softmax into the
+    logits its max and sum read; not a softmax over the scores its exponentials read, stored once for its sum and
+    its division: ``separate``, the values inductor's lowering stores)."""
+    def read_last(key: int, o: int) -> bool:
+        readers = reads.readers.get(key, set())
+        return (readers == {o} if alone else max(readers, default=-1) <= o) and key not in reads.saved_at \
+            and key not in reads.output_use
+
+    return _written_into(fw, grouping, storages, materialized, materialized, kinds, read_last, separate)
 
 
 def _rerun_written_into(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, reads: StorageReads,
@@ -185,10 +232,11 @@ def _rerun_written_into(fw: list[fx.Node], grouping: OpGrouping, storages: StepS
 
 
 def _written_into(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, made, kept, kinds: InductorKinds,
-                  free) -> dict[int, int]:
+                  free, separate: frozenset = frozenset()) -> dict[int, int]:
     """Per buffer a fused kernel makes (``made``: whether a value is a buffer there), the forward buffer (``kept``)
     of an earlier op it writes into: the first of the same size its kernel reads that ``free(key, op)`` allows and
-    no other output took."""
+    no other output took. A value in ``separate`` is a node of its own in inductor's kernel (its lowering stored
+    it), so what it reads is not read by the values made from it."""
     produced, op_of_node, size_of = storages.produced_by, grouping.op_of_node, storages.size_of
     written: dict[int, int] = {}
     taken: set[int] = set()
@@ -196,7 +244,7 @@ def _written_into(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
         o = op_of_node[i]
         if not made(key) or not kinds.fusible(fw[i]) or kinds.extern(fw[i]):
             continue
-        match = next((k for k in _kernel_reads(fw[i], storages, made, kinds) if k not in taken
+        match = next((k for k in _kernel_reads(fw[i], storages, made, kinds, separate) if k not in taken
                       and op_of_node[produced[k]] < o and free(k, o) and kept(k) and size_of[k] == size_of[key]),
                      None)
         if match is not None:
@@ -205,13 +253,15 @@ def _written_into(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
     return written
 
 
-def _kernel_reads(node: fx.Node, storages: StepStorages, materialized, kinds: InductorKinds) -> list[int]:
-    """The buffers the kernel computing ``node`` reads: through the fused values (no buffer) it is made from."""
+def _kernel_reads(node: fx.Node, storages: StepStorages, materialized, kinds: InductorKinds,
+                  separate: frozenset = frozenset()) -> list[int]:
+    """The buffers the kernel computing ``node`` reads: through the fused values (no buffer) it is made from, other
+    than those ``separate``."""
     produced, found, stack, seen = storages.produced_by, [], [node], {node}
     while stack:
         for arg in data_inputs(stack.pop()):
             keys = [k for k in storages.keys_of(arg) if k in produced]
-            fused = keys and all(not materialized(k) for k in keys) and kinds.fusible(arg)
+            fused = keys and all(not materialized(k) for k in keys) and kinds.fusible(arg) and arg not in separate
             if fused and arg not in seen:
                 seen.add(arg)
                 stack.append(arg)
@@ -363,7 +413,7 @@ def walk_backward(joint: JointGraph, reads: StorageReads, n_ops: int, storages: 
                 if above is not None and ranks[k] > above:
                     kernel_end[key] = above
         for r in {ranks[k] for k in segment if ranks[k] >= runs_at}:
-            still_forward = in_place.held_forward(taken, r, segment)
+            still_forward = in_place.held_forward(taken, r)
             if r in released:
                 after[r] = max(after[r], inside - still_forward)
             else:

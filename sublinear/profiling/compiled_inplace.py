@@ -29,9 +29,9 @@ class InPlace:
     (parameters, inputs, the outputs' gradients) or a value forward returns. A forward value that is no buffer where
     a plan re-runs it is taken last: a GELU's backward writes into its output gradient where backward re-runs the
     GELU's fused values inside that kernel. A taken gradient-side buffer passes its
-    bytes on. A taken forward value is recorded (``forward_taken``, with the rank): whether it is a buffer there
-    depends on the plan (saved, or rebuilt into a buffer, or fused into that kernel when recomputed), so the
-    simulator ends it there, and the output counts on the gradient side."""
+    bytes on. A taken forward value is recorded (``forward_taken``, with its reader's rank): whether it is a buffer
+    there depends on the plan (saved, or rebuilt into a buffer, or fused into that kernel when recomputed), so the
+    simulator ends it there, and the output counts on the gradient side (:meth:`held_forward` above it)."""
 
     def __init__(self, storages: StepStorages, side: GradientSide, reads: StorageReads,
                  fused_when_rebuilt: set[int], calls: LibraryCalls, fw: list[fx.Node]) -> None:
@@ -65,6 +65,23 @@ class InPlace:
                         stack.append(j)
         return found
 
+    def _loads(self, k: int) -> list[int]:
+        """The buffers backward node ``k``'s kernel loads, in the order its expression loads them: depth first
+        through the fused values without a buffer it is made from, each node's arguments in order. Inductor writes
+        in place into the first of its reads that allows it."""
+        side, found, seen = self.side, [], set()
+        stack = list(reversed(data_inputs(side.bw[k])))
+        while stack:
+            arg = stack.pop()
+            keys = self.storages.keys_of(arg)
+            if keys and all(side.born.get(key, -1) >= 0 and not side.buffer(key) for key in keys):
+                if arg not in seen:
+                    seen.add(arg)
+                    stack += reversed(data_inputs(arg))
+            else:
+                found += [key for key in keys if key not in found]
+        return found
+
     def _read_as_written(self, key: int, out: int) -> bool:
         """Whether the kernel computing ``out`` reads ``key`` only where it writes ``out``, element for element:
         inductor writes in place only where the read's index is the write's, so never into a value read through a
@@ -86,15 +103,12 @@ class InPlace:
                     stack.append((arg, moved or not same_elements(node, arg)))
         return True
 
-    def held_forward(self, taken: dict[int, int], rank: int, segment: list[int]) -> int:
-        """Bytes of the outputs of ``taken`` (``segment``'s kernel's) written into forward values whose reader's
-        rank is below ``rank``, where the kernel's nodes at ``rank`` are only views (of the library call's result
-        before it, at that call's rank): the kernel counts there too, and the value is still held on the forward
-        side, in that memory."""
-        side = self.side
-        if not all(is_view(side.bw[k]) for k in segment if self.reads.rank_of_backward[k] == rank):
-            return 0
-        return sum(side.sizes[out] for out, key in taken.items()
+    def held_forward(self, taken: dict[int, int], rank: int) -> int:
+        """Bytes of the outputs of ``taken`` (one kernel's) written into forward values whose reader's rank is below
+        ``rank``: the kernel, which allocates its outputs before it runs, runs the backward of ``rank`` too (views of
+        the library call's result before it, a transposed gradient's copy), and those values are still held on the
+        forward side there, in that memory."""
+        return sum(self.side.sizes[out] for out, key in taken.items()
                    if key in self.forward_taken and self.forward_taken[key] < rank)
 
     def take(self, segment: list[int], made: list[int]) -> dict[int, int]:
@@ -103,16 +117,13 @@ class InPlace:
         side = self.side
         if len(segment) == 1 and side.kinds.extern(side.bw[segment[0]]):
             return {}
-        first = segment[0]
         taken: dict[int, int] = {}
         for out in made:
             if side.bw[side.born[out]].target is torch.ops.aten.cat.default:
                 continue  # a concatenation's buffer is allocated for its parts to be written into
             computation = self._computation(side.born[out])
-            inputs = [key for key in dict.fromkeys(k2 for k in sorted(computation)
-                                                   for arg in data_inputs(side.bw[k])
-                                                   for k2 in self.storages.keys_of(arg))
-                      if first <= side.first[key] and side.last[key] in computation and self._size(key) is not None]
+            inputs = [key for key in self._loads(side.born[out])
+                      if side.last[key] in computation and self._size(key) is not None]
             inputs.sort(key=lambda key: key in self.fused_when_rebuilt)  # which a plan may make no buffer
             match = next((key for key in inputs if key not in taken.values() and key != out
                           and self._size(key) == self.side.sizes[out] and self._fits(out, key)

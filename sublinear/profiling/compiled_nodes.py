@@ -32,8 +32,10 @@ _FUSIBLE = ("aten.embedding.default", "aten.index.Tensor", "aten.full.default", 
 # Pointwise ops whose lowering always stores the value in a buffer (inductor's random numbers, float32 whatever the
 # dtype of their reader); the scheduler drops the buffer again where only its own kernel reads it.
 _STORED = ("prims.inductor_random.default",)
-# Matrix products inductor calls as library kernels although they are not in its needs-realized set.
-_EXTERN = ("aten.addmm.default", "aten.baddbmm.default", "aten.addbmm.default", "aten._addmm_activation.default")
+# Matrix products inductor calls as library kernels although they are not in its needs-realized set, and the seeds
+# of its random numbers (one ``aten.randint`` call, between the fused kernels around it).
+_EXTERN = ("aten.addmm.default", "aten.baddbmm.default", "aten.addbmm.default", "aten._addmm_activation.default",
+           "prims.inductor_seeds.default")
 # Random ops inductor runs as aten's own kernels under its ``fallback_random`` (else it draws their numbers itself).
 _RANDOM_FALLBACKS = ("aten.native_dropout.default", "aten.rand.default", "aten.randn.default", "aten.bernoulli.p",
                      "aten.bernoulli_.float")
@@ -399,9 +401,10 @@ def _library_run(node: fx.Node, channels_last: bool, fixed) -> _LibraryRun | Non
         return None
     copied: list[tuple[fx.Node, int]] = []
     layouts: dict[fx.Node, tuple[int, ...]] = {}
-    if node.target in CONVOLUTION_OPS and not (channels_last and len(inputs["t0"].shape) == 4):
-        copies = _lowered_convolution_layouts(node.target, args, inputs, set(laid_out))
-        copied = [(laid_out.get(name) or made[name], nbytes) for name, nbytes in copies.items()]
+    if node.target in CONVOLUTION_OPS:  # channels-last, a fused kernel makes its arguments channels-last
+        if not (channels_last and len(inputs["t0"].shape) == 4):
+            copies = _lowered_convolution_layouts(node.target, args, inputs, set(laid_out))
+            copied = [(laid_out.get(name) or made[name], nbytes) for name, nbytes in copies.items()]
         layouts = {arg: inputs[name].stride for name, arg in made.items()}
     target = node.target
     key = f"{target}{args}{kwargs}{sorted((n, tuple(layout.__dict__.values())) for n, layout in inputs.items())}"

@@ -43,7 +43,7 @@ from sublinear.capture.joint import data_inputs, is_view
 from sublinear.profiling.compiled_dataflow import StepStorages, StorageReads
 from sublinear.profiling.compiled_nodes import InductorKinds
 
-__all__ = ["kernel_segments", "kernel_starts", "same_elements", "stored_by_lowering"]
+__all__ = ["kernel_segments", "kernel_starts", "realized_by_lowering", "same_elements", "stored_by_lowering"]
 
 # aten ops whose lowering computes exp, log, log10, log1p, log2, sigmoid or tanh (inductor's costly functions on
 # the CPU) once decomposed
@@ -112,6 +112,13 @@ def stored_by_lowering(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: 
                                            if user not in sums)
 
     return {node for node in _realized(nodes, kinds, readers) if not kernel_local(node)}
+
+
+def realized_by_lowering(nodes: Sequence[fx.Node], kinds: InductorKinds, readers: Callable[[fx.Node], int]
+                         ) -> set[fx.Node]:
+    """The fusible nodes of ``nodes`` that inductor's lowering stores by the rules above, the scheduler's
+    kernel-local ones among them: each is a node of its own in its kernel."""
+    return _realized(nodes, kinds, readers)
 
 
 def kernel_segments(nodes: Sequence[fx.Node], kinds: InductorKinds) -> list[list[int]]:

@@ -102,23 +102,31 @@ def _forward_extra(profile: GraphProfile, a: PlanAnalysis) -> np.ndarray:
     extra = profile.forward_extra
     if not len(profile.saved_buffer) or not profile.saved_buffer.any():
         return extra
-    unsaved = profile.saved_buffer & ~a.retained
+    return np.maximum(0, extra - _made_by_ops(profile, profile.saved_buffer & ~a.retained))
+
+
+def _made_by_ops(profile: GraphProfile, storages: np.ndarray, at_producer: bool = True) -> np.ndarray:
+    """Per op, the bytes of the ``storages`` (a mask) its forward kernel holds: each at its producer (unless not
+    ``at_producer``), and from the op whose kernel makes it early (``storage_fused_from``) on to its producer."""
     producer, sizes, n = profile.storage_producer, profile.storage_bytes, profile.num_ops
-    fused = np.bincount(producer[unsaved], weights=sizes[unsaved], minlength=n).astype(np.float64)
+    made = np.zeros(n, dtype=np.float64)
+    if at_producer:
+        made += np.bincount(producer[storages], weights=sizes[storages], minlength=n)
     if len(profile.storage_fused_from):
-        early = unsaved & (profile.storage_fused_from >= 0)
+        early = storages & (profile.storage_fused_from >= 0)
         span = np.zeros(n + 1)
         np.add.at(span, profile.storage_fused_from[early], sizes[early])
         np.add.at(span, producer[early], -sizes[early])
-        fused += np.cumsum(span)[:n]
-    return np.maximum(0, extra - fused.astype(np.int64))
+        made += np.cumsum(span)[:n]
+    return made.astype(np.int64)
 
 
 def _rerun_extra(profile: GraphProfile, a: PlanAnalysis, forward_extra: np.ndarray) -> np.ndarray:
     """Per op, its own bytes while backward re-runs it under the plan: its forward bytes less the buffers only
     forward needs (those only random library calls read), and, where the profile knows which re-run values are
     buffers (a compiled step: the partitioned backward computes only the values it reads again), less its
-    retained values and its values that are no buffers when re-run."""
+    retained values and its values that are no buffers when re-run. Backward's kernels, not forward's, compute
+    what it re-runs: no buffer is made there early for a later op, as forward's kernel does."""
     extra = np.maximum(0, forward_extra - (profile.forward_extra - profile.rerun_extra))
     if not len(profile.materialized_when_rebuilt):
         return extra
@@ -126,9 +134,8 @@ def _rerun_extra(profile: GraphProfile, a: PlanAnalysis, forward_extra: np.ndarr
     in_forward = profile.materialized_in_forward if len(profile.materialized_in_forward) else np.ones(n, dtype=bool)
     unsaved = profile.saved_buffer & ~a.retained if len(profile.saved_buffer) else np.zeros(n, dtype=bool)
     not_made = in_forward & ~unsaved & (a.retained | ~profile.materialized_when_rebuilt)
-    unmade = np.bincount(profile.storage_producer[not_made], weights=profile.storage_bytes[not_made],
-                         minlength=profile.num_ops).astype(np.int64)
-    return np.maximum(0, extra - unmade)
+    made_early = _made_by_ops(profile, ~unsaved & ~not_made, at_producer=False)
+    return np.maximum(0, extra - _made_by_ops(profile, not_made) - made_early)
 
 
 def _grad_peak(profile: GraphProfile, a: PlanAnalysis) -> np.ndarray:
