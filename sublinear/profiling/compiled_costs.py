@@ -90,8 +90,10 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
         for arg in data_inputs(node):
             for key in storages.keys_of(arg):
                 last_reader[key] = i
-    kernel_end = {k: segment[-1] for segment in kernel_segments(fw, kinds) for k in segment}
-    freed_at = {key: kernel_end[i] for key, i in last_reader.items()}  # the C++ backend frees after the call
+    segments = kernel_segments(fw, kinds)
+    kernel_first = {k: segment[0] for segment in segments for k in segment}
+    kernel_last = {k: segment[-1] for segment in segments for k in segment}
+    freed_at = {key: kernel_last[i] for key, i in last_reader.items()}  # the C++ backend frees after the call
     n_ops = len(grouping.nodes)
     extra, seconds, rerun, flops = [0] * n_ops, [0.0] * n_ops, [0.0] * n_ops, [0] * n_ops
     rebuilt = functools.partial(materialized, rebuilt=True)
@@ -119,7 +121,7 @@ def forward_costs(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorage
     in_forward = set(fw)
     may_take = _written_in_place(fw, grouping, storages, reads, materialized, kinds, alone=False,
                                  separate=frozenset(realized_by_lowering(fw, kinds, lambda n: _readers(n, in_forward))))
-    fused_from = _fused_early(fw, grouping, storages, materialized, kinds, set(may_take))
+    fused_from = _fused_early(fw, grouping, storages, materialized, kinds, set(may_take), kernel_first)
     for key, first in fused_from.items():
         for o in range(first, grouping.op_of_node[produced[key]]):
             extra[o] += size_of[key]
@@ -162,20 +164,21 @@ def _held_to_kernel_end(grouping: OpGrouping, storages: StepStorages, reads: Sto
 
 
 def _fused_early(fw: list[fx.Node], grouping: OpGrouping, storages: StepStorages, materialized,
-                 kinds: InductorKinds, chained: set[int]) -> dict[int, int]:
+                 kinds: InductorKinds, chained: set[int], kernel_first: dict[int, int]) -> dict[int, int]:
     """Per buffer that an earlier op's kernel already holds, that op. Inductor's C++ backend runs every fused node
     between two library calls as one function and allocates all the buffers it makes before calling it: each such
     buffer is held from the op of the function's first node on. Where the buffer may be written over one its
     kernel reads last (``chained``: a log-softmax over the logits), it takes memory where its computation starts
     instead: with the chain of pointwise values it is made from that are not buffers, but not before the buffers
-    the chain reads are made (the log-softmax's sum), as its reads let go of what it may be written over."""
+    the chain reads are made (the log-softmax's sum), as its reads let go of what it may be written over.
+    ``kernel_first``: per forward node, the first node of its function."""
     early: dict[int, int] = {}
     produced, op_of_node = storages.produced_by, grouping.op_of_node
-    first_op = {k: op_of_node[segment[0]] for segment in kernel_segments(fw, kinds) for k in segment}
     for key, i in produced.items():
         if key < 0 or not materialized(key) or not kinds.fusible(fw[i]):
             continue
-        start = _chain_start(fw, i, storages, materialized, kinds, op_of_node) if key in chained else first_op[i]
+        start = _chain_start(fw, i, storages, materialized, kinds, op_of_node) if key in chained \
+            else op_of_node[kernel_first[i]]
         if start < op_of_node[i]:
             early[key] = start
     return early
