@@ -26,8 +26,11 @@ from sublinear.core.plan import Plan, PlanError
 __all__ = ["PlanCache", "Recent", "cache_dir", "write_json"]
 
 log = logging.getLogger("sublinear.cache")
-_FORMAT = 34  # 34: a forward kernel holds its buffers from its first op to its last, a kernel's output written into a
-# saved value is not counted above the value's reader in that kernel, inductor's seeds are a library call, and a re-run
+_FORMAT = 35  # 35: a fused backward output may take a channels-last convolution's result in that layout, what a
+# late re-run reads is held until the kernel after its rank's call has run, and a forward value read past its rank's
+# release is held to its last kernel; 34: a forward kernel holds its buffers from its first op to its last, a kernel's
+# output written into a saved value is not counted above the value's reader in that kernel, inductor's seeds are a
+# library call, and a re-run
 # holds nothing its forward kernel makes early; 33: a re-run op reads only what the values backward needs are made from;
 # 32: a re-run copy may take the buffer of a kept storage it reads last; 31: a library kernel and its views are an op
 # apart from the values around them; 30: a re-run node's values are made together, a late re-run is held through the

@@ -511,13 +511,14 @@ def _held_past_saves(reads: StorageReads, side: GradientSide, storages: StepStor
     (a ReLU's output, read by its mask, read by the batch norm backward of both branches of a residual block), or
     by a product inductor runs at a later sum (a tied weight's output-projection gradient): the simulation releases
     them at the backward of the last rank that reads them directly, whatever the plan; the gradient side holds them
-    from there to the last kernel that reads them. Per backward node, the bytes taken on after it, and the bytes let
-    go after it."""
+    from there to the last kernel that reads them, a lower rank's or one of the same rank after its release. Per
+    backward node, the bytes taken on after it, and the bytes let go after it."""
     ranks = reads.rank_of_backward
+    release = reads.release_nodes()
     held_from: dict[int, int] = defaultdict(int)
     held_until: dict[int, int] = defaultdict(int)
     for key, k, last in _read_past_direct_reads(reads, side):
-        if ranks[last] < ranks[k]:
+        if ranks[last] < ranks[k] or last > release.get(ranks[k], last):
             held_from[k] += storages.size_of[key]
             held_until[last] += storages.size_of[key]
     return held_from, held_until

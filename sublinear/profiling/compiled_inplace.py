@@ -51,7 +51,8 @@ class InPlace:
     def _fits(self, out: int, key: int) -> bool:
         produced = self.storages.produced_by
         into = self.fw[produced[key]] if key in produced else self.side.bw[self.side.born[key]]
-        return self.calls.fits(self.side.bw[self.side.born[out]], into)
+        value = next((t for t in tensor_leaves(into.meta.get("val")) if storage_key_of(t) == key), None)
+        return self.calls.fits(self.side.bw[self.side.born[out]], key, value)
 
     def _computation(self, k: int) -> set[int]:
         """Backward node ``k`` and the fused backward values without a buffer that its kernel computes with it."""

@@ -193,19 +193,25 @@ class LibraryCalls:
     allocates inside the call beyond its results, and the copies of its arguments into the layouts it takes that
     stay beside the arguments. ``copied``: per call, the bytes of all those copies, which the fused kernel before
     the call makes beside what it reads. ``layouts``: per argument that a fused kernel makes for a convolution
-    lowered as traced, the stride the convolution has it made in."""
+    lowered as traced, the stride the convolution has it made in. ``result_layouts``: per storage a call makes in
+    another layout than traced (a channels-last step's convolutions return channels-last results), that stride."""
 
     scratch: dict[fx.Node, int]
     copied: dict[fx.Node, int]
     layouts: dict[fx.Node, tuple[int, ...]]
+    result_layouts: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
-    def fits(self, made: fx.Node, into: fx.Node) -> bool:
-        """Whether a kernel can write ``made`` into the buffer of ``into`` (of its size): inductor writes a result in
-        place only where it is indexed as the input it replaces, so a value a call has made in its own layout only
-        into one of that layout, as traced."""
+    def fits(self, made: fx.Node, into_key: int, into: Any) -> bool:
+        """Whether a kernel can write ``made`` into the buffer of storage ``into_key`` (of its size, traced as
+        ``into``): inductor writes a result in place only where it is indexed as the input it replaces, so a value a
+        call has made in its own layout only into one of that layout, as the call that made ``into_key`` lays it
+        out."""
         stride = self.layouts.get(made)
-        value = into.meta.get("val")
-        return stride is None or isinstance(value, torch.Tensor) and tuple(hint(s) for s in value.stride()) == stride
+        if stride is None:
+            return True
+        if into_key in self.result_layouts:
+            return self.result_layouts[into_key] == stride
+        return isinstance(into, torch.Tensor) and tuple(hint(s) for s in into.stride()) == stride
 
     def copies_made(self, segments: Sequence[Sequence[int]], nodes: Sequence[fx.Node], kinds: InductorKinds
                     ) -> list[int]:
@@ -246,7 +252,17 @@ def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_las
         if run.copies:
             calls.copied[node] = sum(nbytes for _arg, nbytes in run.copies)
         calls.layouts.update(run.layouts)
+        if channels_last and node.target in CONVOLUTION_OPS:
+            calls.result_layouts.update(_channels_last_results(node))
     return calls
+
+
+def _channels_last_results(node: fx.Node) -> dict[int, tuple[int, ...]]:
+    """Per 4-d dense result of a convolution (or its backward) in a channels-last step: its channels-last stride,
+    as the call returns it for channels-last arguments."""
+    return {storage_key_of(t): torch.empty(shape, device="meta").to(memory_format=torch.channels_last).stride()
+            for t in tensor_leaves(node.meta.get("val"))
+            if len(shape := tuple(hint(s) for s in t.shape)) == 4 and _dense(t)}
 
 
 def _shared_gradient_copies(nodes: Sequence[fx.Node], kinds: InductorKinds, forward: set[fx.Node]
