@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._prims_common import _is_non_overlapping_and_dense_or_false
+from torch._prims_common import _is_non_overlapping_and_dense_or_false, make_channels_last_strides_for
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
@@ -260,8 +260,7 @@ def library_scratch(nodes: Sequence[fx.Node], kinds: InductorKinds, channels_las
 def _channels_last_results(node: fx.Node) -> dict[int, tuple[int, ...]]:
     """Per 4-d dense result of a convolution (or its backward) in a channels-last step: its channels-last stride,
     as the call returns it for channels-last arguments."""
-    return {storage_key_of(t): torch.empty(shape, device="meta").to(memory_format=torch.channels_last).stride()
-            for t in tensor_leaves(node.meta.get("val"))
+    return {storage_key_of(t): tuple(make_channels_last_strides_for(shape)) for t in tensor_leaves(node.meta.get("val"))
             if len(shape := tuple(hint(s) for s in t.shape)) == 4 and _dense(t)}
 
 
@@ -405,7 +404,7 @@ def _library_run(node: fx.Node, channels_last: bool, fixed) -> _LibraryRun | Non
         shape = tuple(hint(s) for s in value.shape)
         stride = tuple(hint(s) for s in value.stride())
         if channels_last and node.target in CONVOLUTION_OPS and len(shape) == 4 and _dense(value):
-            stride = torch.empty(shape, device="meta").to(memory_format=torch.channels_last).stride()
+            stride = tuple(make_channels_last_strides_for(shape))
         name = f"t{len(inputs)}"
         inputs[name] = TensorLayout(shape, tuple(stride), str(value.dtype).removeprefix("torch."))
         (laid_out if fixed(arg) else made)[name] = arg

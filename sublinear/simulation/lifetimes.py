@@ -296,7 +296,7 @@ def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: Layout, reads: _R
         framed = a.recomputed[readers] & retained[read]
         np.maximum.at(stop, read[framed], a.group_end[a.block_of[readers[framed]]])
     outside = ~reads.inside
-    held_until = np.maximum(until, _late_kernel_end(at))[reads.pair] if shared else \
+    held_until = np.maximum(until, _late_kernel_end(at, a.recompute_late))[reads.pair] if shared else \
         at.frame_stop[at.c_blocks[reads.pair]]
     np.maximum.at(stop, reads.storage[outside], held_until[outside])
     if shared and len(profile.storage_made_from):
@@ -304,12 +304,11 @@ def _storage_stops(profile: GraphProfile, a: PlanAnalysis, at: Layout, reads: _R
     return _taken_in_place(profile, at, np.arange(len(stop)), stop)
 
 
-def _late_kernel_end(at: Layout) -> np.ndarray:
-    """Per recompute pair re-run late (after its rank's library call): the slot of the fused kernel after that call,
-    which frees the buffers it read once it has run: the rank below's first kernel where it runs there, else the
-    rest of its own rank's backward. -1 for the others. A copy it reads is not held there: inductor may compute that
-    copy inside its reader."""
-    late = at.c_slot > at.backward_slot[at.c_ranks]
+def _late_kernel_end(at: Layout, late: np.ndarray) -> np.ndarray:
+    """Per recompute pair re-run ``late`` (after its rank's library call): the slot of the fused kernel after that
+    call, which frees the buffers it read once it has run: the rank below's first kernel where it runs there, else
+    the rest of its own rank's backward. -1 for the others. A copy it reads is not held there: inductor may compute
+    that copy inside its reader."""
     return np.where(at.c_late_end >= 0, at.c_late_end, np.where(late, at.released_slot[at.c_ranks], -1))
 
 
